@@ -1,0 +1,39 @@
+# kvmesh: `make run` and `make test` do all set-up on a fresh machine.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-stamp
+PYTEST_ARGS ?=
+
+.PHONY: venv proto lint typecheck test run up clean bench-kv
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# torch first, pinned: the CPU build on the machine's disk (a looser pin pulls CUDA).
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+proto: venv
+	$(BIN)/python -m shared.protogen
+
+lint: venv
+	$(BIN)/ruff check shared services tests bench
+
+typecheck: venv
+	$(BIN)/mypy
+
+test: venv lint typecheck
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+run: venv
+	$(BIN)/kvmesh demo
+
+bench-kv: venv
+	$(BIN)/python bench/kv_manager.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,1 @@
+"""The kvmesh services: one package each, plus the ``kvmesh`` command line."""

@@ -1,0 +1,1 @@
+"""The kv-cache-manager: block pool, block tables, ref counts, prefix hashes, KV events."""

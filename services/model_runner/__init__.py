@@ -1,0 +1,1 @@
+"""The model-runner: weights, the KV pool tensor, paged attention, sampling."""

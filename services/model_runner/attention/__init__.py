@@ -1,0 +1,1 @@
+"""Attention backends: ``torch`` (reference, CPU default) and ``triton`` (CUDA default)."""

@@ -1,0 +1,81 @@
+"""The attention-backend contract shared by the torch reference and the Triton kernels.
+
+KV pool layout (one tensor per runner)::
+
+    pool: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+                       │      │          │
+                       │      │          └─ token offset inside the block
+                       │      └─ block id (0 = null block, never holds real tokens)
+                       └─ 0 = K, 1 = V
+
+    slot = block_id * block_size + offset      (slot -1 = padding: skip the write)
+
+A step's tokens are flattened into one varlen batch: sequence ``i`` owns query rows
+``query_start_loc[i]:query_start_loc[i+1]`` and attends to its first ``seq_lens[i]`` cached tokens
+(the new tokens included, written into the cache before attention), causally.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """Flat batch description of one step (built by ``services.model_runner.input_batch``).
+
+    Attributes:
+        slot_mapping: ``[num_tokens]`` int64, the cache slot each new token's K/V goes to.
+        query_start_loc: ``[num_seqs + 1]`` int32, cumulative query lengths (cu_seqlens_q).
+        seq_lens: ``[num_seqs]`` int32, context length of each sequence after this step.
+        block_tables: ``[num_seqs, max_blocks_per_seq]`` int32, padded with 0 (the null block).
+        max_query_len: longest query in the batch.
+        max_seq_len: longest context in the batch.
+    """
+
+    slot_mapping: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+    max_query_len: int
+    max_seq_len: int
+
+    @property
+    def num_seqs(self) -> int:
+        """Sequences in the batch."""
+        return int(self.seq_lens.shape[0])
+
+
+class AttentionBackend(Protocol):
+    """Writes a layer's new K/V into the paged cache and computes paged attention."""
+
+    name: str
+
+    def write_kv(
+        self,
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        slot_mapping: torch.Tensor,  # [num_tokens] int64, -1 = skip
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
+    ) -> None:
+        """Stores K/V at their slots (divided by the scale when the cache is fp8)."""
+        ...
+
+    def forward(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        softmax_scale: float,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim], query's dtype
+        """Causal varlen attention of each sequence's new tokens over its cached context."""
+        ...

@@ -1,0 +1,78 @@
+"""Plain data of one model-runner step (no grpc, no protobuf).
+
+Mirrors ``ExecuteRequest`` / ``ExecuteResponse`` in ``proto/kvmesh/v1/model_runner.proto``:
+a new request is described once in full; afterwards only diffs travel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from shared.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class NewRequestData:
+    """A request scheduled for the first time (or again after preemption)."""
+
+    request_id: str
+    token_ids: tuple[int, ...]  # prompt, then earlier outputs after a preemption
+    num_prompt_tokens: int
+    block_ids: tuple[int, ...]
+    num_computed_tokens: int  # K/V already in the pool (prefix hit)
+    num_new_tokens: int  # tokens to compute in this step
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+
+
+@dataclass(frozen=True)
+class CachedRequestData:
+    """A request the runner knows: what changed since its previous step."""
+
+    request_id: str
+    new_block_ids: tuple[int, ...]
+    num_computed_tokens: int
+    num_new_tokens: int
+
+
+@dataclass(frozen=True)
+class StepInput:
+    """One scheduler step."""
+
+    step_id: int
+    new_requests: tuple[NewRequestData, ...] = ()
+    cached_requests: tuple[CachedRequestData, ...] = ()
+    finished_request_ids: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A token and its log-probability."""
+
+    token_id: int
+    logprob: float
+
+
+@dataclass(frozen=True)
+class SampledLogprobs:
+    """The sampled token's logprob and the top-n alternatives."""
+
+    sampled: TokenLogprob
+    top: tuple[TokenLogprob, ...]
+
+
+@dataclass(frozen=True)
+class SampledToken:
+    """The token sampled for one request in a step."""
+
+    request_id: str
+    token_id: int
+    logprobs: SampledLogprobs | None = None
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """Tokens sampled in one step: one per request whose scheduled tokens reached its end."""
+
+    step_id: int
+    sampled: tuple[SampledToken, ...]
+    forward_seconds: float = 0.0

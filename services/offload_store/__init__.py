@@ -1,0 +1,1 @@
+"""kvmesh offload_store service."""

@@ -1,0 +1,1 @@
+"""Code every kvmesh service imports: config, block hashing, errors, the gRPC server helper."""

@@ -1,0 +1,84 @@
+"""Frozen configuration dataclasses and the one helper that reads them from the environment.
+
+Each service's ``main.py`` is the only place that calls :func:`from_env`; core code receives
+these objects as arguments and never reads the environment itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Where a gRPC server listens and how it stops."""
+
+    host: str = "127.0.0.1"
+    port: int = 0  # 0 = an ephemeral port, reported once bound
+    max_workers: int = 16
+    grace_seconds: float = 5.0
+    port_file: str = ""  # when set, the bound port is written here once the server is up
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Geometry of the paged KV cache and the prefix-hash identity."""
+
+    block_size: int = 16
+    num_blocks: int = 1024  # including the null block 0
+    max_model_len: int = 2048
+    model_id: str = "default"
+    deployment_key: str = "kvmesh-dev"  # secret per deployment in production
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0:
+            raise ValueError("block_size must be positive")
+        if self.num_blocks < 2:
+            raise ValueError("num_blocks must be >= 2 (block 0 is the null block)")
+        if self.max_model_len <= 0:
+            raise ValueError("max_model_len must be positive")
+
+
+def _coerce(raw: str, typ: Any) -> Any:
+    origin = typing.get_origin(typ)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(typ) if a is not type(None)]
+        if raw == "" and len(args) != len(typing.get_args(typ)):
+            return None
+        return _coerce(raw, args[0])
+    if typ is bool:
+        if raw.lower() in ("1", "true", "yes", "on"):
+            return True
+        if raw.lower() in ("0", "false", "no", "off", ""):
+            return False
+        raise ValueError(f"not a boolean: {raw!r}")
+    if typ in (int, float, str):
+        return typ(raw)
+    raise TypeError(f"cannot read {typ!r} from the environment")
+
+
+def from_env(cls: type[T], prefix: str, env: Mapping[str, str] | None = None, **overrides: Any) -> T:
+    """Builds ``cls`` from ``{prefix}{FIELD}`` variables, e.g. ``KVMESH_KVM_BLOCK_SIZE``.
+
+    Fields without a variable keep their defaults; ``overrides`` win over both.
+    """
+    env = os.environ if env is None else env
+    hints = typing.get_type_hints(cls)
+    values: dict[str, Any] = {}
+    for field in dataclasses.fields(cls):  # type: ignore[arg-type]
+        key = prefix + field.name.upper()
+        if key in env:
+            try:
+                values[field.name] = _coerce(env[key], hints[field.name])
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"{key}: {exc}") from exc
+    values.update(overrides)
+    return cls(**values)

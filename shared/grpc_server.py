@@ -1,0 +1,169 @@
+"""The gRPC server every kvmesh service runs: health, reflection, error mapping, graceful stop.
+
+A service supplies its servicer registrations; this module adds the standard
+``grpc.health.v1`` service (so Kubernetes ``grpc:`` probes and grpcurl work), server reflection,
+an interceptor that turns :mod:`shared.errors` exceptions into status codes, and a SIGTERM /
+SIGINT handler that marks the server NOT_SERVING and drains in-flight calls before exiting.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from concurrent import futures
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from shared.config import ServerConfig
+from shared.errors import KVMeshError
+
+log = logging.getLogger(__name__)
+
+
+def _status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    if isinstance(exc, KVMeshError):
+        return getattr(grpc.StatusCode, exc.status), str(exc)
+    return grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
+
+
+class ErrorMappingInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]
+    """Aborts the call with the status an exception names, instead of an opaque UNKNOWN."""
+
+    def intercept_service(self, continuation: Callable[[Any], Any], details: Any) -> Any:
+        handler = continuation(details)
+        if handler is None:
+            return None
+        if handler.unary_unary is not None:
+            inner_uu = handler.unary_unary
+
+            def unary_unary(request: Any, context: grpc.ServicerContext) -> Any:
+                try:
+                    return inner_uu(request, context)
+                except KVMeshError as exc:
+                    code, msg = _status_of(exc)
+                    context.abort(code, msg)
+                except Exception as exc:
+                    if isinstance(exc, grpc.RpcError) or context.code() is not None:
+                        raise
+                    log.exception("unhandled error in %s", details.method)
+                    code, msg = _status_of(exc)
+                    context.abort(code, msg)
+
+            return grpc.unary_unary_rpc_method_handler(
+                unary_unary,
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        if handler.unary_stream is not None:
+            inner_us = handler.unary_stream
+
+            def unary_stream(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+                try:
+                    yield from inner_us(request, context)
+                except KVMeshError as exc:
+                    code, msg = _status_of(exc)
+                    context.abort(code, msg)
+                except Exception as exc:
+                    if isinstance(exc, grpc.RpcError) or context.code() is not None:
+                        raise
+                    log.exception("unhandled error in %s", details.method)
+                    code, msg = _status_of(exc)
+                    context.abort(code, msg)
+
+            return grpc.unary_stream_rpc_method_handler(
+                unary_stream,
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        return handler
+
+
+@dataclass(frozen=True)
+class ServiceRegistration:
+    """One servicer to mount: its full proto service name and the generated ``add_*`` function."""
+
+    service_name: str
+    servicer: Any
+    add_to_server: Callable[[Any, grpc.Server], None]
+
+
+class RunningServer:
+    """A started server: its bound port, health state and a blocking wait for shutdown."""
+
+    def __init__(self, server: grpc.Server, port: int, health_servicer: health.HealthServicer,
+                 names: Sequence[str], grace: float) -> None:
+        self.server = server
+        self.port = port
+        self._health = health_servicer
+        self._names = list(names)
+        self._grace = grace
+        self._stopped = threading.Event()
+
+    def stop(self, grace: float | None = None) -> None:
+        """Marks every service NOT_SERVING, then stops accepting calls and drains in-flight ones."""
+        if self._stopped.is_set():
+            return
+        for name in ["", *self._names]:
+            self._health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        self.server.stop(self._grace if grace is None else grace).wait()
+        self._stopped.set()
+
+    def wait(self) -> None:
+        """Blocks until the server has stopped."""
+        self.server.wait_for_termination()
+
+
+def start_server(
+    config: ServerConfig,
+    registrations: Sequence[ServiceRegistration],
+    interceptors: Sequence[grpc.ServerInterceptor] = (),
+    options: Sequence[tuple[str, Any]] = (),
+) -> RunningServer:
+    """Creates, binds and starts a server with health, reflection and error mapping."""
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=config.max_workers),
+        interceptors=[ErrorMappingInterceptor(), *interceptors],
+        options=list(options),
+    )
+    for reg in registrations:
+        reg.add_to_server(reg.servicer, server)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = [reg.service_name for reg in registrations]
+    reflection.enable_server_reflection(
+        [*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server
+    )
+    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    if port == 0:
+        raise OSError(f"could not bind {config.host}:{config.port}")
+    server.start()
+    for name in ["", *names]:
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    if config.port_file:
+        tmp = Path(config.port_file + ".tmp")
+        tmp.write_text(str(port))
+        tmp.replace(config.port_file)
+    return RunningServer(server, port, health_servicer, names, config.grace_seconds)
+
+
+def serve_forever(running: RunningServer, label: str) -> None:
+    """Logs where the server listens and blocks until SIGTERM/SIGINT, then stops gracefully."""
+    done = threading.Event()
+
+    def _on_signal(signum: int, _frame: object) -> None:
+        log.info("%s: signal %d, draining", label, signum)
+        done.set()
+
+    signal.signal(signal.SIGTERM, _on_signal)
+    signal.signal(signal.SIGINT, _on_signal)
+    print(f"kvmesh {label} listening on port {running.port}", flush=True)
+    done.wait()
+    running.stop()
+    log.info("%s: stopped", label)

@@ -1,0 +1,117 @@
+"""Starts kvmesh services as child processes and waits until they answer health checks.
+
+Used by ``kvmesh up`` and by the integration tests, so both exercise the same start-up path:
+``kvmesh serve <service>`` with the port passed as 0 and reported back through a port file.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+
+class ServiceStartError(RuntimeError):
+    """The service exited or did not become healthy in time; carries its log tail."""
+
+
+def wait_healthy(address: str, timeout: float, service: str = "") -> None:
+    """Polls ``grpc.health.v1`` at ``address`` until SERVING or ``timeout`` seconds pass."""
+    deadline = time.monotonic() + timeout
+    last: Exception | None = None
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            try:
+                resp = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=1.0)
+                if resp.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError as exc:
+                last = exc
+            time.sleep(0.05)
+    raise TimeoutError(f"{address} not healthy after {timeout}s: {last}")
+
+
+class ServiceProcess:
+    """One ``kvmesh serve <name>`` child process on an ephemeral loopback port.
+
+    Args:
+        name: service name as ``kvmesh serve`` knows it (e.g. ``kv-cache-manager``).
+        env: extra environment variables (configuration) for the child.
+        host: address to bind.
+        port: port to bind; 0 picks a free one.
+        startup_timeout: seconds to wait for the port file and a SERVING health answer.
+    """
+
+    def __init__(self, name: str, env: Mapping[str, str] | None = None, host: str = "127.0.0.1",
+                 port: int = 0, startup_timeout: float = 60.0, log_dir: str | None = None) -> None:
+        self.name = name
+        self.host = host
+        self._dir = Path(log_dir or tempfile.mkdtemp(prefix=f"kvmesh-{name}-"))
+        self._dir.mkdir(parents=True, exist_ok=True)
+        self.log_path = self._dir / f"{name}.log"
+        port_file = self._dir / f"{name}.port"
+        port_file.unlink(missing_ok=True)
+        child_env = dict(os.environ)
+        child_env.update(env or {})
+        child_env["KVMESH_HOST"] = host
+        child_env["KVMESH_PORT"] = str(port)
+        child_env["KVMESH_PORT_FILE"] = str(port_file)
+        child_env.setdefault("PYTHONUNBUFFERED", "1")
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 - lives as long as the process
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "services.cli", "serve", name],
+            env=child_env, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        )
+        try:
+            self.port = self._wait_port(port_file, startup_timeout)
+            wait_healthy(self.address, startup_timeout)
+        except BaseException:
+            self.stop(timeout=2.0)
+            raise
+
+    @property
+    def address(self) -> str:
+        """``host:port`` to dial."""
+        return f"{self.host}:{self.port}"
+
+    def log_tail(self, n: int = 4000) -> str:
+        """The last ``n`` characters of the child's combined output."""
+        self._log.flush()
+        return self.log_path.read_bytes()[-n:].decode(errors="replace")
+
+    def _wait_port(self, port_file: Path, timeout: float) -> int:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise ServiceStartError(f"{self.name} exited with {self.proc.returncode}:\n{self.log_tail()}")
+            if port_file.exists():
+                return int(port_file.read_text())
+            time.sleep(0.05)
+        raise ServiceStartError(f"{self.name} did not report a port in {timeout}s:\n{self.log_tail()}")
+
+    def stop(self, timeout: float = 10.0) -> int | None:
+        """SIGTERM (graceful drain), then SIGKILL after ``timeout``; returns the exit code."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        return self.proc.returncode
+
+    def __enter__(self) -> ServiceProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
