@@ -11,3 +11,65 @@ import os
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+_CORPUS = [
+    "The capital of France is Paris. The capital of Japan is Tokyo.",
+    "KV caches keep keys and values of past tokens so decoding reads them instead of recomputing.",
+    "Paged attention splits the cache into fixed-size blocks, like virtual memory pages.",
+    "Héllo wörld — naïve café ünïcödé 日本語 テキスト 🙂 emoji!",
+    "def hello(name):\n    return f'hello {name}'\n",
+]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def build_tiny_checkpoint(folder: Path, arch: str = "llama", vocab_size: int = 384, seed: int = 0) -> Path:
+    """A tiny random-weight HF checkpoint with a real byte-level BPE tokenizer and chat template.
+
+    The tokenizer is trained on a few sentences in milliseconds (no download), so text prompts,
+    chat templates and multi-byte characters go through the real tokenization code.
+    """
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    folder.mkdir(parents=True, exist_ok=True)
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size - 8, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(_CORPUS * 4, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", bos_token="<|endoftext|>",
+                                   pad_token="<|endoftext|>")
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(folder)
+    common = dict(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        eos_token_id=fast.eos_token_id, bos_token_id=fast.bos_token_id, pad_token_id=fast.pad_token_id,
+        tie_word_embeddings=False,
+    )
+    model_type = {"llama": "llama", "qwen2": "qwen2", "mistral": "mistral"}[arch]
+    config = AutoConfig.for_model(model_type, **common)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    # Random init gives near-uniform logits; scaling up spreads them so greedy decoding is not a
+    # string of near-ties (which would make token-identity tests flaky across kernels).
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    model.save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Llama checkpoint + tokenizer, built once per test session."""
+    return build_tiny_checkpoint(tmp_path_factory.mktemp("tiny-llama"))

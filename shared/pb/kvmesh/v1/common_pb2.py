@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvmesh/v1/common.proto\x12\tkvmesh.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xe3\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x05 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x00\x88\x01\x01\x12\x15\n\x08logprobs\x18\t \x01(\x05H\x01\x88\x01\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobs\"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"a\n\x0fSampledLogprobs\x12(\n\x07sampled\x18\x01 \x01(\x0b\x32\x17.kvmesh.v1.TokenLogprob\x12$\n\x03top\x18\x02 \x03(\x0b\x32\x17.kvmesh.v1.TokenLogprob\"\x89\x02\n\x12SharedTensorHandle\x12\x30\n\x04kind\x18\x01 \x01(\x0e\x32\".kvmesh.v1.SharedTensorHandle.Kind\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x17\n\x0f\x63uda_ipc_handle\x18\x03 \x01(\x0c\x12\x14\n\x0c\x64\x65vice_index\x18\x04 \x01(\x05\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\r\n\x05shape\x18\x06 \x03(\x03\x12\x0e\n\x06nbytes\x18\x07 \x01(\x03\x12\x12\n\ngeneration\x18\x08 \x01(\t\"B\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\x11\n\rKIND_SHM_FILE\x10\x01\x12\x11\n\rKIND_CUDA_IPC\x10\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvmesh/v1/common.proto\x12\tkvmesh.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\x8e\x02\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x02H\x01\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x02\x88\x01\x01\x12\x15\n\x08logprobs\x18\t \x01(\x05H\x03\x88\x01\x01\x42\x08\n\x06_top_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\x0b\n\t_logprobs\"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"a\n\x0fSampledLogprobs\x12(\n\x07sampled\x18\x01 \x01(\x0b\x32\x17.kvmesh.v1.TokenLogprob\x12$\n\x03top\x18\x02 \x03(\x0b\x32\x17.kvmesh.v1.TokenLogprob\"\x89\x02\n\x12SharedTensorHandle\x12\x30\n\x04kind\x18\x01 \x01(\x0e\x32\".kvmesh.v1.SharedTensorHandle.Kind\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x17\n\x0f\x63uda_ipc_handle\x18\x03 \x01(\x0c\x12\x14\n\x0c\x64\x65vice_index\x18\x04 \x01(\x05\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\r\n\x05shape\x18\x06 \x03(\x03\x12\x0e\n\x06nbytes\x18\x07 \x01(\x03\x12\x12\n\ngeneration\x18\x08 \x01(\t\"B\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\x11\n\rKIND_SHM_FILE\x10\x01\x12\x11\n\rKIND_CUDA_IPC\x10\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,13 +34,13 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_start=37
   _globals['_TOKENIDS']._serialized_end=60
   _globals['_SAMPLINGPARAMS']._serialized_start=63
-  _globals['_SAMPLINGPARAMS']._serialized_end=290
-  _globals['_TOKENLOGPROB']._serialized_start=292
-  _globals['_TOKENLOGPROB']._serialized_end=341
-  _globals['_SAMPLEDLOGPROBS']._serialized_start=343
-  _globals['_SAMPLEDLOGPROBS']._serialized_end=440
-  _globals['_SHAREDTENSORHANDLE']._serialized_start=443
-  _globals['_SHAREDTENSORHANDLE']._serialized_end=708
-  _globals['_SHAREDTENSORHANDLE_KIND']._serialized_start=642
-  _globals['_SHAREDTENSORHANDLE_KIND']._serialized_end=708
+  _globals['_SAMPLINGPARAMS']._serialized_end=333
+  _globals['_TOKENLOGPROB']._serialized_start=335
+  _globals['_TOKENLOGPROB']._serialized_end=384
+  _globals['_SAMPLEDLOGPROBS']._serialized_start=386
+  _globals['_SAMPLEDLOGPROBS']._serialized_end=483
+  _globals['_SHAREDTENSORHANDLE']._serialized_start=486
+  _globals['_SHAREDTENSORHANDLE']._serialized_end=751
+  _globals['_SHAREDTENSORHANDLE_KIND']._serialized_start=685
+  _globals['_SHAREDTENSORHANDLE_KIND']._serialized_end=751
 # @@protoc_insertion_point(module_scope)

@@ -1,0 +1,42 @@
+"""The model-runner's frozen configuration (read from ``KVMESH_RUNNER_*`` in main.py only)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    """What to load and how big the KV pool is.
+
+    Attributes:
+        model_dir: local folder with ``config.json`` and ``*.safetensors``.
+        model_id: identity reported to the others (enters the prefix-hash seed); default: folder name.
+        dtype: weights dtype: ``float32``, ``float16`` or ``bfloat16``.
+        kv_cache_dtype: ``auto`` (the weights dtype) or ``fp8_e4m3``.
+        block_size: tokens per KV block.
+        kv_cache_memory_bytes: budget of the KV pool; ``num_blocks = budget // bytes_per_block``.
+        max_model_len: longest sequence; 0 = the model's ``max_position_embeddings``.
+        attention_backend: ``auto`` (triton on CUDA, torch on CPU), ``torch`` or ``triton``.
+        device: ``auto``, ``cpu`` or ``cuda[:N]``.
+        num_threads: torch intra-op threads on CPU; 0 keeps torch's default.
+        warmup: run a dummy step at start.
+    """
+
+    model_dir: str = ""
+    model_id: str = ""
+    dtype: str = "float32"
+    kv_cache_dtype: str = "auto"
+    block_size: int = 16
+    kv_cache_memory_bytes: int = 512 << 20
+    max_model_len: int = 0
+    attention_backend: str = "auto"
+    device: str = "auto"
+    num_threads: int = 0
+    warmup: bool = True
+
+    def __post_init__(self) -> None:
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise ValueError(f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}")
+        if self.kv_cache_dtype not in ("auto", "fp8_e4m3"):
+            raise ValueError(f"kv_cache_dtype must be auto or fp8_e4m3, got {self.kv_cache_dtype!r}")

@@ -1,0 +1,120 @@
+"""ExecuteRequest/ExecuteResponse <-> the runner's step dataclasses, for both sides of the RPC."""
+
+from __future__ import annotations
+
+from services.model_runner.types import (
+    CachedRequestData,
+    NewRequestData,
+    SampledLogprobs,
+    SampledToken,
+    StepInput,
+    StepOutput,
+    TokenLogprob,
+)
+from shared.convert import sampling_from_proto, sampling_to_proto
+from shared.pb.kvmesh.v1 import common_pb2, model_runner_pb2
+
+
+def step_to_proto(step: StepInput) -> model_runner_pb2.ExecuteRequest:
+    """Scheduler side: a planned step as an RPC message."""
+    return model_runner_pb2.ExecuteRequest(
+        step_id=step.step_id,
+        new_requests=[
+            model_runner_pb2.NewRequestData(
+                request_id=r.request_id,
+                token_ids=r.token_ids,
+                num_prompt_tokens=r.num_prompt_tokens,
+                block_ids=r.block_ids,
+                num_computed_tokens=r.num_computed_tokens,
+                num_new_tokens=r.num_new_tokens,
+                sampling=sampling_to_proto(r.sampling),
+            )
+            for r in step.new_requests
+        ],
+        cached_requests=[
+            model_runner_pb2.CachedRequestData(
+                request_id=r.request_id,
+                new_block_ids=r.new_block_ids,
+                num_computed_tokens=r.num_computed_tokens,
+                num_new_tokens=r.num_new_tokens,
+            )
+            for r in step.cached_requests
+        ],
+        finished_request_ids=step.finished_request_ids,
+    )
+
+
+def step_from_proto(msg: model_runner_pb2.ExecuteRequest) -> StepInput:
+    """Runner side: an RPC message as a step."""
+    return StepInput(
+        step_id=msg.step_id,
+        new_requests=tuple(
+            NewRequestData(
+                request_id=r.request_id,
+                token_ids=tuple(r.token_ids),
+                num_prompt_tokens=r.num_prompt_tokens,
+                block_ids=tuple(r.block_ids),
+                num_computed_tokens=r.num_computed_tokens,
+                num_new_tokens=r.num_new_tokens,
+                sampling=sampling_from_proto(r.sampling),
+            )
+            for r in msg.new_requests
+        ),
+        cached_requests=tuple(
+            CachedRequestData(
+                request_id=r.request_id,
+                new_block_ids=tuple(r.new_block_ids),
+                num_computed_tokens=r.num_computed_tokens,
+                num_new_tokens=r.num_new_tokens,
+            )
+            for r in msg.cached_requests
+        ),
+        finished_request_ids=tuple(msg.finished_request_ids),
+    )
+
+
+def _logprobs_to_proto(lp: SampledLogprobs | None) -> common_pb2.SampledLogprobs | None:
+    if lp is None:
+        return None
+    return common_pb2.SampledLogprobs(
+        sampled=common_pb2.TokenLogprob(token_id=lp.sampled.token_id, logprob=lp.sampled.logprob),
+        top=[common_pb2.TokenLogprob(token_id=t.token_id, logprob=t.logprob) for t in lp.top],
+    )
+
+
+def logprobs_from_proto(msg: common_pb2.SampledLogprobs) -> SampledLogprobs:
+    """A proto logprobs message as the dataclass."""
+    return SampledLogprobs(
+        sampled=TokenLogprob(msg.sampled.token_id, msg.sampled.logprob),
+        top=tuple(TokenLogprob(t.token_id, t.logprob) for t in msg.top),
+    )
+
+
+def output_to_proto(out: StepOutput) -> model_runner_pb2.ExecuteResponse:
+    """Runner side: sampled tokens as an RPC message."""
+    return model_runner_pb2.ExecuteResponse(
+        step_id=out.step_id,
+        sampled=[
+            model_runner_pb2.SampledToken(
+                request_id=s.request_id, token_id=s.token_id, logprobs=_logprobs_to_proto(s.logprobs)
+            )
+            for s in out.sampled
+        ],
+        forward_seconds=out.forward_seconds,
+    )
+
+
+def output_from_proto(msg: model_runner_pb2.ExecuteResponse) -> StepOutput:
+    """Scheduler side: an RPC message as sampled tokens."""
+    return StepOutput(
+        step_id=msg.step_id,
+        sampled=tuple(
+            SampledToken(
+                request_id=s.request_id,
+                token_id=s.token_id,
+                logprobs=logprobs_from_proto(s.logprobs) if s.HasField("logprobs") else None,
+            )
+            for s in msg.sampled
+        ),
+        forward_seconds=msg.forward_seconds,
+    )

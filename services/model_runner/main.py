@@ -1,0 +1,43 @@
+"""Entry point of ``kvmesh serve model-runner``: the only place that reads the environment.
+
+Variables: ``KVMESH_RUNNER_*`` (fields of :class:`RunnerConfig`, e.g. ``KVMESH_RUNNER_KV_CACHE_MEMORY_BYTES``),
+``KVMESH_MODEL_DIR`` (the checkpoint folder), ``KVMESH_HOST`` / ``KVMESH_PORT`` / ``KVMESH_PORT_FILE``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+
+from services.model_runner.config import RunnerConfig
+from services.model_runner.factory import build_runner
+from services.model_runner.servicer import ModelRunnerServicer
+from shared.config import ServerConfig, from_env
+from shared.grpc_server import ServiceRegistration, serve_forever, start_server
+from shared.pb.kvmesh.v1 import model_runner_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+def main() -> int:
+    """Loads the model and the pool, then serves until SIGTERM; the pool file is removed on exit."""
+    env = os.environ
+    config = from_env(RunnerConfig, "KVMESH_RUNNER_")
+    if env.get("KVMESH_MODEL_DIR"):
+        config = dataclasses.replace(config, model_dir=env["KVMESH_MODEL_DIR"])
+    if not config.model_dir:
+        raise SystemExit("model-runner: set KVMESH_MODEL_DIR (or KVMESH_RUNNER_MODEL_DIR) to a checkpoint folder")
+    core = build_runner(config)
+    info = core.model_info()
+    log.info("model %s: %d blocks of %d tokens (%s KV, %s attention, %s)", info.model_id, info.num_blocks,
+             info.block_size, info.kv_cache_dtype, info.attention_backend, info.device)
+    running = start_server(from_env(ServerConfig, "KVMESH_"), [
+        ServiceRegistration("kvmesh.v1.ModelRunner", ModelRunnerServicer(core),
+                            model_runner_pb2_grpc.add_ModelRunnerServicer_to_server),
+    ], options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)])
+    try:
+        serve_forever(running, "model-runner")
+    finally:
+        core.pool.close()
+    return 0

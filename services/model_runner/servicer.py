@@ -1,0 +1,111 @@
+"""``kvmesh.v1.ModelRunner``: a thin adapter from protobuf to :class:`ModelRunnerCore`.
+
+Steps run one at a time under a lock (the model and the pool are not re-entrant); a bad step
+raises ``InvalidArgument`` from the core before anything changed, and the runner keeps serving.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import grpc
+import torch
+
+from services.model_runner.convert import output_to_proto, step_from_proto
+from services.model_runner.kv_pool import SharedTensorHandle, attach
+from services.model_runner.runner import ModelRunnerCore
+from shared.errors import InvalidArgument
+from shared.pb.kvmesh.v1 import common_pb2, model_runner_pb2, model_runner_pb2_grpc
+
+_KINDS = {common_pb2.SharedTensorHandle.KIND_SHM_FILE: "shm_file",
+          common_pb2.SharedTensorHandle.KIND_CUDA_IPC: "cuda_ipc"}
+
+
+def handle_to_proto(h: SharedTensorHandle) -> common_pb2.SharedTensorHandle:
+    """A pool handle as its proto message."""
+    kind = {v: k for k, v in _KINDS.items()}[h.kind]
+    return common_pb2.SharedTensorHandle(
+        kind=kind, path=h.path, cuda_ipc_handle=h.cuda_ipc_handle, device_index=h.device_index,
+        dtype=h.dtype, shape=list(h.shape), nbytes=h.nbytes, generation=h.generation,
+    )
+
+
+def handle_from_proto(msg: common_pb2.SharedTensorHandle) -> SharedTensorHandle:
+    """A proto handle as the dataclass ``kv_pool.attach`` maps."""
+    if msg.kind not in _KINDS:
+        raise InvalidArgument("staging.kind: must be KIND_SHM_FILE or KIND_CUDA_IPC")
+    return SharedTensorHandle(
+        kind=_KINDS[msg.kind], dtype=msg.dtype, shape=tuple(msg.shape), nbytes=msg.nbytes,
+        generation=msg.generation, path=msg.path, cuda_ipc_handle=msg.cuda_ipc_handle,
+        device_index=msg.device_index,
+    )
+
+
+class ModelRunnerServicer(model_runner_pb2_grpc.ModelRunnerServicer):
+    """Serves one :class:`ModelRunnerCore`."""
+
+    def __init__(self, core: ModelRunnerCore) -> None:
+        self.core = core
+        self._lock = threading.Lock()
+
+    def GetModelInfo(self, request: model_runner_pb2.GetModelInfoRequest, context: grpc.ServicerContext
+                     ) -> model_runner_pb2.ModelInfo:
+        mi = self.core.model_info()
+        return model_runner_pb2.ModelInfo(
+            model_id=mi.model_id, architecture=mi.architecture, vocab_size=mi.vocab_size,
+            max_model_len=mi.max_model_len, eos_token_ids=list(mi.eos_token_ids), num_blocks=mi.num_blocks,
+            block_size=mi.block_size, num_layers=mi.num_layers, num_kv_heads=mi.num_kv_heads,
+            head_dim=mi.head_dim, dtype=mi.dtype, kv_cache_dtype=mi.kv_cache_dtype,
+            attention_backend=mi.attention_backend, bytes_per_block=mi.bytes_per_block, device=mi.device,
+            bos_token_id=mi.bos_token_id,
+        )
+
+    def Warmup(self, request: model_runner_pb2.WarmupRequest, context: grpc.ServicerContext
+               ) -> model_runner_pb2.WarmupResponse:
+        with self._lock:
+            return model_runner_pb2.WarmupResponse(seconds=self.core.warmup())
+
+    def Execute(self, request: model_runner_pb2.ExecuteRequest, context: grpc.ServicerContext
+                ) -> model_runner_pb2.ExecuteResponse:
+        step = step_from_proto(request)
+        with self._lock:
+            out = self.core.execute(step)
+        return output_to_proto(out)
+
+    def GetKVPoolHandle(self, request: model_runner_pb2.GetKVPoolHandleRequest, context: grpc.ServicerContext
+                        ) -> common_pb2.SharedTensorHandle:
+        return handle_to_proto(self.core.pool.handle())
+
+    def _copy(self, request: model_runner_pb2.CopyBlocksRequest, into_pool: bool
+              ) -> model_runner_pb2.CopyBlocksResponse:
+        ids, rows = list(request.block_ids), list(request.staging_rows)
+        if len(ids) != len(rows):
+            raise InvalidArgument("staging_rows: must have one row per block id")
+        pool = self.core.pool
+        if any(not 0 < b < pool.num_blocks for b in ids):
+            raise InvalidArgument(f"block_ids: must lie in [1, {pool.num_blocks})")
+        staging = attach(handle_from_proto(request.staging))
+        # staging: [n, layers, 2, block_size, kv_heads, head_dim]; pool: [layers, 2, blocks, ...]
+        if tuple(staging.shape[1:]) != (pool.shape[0], 2, *pool.shape[3:]) or staging.dtype != pool.tensor.dtype:
+            raise InvalidArgument("staging: shape or dtype does not match the pool's blocks")
+        if any(not 0 <= r < staging.shape[0] for r in rows):
+            raise InvalidArgument(f"staging_rows: must lie in [0, {staging.shape[0]})")
+        idx = torch.tensor(ids, dtype=torch.long, device=pool.tensor.device)
+        ridx = torch.tensor(rows, dtype=torch.long, device=staging.device)
+        with self._lock:
+            if into_pool:
+                pool.tensor.index_copy_(2, idx, staging.index_select(0, ridx).permute(1, 2, 0, 3, 4, 5)
+                                        .to(pool.tensor.device))
+            else:
+                staging.index_copy_(0, ridx, pool.tensor.index_select(2, idx).permute(2, 0, 1, 3, 4, 5)
+                                    .to(staging.device))
+        return model_runner_pb2.CopyBlocksResponse(num_blocks=len(ids), num_bytes=len(ids) * pool.bytes_per_block)
+
+    def CopyBlocksOut(self, request: model_runner_pb2.CopyBlocksRequest, context: grpc.ServicerContext
+                      ) -> model_runner_pb2.CopyBlocksResponse:
+        return self._copy(request, into_pool=False)
+
+    def CopyBlocksIn(self, request: model_runner_pb2.CopyBlocksRequest, context: grpc.ServicerContext
+                     ) -> model_runner_pb2.CopyBlocksResponse:
+        return self._copy(request, into_pool=True)
+

@@ -1,0 +1,43 @@
+"""The scheduler's frozen configuration (read from ``KVMESH_SCHED_*`` in main.py only)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Step-loop limits, admission control and where the other services are.
+
+    Attributes:
+        max_num_seqs: most requests running at once.
+        max_num_batched_tokens: token budget of one step (prefill chunks + decodes).
+        max_waiting_requests: bound of the waiting queue; beyond it ``RESOURCE_EXHAUSTED``.
+        max_waiting_tokens: bound of prompt tokens waiting; beyond it ``RESOURCE_EXHAUSTED``.
+        max_logprobs: most top logprobs a request may ask for.
+        enable_prefix_caching: reuse cached prefix blocks (per request salts still apply).
+        preemption_mode: ``recompute`` (free and recompute later) or ``swap`` (via offload-store).
+        model_dir: folder with the tokenizer (and chat template) of the served model.
+        kvm_address / runner_address / offload_address: ``host:port`` of the other services;
+            an empty offload address disables the offload tier.
+        rpc_timeout_seconds: deadline of each internal RPC.
+    """
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_waiting_requests: int = 1024
+    max_waiting_tokens: int = 1_000_000
+    max_logprobs: int = 20
+    enable_prefix_caching: bool = True
+    preemption_mode: str = "recompute"
+    model_dir: str = ""
+    kvm_address: str = "127.0.0.1:50052"
+    runner_address: str = "127.0.0.1:50053"
+    offload_address: str = ""
+    rpc_timeout_seconds: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs <= 0 or self.max_num_batched_tokens <= 0:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"preemption_mode must be recompute or swap, got {self.preemption_mode!r}")

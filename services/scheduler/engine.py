@@ -1,0 +1,236 @@
+"""The engine: the step loop thread around the :class:`Scheduler`, and per-request output queues.
+
+Producers (gRPC handler threads, or an in-process caller) call :meth:`Engine.add_request` and
+:meth:`Engine.abort`; those only enqueue commands. One loop thread owns the scheduler and runs
+steps back to back while there is work::
+
+    commands ─▶ [ apply adds/aborts, expire deadlines ─▶ schedule (1 kv call)
+                  ─▶ execute (1 runner call) ─▶ update ─▶ push outputs ] ─▶ per-request queues
+
+A failure of a step ends the requests in it with an error and frees their blocks; the loop goes
+on serving the others.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from services.scheduler.backends import KVCacheBackend, RunnerBackend, RunnerInfo
+from services.scheduler.config import SchedulerConfig
+from services.scheduler.metrics import RequestMetrics
+from services.scheduler.request import FinishReason, Request, RequestSpec
+from services.scheduler.scheduler import ScheduledStep, Scheduler
+from shared.errors import InvalidArgument, KVMeshError, ResourceExhausted, Unavailable
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineOutput:
+    """What one step produced for one request (or its end)."""
+
+    request_id: str
+    token_ids: tuple[int, ...] = ()
+    logprobs: tuple[Any, ...] = ()
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    stop_reason: str = ""
+    metrics: RequestMetrics | None = None
+    error: KVMeshError | None = None
+
+
+@dataclass(frozen=True)
+class _Add:
+    request: Request
+
+
+@dataclass(frozen=True)
+class _Finish:
+    request_id: str
+    reason: FinishReason
+    stop_reason: str
+
+
+class Engine:
+    """Runs the step loop in a thread; safe to call from many threads."""
+
+    def __init__(self, config: SchedulerConfig, kv: KVCacheBackend, runner: RunnerBackend) -> None:
+        self.config = config
+        self.kv = kv
+        self.runner = runner
+        self.info: RunnerInfo = runner.info()
+        kv.initialize(self.info.num_blocks, self.info.block_size, self.info.max_model_len, self.info.model_id)
+        self.scheduler = Scheduler(config, kv, self.info)
+        self._commands: queue.SimpleQueue[_Add | _Finish] = queue.SimpleQueue()
+        self._queues: dict[str, queue.SimpleQueue[EngineOutput]] = {}
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._queued_requests = 0  # added but not yet first scheduled (admission control)
+        self._queued_tokens = 0
+        self.num_steps = 0
+
+    # ----------------------------------------------------------------- public API
+    def start(self) -> Engine:
+        """Starts the loop thread."""
+        self._thread = threading.Thread(target=self._loop, name="kvmesh-engine", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stops the loop after the current step."""
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def add_request(self, spec: RequestSpec) -> queue.SimpleQueue[EngineOutput]:
+        """Queues a validated request; returns the queue its outputs arrive on.
+
+        Raises:
+            ResourceExhausted: the waiting queue is full (requests or tokens).
+            InvalidArgument: the request id is already in use.
+        """
+        n_tokens = len(spec.prompt_token_ids)
+        with self._lock:
+            if spec.request_id in self._queues:
+                raise InvalidArgument(f"request_id: {spec.request_id!r} is already in use")
+            if self._queued_requests >= self.config.max_waiting_requests:
+                raise ResourceExhausted(
+                    f"waiting queue is full ({self.config.max_waiting_requests} requests); retry later")
+            if self._queued_tokens + n_tokens > self.config.max_waiting_tokens:
+                raise ResourceExhausted(
+                    f"waiting queue is full ({self.config.max_waiting_tokens} prompt tokens); retry later")
+            self._queued_requests += 1
+            self._queued_tokens += n_tokens
+            q: queue.SimpleQueue[EngineOutput] = queue.SimpleQueue()
+            self._queues[spec.request_id] = q
+        self._commands.put(_Add(Request(spec=spec, seq=0)))
+        self._wake.set()
+        return q
+
+    def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT, stop_reason: str = "") -> None:
+        """Ends a request at the next step boundary (cancel, stop string, deadline)."""
+        self._commands.put(_Finish(request_id, reason, stop_reason))
+        self._wake.set()
+
+    # ----------------------------------------------------------------- loop
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._apply_commands()
+                self._expire()
+                if not self.scheduler.has_work:
+                    self._flush_frees()
+                    self._wake.wait(0.05)
+                    self._wake.clear()
+                    continue
+                self._run_one_step()
+            except Exception:  # pragma: no cover - a bug: keep serving, but say so loudly
+                log.exception("engine loop error")
+                time.sleep(0.01)
+
+    def _apply_commands(self) -> None:
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(cmd, _Add):
+                self.scheduler.add(cmd.request)
+            else:
+                req = self.scheduler.requests.get(cmd.request_id)
+                if req is not None and self.scheduler.finish(cmd.request_id, cmd.reason, cmd.stop_reason):
+                    self._on_dequeued(req)
+                    self._emit_final(req)
+
+    def _expire(self) -> None:
+        for req in self.scheduler.expire(time.monotonic()):
+            self._on_dequeued(req)
+            self._emit_final(req)
+
+    def _flush_frees(self) -> None:
+        frees = self.scheduler.take_pending_frees()
+        if frees:
+            try:
+                self.scheduler.last_kv_stats = self.kv.free(frees)
+            except Exception:
+                log.exception("freeing %d requests failed", len(frees))
+
+    def _on_dequeued(self, req: Request) -> None:
+        """Admission accounting: a request leaves the bounded queue at its first scheduling."""
+        if req.in_admission_queue:
+            req.in_admission_queue = False
+            with self._lock:
+                self._queued_requests -= 1
+                self._queued_tokens -= req.num_prompt_tokens
+
+    def _run_one_step(self) -> None:
+        waiting_before = [r for r in self.scheduler.waiting if r.in_admission_queue]
+        try:
+            step = self.scheduler.schedule()
+        except Exception as exc:
+            self._fail_all(exc)
+            return
+        for req in waiting_before:
+            if req.times.first_scheduled is not None:
+                self._on_dequeued(req)
+        if step is None:
+            self._wake.wait(0.005)
+            self._wake.clear()
+            return
+        try:
+            output = self.runner.execute(step.step_input)
+        except Exception as exc:
+            self._fail_step(step, exc)
+            return
+        self.num_steps += 1
+        self._dispatch(step, output)
+
+    def _dispatch(self, step: ScheduledStep, output: Any) -> None:
+        events = self.scheduler.update(step, output)
+        for ev in events:
+            q = self._queues.get(ev.request_id)
+            if q is None:
+                continue
+            if ev.finished:
+                req = ev.request
+                self._finish_queue(ev.request_id, EngineOutput(
+                    ev.request_id, (ev.token_id,), (ev.logprobs,), True, req.finish_reason,
+                    req.stop_reason, RequestMetrics.of(req),
+                ))
+            else:
+                q.put(EngineOutput(ev.request_id, (ev.token_id,), (ev.logprobs,)))
+
+    def _emit_final(self, req: Request, error: KVMeshError | None = None) -> None:
+        self._finish_queue(req.request_id, EngineOutput(
+            req.request_id, finished=True, finish_reason=req.finish_reason,
+            stop_reason=req.stop_reason, metrics=RequestMetrics.of(req), error=error,
+        ))
+
+    def _finish_queue(self, request_id: str, out: EngineOutput) -> None:
+        with self._lock:
+            q = self._queues.pop(request_id, None)
+        if q is not None:
+            q.put(out)
+
+    def _fail_step(self, step: ScheduledStep, exc: Exception) -> None:
+        log.error("step %d failed: %s", step.step_input.step_id, exc)
+        err = exc if isinstance(exc, KVMeshError) else Unavailable(f"model-runner step failed: {exc}")
+        for request_id in step.num_scheduled:
+            req = self.scheduler.requests.get(request_id)
+            if req is not None and self.scheduler.finish(request_id, FinishReason.ABORT, "error"):
+                self._emit_final(req, err)
+
+    def _fail_all(self, exc: Exception) -> None:
+        log.error("scheduling failed: %s", exc)
+        err = exc if isinstance(exc, KVMeshError) else Unavailable(f"kv-cache-manager step failed: {exc}")
+        for req in [*self.scheduler.running]:
+            if self.scheduler.finish(req.request_id, FinishReason.ABORT, "error"):
+                self._emit_final(req, err)

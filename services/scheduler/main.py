@@ -1,0 +1,46 @@
+"""Entry point of ``kvmesh serve scheduler``: the only place that reads the environment.
+
+Variables: ``KVMESH_SCHED_*`` (fields of :class:`SchedulerConfig`, e.g. ``KVMESH_SCHED_KVM_ADDRESS``),
+``KVMESH_MODEL_DIR`` (tokenizer folder), ``KVMESH_HOST`` / ``KVMESH_PORT`` / ``KVMESH_PORT_FILE``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from services.scheduler.config import SchedulerConfig
+from services.scheduler.engine import Engine
+from services.scheduler.remote import RemoteKVCache, RemoteRunner
+from services.scheduler.servicer import SchedulerServicer
+from services.scheduler.tokenizer import Tokenizer
+from shared.config import ServerConfig, from_env
+from shared.grpc_server import ServiceRegistration, serve_forever, start_server
+from shared.launcher import wait_healthy
+from shared.pb.kvmesh.v1 import scheduler_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+def main() -> int:
+    """Connects to the kv-cache-manager and model-runner, then serves the public API."""
+    env = os.environ
+    config = from_env(SchedulerConfig, "KVMESH_SCHED_", model_dir=env.get("KVMESH_MODEL_DIR", ""))
+    server_cfg = from_env(ServerConfig, "KVMESH_")
+    for address in (config.kvm_address, config.runner_address):
+        wait_healthy(address, timeout=float(env.get("KVMESH_DEPENDENCY_TIMEOUT", "300")))
+    kv = RemoteKVCache(config.kvm_address, config.rpc_timeout_seconds)
+    runner = RemoteRunner(config.runner_address, config.rpc_timeout_seconds)
+    tokenizer = Tokenizer(config.model_dir) if config.model_dir else None
+    engine = Engine(config, kv, runner).start()
+    servicer = SchedulerServicer(engine, tokenizer)
+    running = start_server(server_cfg, [
+        ServiceRegistration("kvmesh.v1.Scheduler", servicer, scheduler_pb2_grpc.add_SchedulerServicer_to_server),
+    ])
+    try:
+        serve_forever(running, "scheduler")
+    finally:
+        engine.stop()
+        kv.close()
+        runner.close()
+    return 0

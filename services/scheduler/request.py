@@ -1,0 +1,118 @@
+"""A request's state inside the scheduler: tokens, progress, blocks, timing.
+
+There is no prefill or decode phase: a request has ``num_tokens`` (prompt + output so far) and
+``num_computed_tokens`` (K/V in the pool); each step computes some of the difference.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from shared.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    """Where a request is in its life."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(enum.Enum):
+    """Why a request ended (mirrors the proto's FinishReason)."""
+
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    """A validated request as the scheduler receives it (no protobuf)."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams
+    max_tokens: int
+    stop: tuple[str, ...] = ()
+    priority: int = 0
+    cache_salt: bytes = b""
+    deadline: float | None = None  # time.monotonic() value after which the request is aborted
+
+
+@dataclass
+class RequestTimes:
+    """Timestamps (``time.monotonic()``) from which TTFT, TPOT, ITL and queue time derive."""
+
+    arrival: float
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    last_token: float | None = None
+    max_itl: float = 0.0
+
+    def on_token(self, now: float) -> None:
+        """Records one output token's arrival."""
+        if self.first_token is None:
+            self.first_token = now
+        elif self.last_token is not None:
+            self.max_itl = max(self.max_itl, now - self.last_token)
+        self.last_token = now
+
+
+@dataclass
+class Request:
+    """Mutable scheduler-side state of one request."""
+
+    spec: RequestSpec
+    seq: int  # arrival order, the tie-breaker after priority
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    num_tokens_sent_to_kvm: int = 0  # tokens the kv-cache-manager knows of this request
+    known_to_runner: bool = False
+    num_cached_tokens: int = -1  # prompt tokens from the prefix cache at first scheduling
+    num_preemptions: int = 0
+    in_admission_queue: bool = True  # counted against the waiting-queue bounds
+    finish_reason: FinishReason | None = None
+    stop_reason: str = ""
+    times: RequestTimes = field(default_factory=lambda: RequestTimes(arrival=time.monotonic()))
+
+    @property
+    def request_id(self) -> str:
+        """The request's id."""
+        return self.spec.request_id
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        """Prompt length."""
+        return len(self.spec.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt + output tokens so far."""
+        return len(self.spec.prompt_token_ids) + len(self.output_token_ids)
+
+    def all_token_ids(self) -> list[int]:
+        """Prompt then output tokens."""
+        return [*self.spec.prompt_token_ids, *self.output_token_ids]
+
+    def token_ids_from(self, start: int) -> list[int]:
+        """Tokens from index ``start`` on (without building the whole list when possible)."""
+        n_prompt = len(self.spec.prompt_token_ids)
+        if start >= n_prompt:
+            return self.output_token_ids[start - n_prompt :]
+        return [*self.spec.prompt_token_ids[start:], *self.output_token_ids]
+
+    @property
+    def sort_key(self) -> tuple[int, int]:
+        """Waiting-queue order: lower priority value first, then arrival."""
+        return (self.spec.priority, self.seq)
+
+    @property
+    def is_finished(self) -> bool:
+        """Whether the request has ended."""
+        return self.status is RequestStatus.FINISHED

@@ -1,0 +1,128 @@
+"""The public gRPC API: a thin adapter from protobuf to the engine and back."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+
+from services.scheduler.engine import Engine
+from services.scheduler.request import FinishReason
+from services.scheduler.stream import Chunk, OutputStream, build_spec
+from services.scheduler.tokenizer import Tokenizer
+from shared.convert import sampling_from_proto
+from shared.errors import InvalidArgument
+from shared.pb.kvmesh.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+
+_FINISH = {
+    FinishReason.STOP: scheduler_pb2.FINISH_REASON_STOP,
+    FinishReason.LENGTH: scheduler_pb2.FINISH_REASON_LENGTH,
+    FinishReason.ABORT: scheduler_pb2.FINISH_REASON_ABORT,
+}
+
+
+def _logprobs_to_proto(lp: Any) -> common_pb2.SampledLogprobs:
+    return common_pb2.SampledLogprobs(
+        sampled=common_pb2.TokenLogprob(token_id=lp.sampled.token_id, logprob=lp.sampled.logprob),
+        top=[common_pb2.TokenLogprob(token_id=t.token_id, logprob=t.logprob) for t in lp.top],
+    )
+
+
+def chunk_to_proto(chunk: Chunk) -> scheduler_pb2.GenerateResponse:
+    """One engine chunk as a stream message."""
+    msg = scheduler_pb2.GenerateResponse(
+        request_id=chunk.request_id, token_ids=chunk.token_ids, text=chunk.text,
+        logprobs=[_logprobs_to_proto(lp) for lp in chunk.logprobs if lp is not None],
+    )
+    if chunk.final is not None:
+        f = chunk.final
+        msg.final.finish_reason = _FINISH[f.finish_reason]
+        msg.final.stop_reason = f.stop_reason
+        if f.metrics is not None:
+            m = f.metrics
+            msg.final.prompt_tokens = m.prompt_tokens
+            msg.final.completion_tokens = m.completion_tokens
+            msg.final.cached_tokens = m.cached_tokens
+            msg.final.preemptions = m.preemptions
+            msg.final.timing.queue_seconds = m.queue_seconds
+            msg.final.timing.ttft_seconds = m.ttft_seconds
+            msg.final.timing.tpot_seconds = m.tpot_seconds
+            msg.final.timing.e2e_seconds = m.e2e_seconds
+            msg.final.timing.max_itl_seconds = m.max_itl_seconds
+    return msg
+
+
+class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
+    """``kvmesh.v1.Scheduler``: validation here, everything else in the engine."""
+
+    def __init__(self, engine: Engine, tokenizer: Tokenizer | None) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+
+    def _require_tokenizer(self, what: str) -> Tokenizer:
+        if self.tokenizer is None:
+            raise InvalidArgument(f"{what}: this deployment has no tokenizer; send token_ids")
+        return self.tokenizer
+
+    def _prompt_ids(self, request: scheduler_pb2.GenerateRequest) -> list[int]:
+        kind = request.WhichOneof("prompt")
+        if kind == "text":
+            return self._require_tokenizer("text").encode(request.text)
+        if kind == "chat":
+            msgs = [(m.role, m.content) for m in request.chat.messages]
+            if not msgs:
+                raise InvalidArgument("prompt: chat.messages must not be empty")
+            return self._require_tokenizer("chat").apply_chat_template(msgs)
+        if kind == "token_ids":
+            return list(request.token_ids.ids)
+        raise InvalidArgument("prompt: one of text, chat or token_ids is required")
+
+    def Generate(self, request: scheduler_pb2.GenerateRequest, context: grpc.ServicerContext
+                 ) -> Iterator[scheduler_pb2.GenerateResponse]:
+        prompt = self._prompt_ids(request)
+        sampling = sampling_from_proto(request.sampling, request.stop_token_ids, request.ignore_eos)
+        remaining = context.time_remaining()
+        deadline = time.monotonic() + remaining if remaining is not None and remaining < 1e8 else None
+        spec = build_spec(
+            self.engine, prompt, sampling, request.max_tokens, stop=list(request.stop),
+            request_id=request.request_id, priority=request.priority, cache_salt=request.cache_salt,
+            deadline=deadline,
+        )
+        stream = OutputStream(self.engine, spec, self.tokenizer, request.include_special_tokens)
+        context.add_callback(stream.cancel)
+        for chunk in stream:
+            yield chunk_to_proto(chunk)
+
+    def Tokenize(self, request: scheduler_pb2.TokenizeRequest, context: grpc.ServicerContext
+                 ) -> scheduler_pb2.TokenizeResponse:
+        tok = self._require_tokenizer("text")
+        kind = request.WhichOneof("input")
+        if kind == "chat":
+            ids = tok.apply_chat_template([(m.role, m.content) for m in request.chat.messages])
+        elif kind == "text":
+            ids = tok.encode(request.text, add_special_tokens=request.add_special_tokens)
+        else:
+            raise InvalidArgument("input: text or chat is required")
+        return scheduler_pb2.TokenizeResponse(token_ids=ids)
+
+    def Detokenize(self, request: scheduler_pb2.DetokenizeRequest, context: grpc.ServicerContext
+                   ) -> scheduler_pb2.DetokenizeResponse:
+        tok = self._require_tokenizer("token_ids")
+        vocab = self.engine.info.vocab_size
+        bad = [t for t in request.token_ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidArgument(f"token_ids: {bad[0]} is outside the vocabulary [0, {vocab})")
+        return scheduler_pb2.DetokenizeResponse(
+            text=tok.decode(request.token_ids, skip_special_tokens=not request.include_special_tokens))
+
+    def GetModelInfo(self, request: scheduler_pb2.SchedulerModelInfoRequest, context: grpc.ServicerContext
+                     ) -> scheduler_pb2.SchedulerModelInfo:
+        info, cfg = self.engine.info, self.engine.config
+        return scheduler_pb2.SchedulerModelInfo(
+            model_id=info.model_id, vocab_size=info.vocab_size, max_model_len=info.max_model_len,
+            block_size=info.block_size, num_blocks=info.num_blocks, max_num_seqs=cfg.max_num_seqs,
+            max_num_batched_tokens=cfg.max_num_batched_tokens, max_logprobs=cfg.max_logprobs,
+            has_chat_template=self.tokenizer is not None and self.tokenizer.has_chat_template,
+        )
