@@ -1,7 +1,13 @@
-"""The ``kvmesh`` command line: ``serve`` one service; later issues add ``up``, ``generate``, ...
+"""The ``kvmesh`` command line.
 
-Service entry points are imported lazily so that ``kvmesh serve kv-cache-manager`` never imports
-torch.
+    kvmesh model prepare          convert the embedded SmolLM2-135M-Instruct into a cached HF folder
+    kvmesh serve <service>        run one service in the foreground (what containers run)
+    kvmesh up                     run the whole suite on loopback until Ctrl-C
+    kvmesh generate "prompt"      stream a completion from a running suite
+    kvmesh chat                   an interactive chat with a running suite
+    kvmesh demo                   model prepare + up + one streamed chat answer (``make run``)
+
+Service entry points are imported lazily so ``kvmesh serve kv-cache-manager`` never imports torch.
 """
 
 from __future__ import annotations
@@ -9,8 +15,13 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import signal
 import sys
-from collections.abc import Callable
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
 SERVICES: dict[str, str] = {
     "kv-cache-manager": "services.kv_cache_manager.main",
@@ -18,29 +29,164 @@ SERVICES: dict[str, str] = {
     "scheduler": "services.scheduler.main",
     "offload-store": "services.offload_store.main",
 }
+DEFAULT_ADDRESS = "127.0.0.1:50051"
+DEMO_QUESTION = "What is the capital of France? Answer in one sentence."
 
 
 def _serve(ns: argparse.Namespace) -> int:
     module = importlib.import_module(SERVICES[ns.service])
-    entry: Callable[[], int] = module.main
-    return entry()
+    result: int = module.main()
+    return result
+
+
+def _model_dir(ns: argparse.Namespace) -> str:
+    if ns.model:
+        return str(Path(ns.model).resolve())
+    from services.model_runner.prepare import default_cache_dir, prepare_default_model
+
+    return str(prepare_default_model(default_cache_dir(), progress=True))
+
+
+def _start_suite(ns: argparse.Namespace) -> Any:
+    from services.suite import Suite, SuiteConfig
+
+    model_dir = _model_dir(ns)
+    print(f"kvmesh: starting the suite for {model_dir} ...", flush=True)
+    started = time.monotonic()
+    suite = Suite(SuiteConfig(model_dir=model_dir, scheduler_port=ns.port, with_offload=not ns.no_offload,
+                              log_dir=ns.log_dir or ""))
+    print(f"kvmesh: suite up in {time.monotonic() - started:.1f}s", flush=True)
+    for name, proc in suite.services.items():
+        print(f"  {name:<17} {proc.address:<22} log: {proc.log_path}", flush=True)
+    return suite
+
+
+def _wait_for_interrupt() -> None:
+    done = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: done.set())
+    try:
+        while not done.wait(0.5):
+            pass
+    except KeyboardInterrupt:
+        pass
+
+
+def _up(ns: argparse.Namespace) -> int:
+    suite = _start_suite(ns)
+    try:
+        print(f"kvmesh: serving on {suite.address}; Ctrl-C to stop", flush=True)
+        _wait_for_interrupt()
+    finally:
+        print("kvmesh: stopping ...", flush=True)
+        suite.stop()
+    return 0
+
+
+def _stream(address: str, prompt: Any, max_tokens: int, temperature: float, out: Any = sys.stdout) -> str:
+    from shared.client import KVMeshClient
+
+    pieces: list[str] = []
+    with KVMeshClient(address) as client:
+        for chunk in client.generate(prompt, max_tokens, temperature=temperature):
+            out.write(chunk.text)
+            out.flush()
+            pieces.append(chunk.text)
+            if chunk.HasField("final"):
+                f = chunk.final
+                t = f.timing
+                rate = (f.completion_tokens - 1) / (t.e2e_seconds - t.ttft_seconds) if f.completion_tokens > 1 and \
+                    t.e2e_seconds > t.ttft_seconds else 0.0
+                out.write(f"\n[{f.completion_tokens} tokens, prompt {f.prompt_tokens} ({f.cached_tokens} cached), "
+                          f"TTFT {t.ttft_seconds * 1000:.0f} ms, TPOT {t.tpot_seconds * 1000:.0f} ms, "
+                          f"{rate:.1f} tok/s]\n")
+    return "".join(pieces)
+
+
+def _generate(ns: argparse.Namespace) -> int:
+    prompt: Any = [("user", ns.prompt)] if ns.chat else ns.prompt
+    _stream(ns.address, prompt, ns.max_tokens, ns.temperature)
+    return 0
+
+
+def _chat(ns: argparse.Namespace) -> int:
+    history: list[tuple[str, str]] = []
+    if ns.system:
+        history.append(("system", ns.system))
+    while True:
+        try:
+            line = input("you> ").strip()
+        except (EOFError, KeyboardInterrupt):
+            print()
+            return 0
+        if not line:
+            continue
+        history.append(("user", line))
+        print("assistant> ", end="", flush=True)
+        answer = _stream(ns.address, history, ns.max_tokens, ns.temperature)
+        history.append(("assistant", answer))
+
+
+def _demo(ns: argparse.Namespace) -> int:
+    suite = _start_suite(ns)
+    try:
+        print(f"\nuser> {DEMO_QUESTION}\nassistant> ", end="", flush=True)
+        _stream(suite.address, [("user", DEMO_QUESTION)], ns.max_tokens, 0.0)
+        if ns.exit_after_demo:
+            return 0
+        print(f"\nkvmesh: the suite keeps serving on {suite.address}; try in another terminal:\n"
+              f"  .venv/bin/kvmesh chat --address {suite.address}\nCtrl-C to stop.", flush=True)
+        _wait_for_interrupt()
+    finally:
+        print("kvmesh: stopping ...", flush=True)
+        suite.stop()
+    return 0
+
+
+def _add_suite_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="", help="checkpoint folder (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--port", type=int, default=50051, help="the public API's port")
+    p.add_argument("--no-offload", action="store_true", help="run without the offload-store")
+    p.add_argument("--log-dir", default="", help="where service logs go (default: a temp folder)")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The argument parser (subcommands register here)."""
+    """The argument parser with every subcommand."""
+    from services.model_runner.prepare import add_model_subcommand
+
     parser = argparse.ArgumentParser(prog="kvmesh", description="kvmesh: a KV-cache-centric LLM server")
     parser.add_argument("--log-level", default="INFO")
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="run one service in the foreground")
     serve.add_argument("service", choices=sorted(SERVICES))
     serve.set_defaults(func=_serve)
+    add_model_subcommand(sub)
+    up = sub.add_parser("up", help="run the whole suite on loopback until Ctrl-C")
+    _add_suite_args(up)
+    up.set_defaults(func=_up)
+    demo = sub.add_parser("demo", help="up + one streamed chat answer")
+    _add_suite_args(demo)
+    demo.add_argument("--max-tokens", type=int, default=48)
+    demo.add_argument("--exit-after-demo", action="store_true", help="stop the suite after the answer")
+    demo.set_defaults(func=_demo)
+    for name, fn in (("generate", _generate), ("chat", _chat)):
+        p = sub.add_parser(name, help=f"{name} against a running suite")
+        if name == "generate":
+            p.add_argument("prompt")
+            p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+        else:
+            p.add_argument("--system", default="", help="system prompt")
+        p.add_argument("--address", default=DEFAULT_ADDRESS)
+        p.add_argument("--max-tokens", type=int, default=128)
+        p.add_argument("--temperature", type=float, default=0.0)
+        p.set_defaults(func=fn)
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``kvmesh`` console script."""
     ns = build_parser().parse_args(argv)
-    logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    level = ns.log_level.upper() if ns.command == "serve" else "WARNING"
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     result: int = ns.func(ns)
     return result
 
