@@ -26,7 +26,11 @@ def main() -> int:
     """Connects to the kv-cache-manager and model-runner, then serves the public API."""
     env = os.environ
     config = from_env(SchedulerConfig, "KVMESH_SCHED_", model_dir=env.get("KVMESH_MODEL_DIR", ""))
-    server_cfg = from_env(ServerConfig, "KVMESH_")
+    # NOTE: every streaming Generate holds a server thread for its whole life, so the pool must
+    # exceed the admission bound; otherwise excess requests queue inside gRPC, invisible to
+    # admission control, instead of getting RESOURCE_EXHAUSTED at once.
+    workers = config.max_waiting_requests + config.max_num_seqs + 16
+    server_cfg = from_env(ServerConfig, "KVMESH_", max_workers=int(env.get("KVMESH_MAX_WORKERS", workers)))
     for address in (config.kvm_address, config.runner_address):
         wait_healthy(address, timeout=float(env.get("KVMESH_DEPENDENCY_TIMEOUT", "300")))
     kv = RemoteKVCache(config.kvm_address, config.rpc_timeout_seconds)

@@ -176,3 +176,19 @@ def test_fcfs_when_first_waiting_does_not_fit() -> None:
     assert sched.requests["small"].status is RequestStatus.WAITING
     manager.check_integrity()
     assert manager.stats().num_free_blocks == 5 - 4  # a has 4 blocks after its 13th token
+
+
+def test_running_request_decodes_every_step_while_long_prompt_prefills() -> None:
+    """Chunked prefill: a 400-token prompt is read 63 tokens a step; the running one never stalls."""
+    sched, manager = _make(num_blocks=100, budget=64)
+    sched.add(_req("short", [1, 2, 3], max_tokens=20))
+    _run(sched)
+    sched.add(_req("long", list(range(400)), max_tokens=2))
+    chunks: list[int] = []
+    while sum(chunks) < 400:
+        step = _run(sched)
+        assert step.num_scheduled["short"] == 1  # a token every step
+        chunks.append(step.num_scheduled["long"])
+    assert chunks == [63] * 6 + [400 - 63 * 6]
+    assert len(sched.requests["short"].output_token_ids) == 1 + len(chunks)
+    manager.check_integrity()
