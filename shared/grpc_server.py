@@ -135,7 +135,8 @@ def start_server(
     """Creates, binds and starts a server with health, reflection and error mapping."""
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=config.max_workers),
-        interceptors=[ErrorMappingInterceptor(), *interceptors],
+        # NOTE: error mapping innermost, so outer interceptors (tracing) see the mapped status.
+        interceptors=[*interceptors, ErrorMappingInterceptor()],
         options=list(options),
     )
     for reg in registrations:

@@ -218,7 +218,8 @@ class KVCacheMetrics:
 class RunnerMetrics:
     """Per-step cost of the model (the model-runner's view)."""
 
-    def __init__(self, registry: CollectorRegistry, model_name: str, max_num_batched_tokens: int = 8192) -> None:
+    def __init__(self, registry: CollectorRegistry, model_name: str,
+                 max_num_batched_tokens: int = 8192) -> None:
         labels = [MODEL_LABEL]
         self.model_forward_time = Histogram(
             PREFIX + "model_forward_time_seconds", "Execute(): KV writes, attention, sampling of one step.",

@@ -127,7 +127,7 @@ def _exporter_names(env: Mapping[str, str]) -> list[str]:
     names = [n.strip() for n in raw.split(",") if n.strip()]
     unknown = sorted(set(names) - EXPORTERS)
     if unknown:
-        raise ValueError(f"OTEL_TRACES_EXPORTER: unsupported exporter(s) {unknown}; use otlp, console or none")
+        raise ValueError(f"OTEL_TRACES_EXPORTER: unsupported {unknown}; use otlp, console or none")
     return [n for n in names if n != "none"]
 
 
@@ -143,7 +143,8 @@ def _otlp_exporter(env: Mapping[str, str]) -> SpanExporter:
     return OTLPSpanExporter(endpoint=endpoint or None)
 
 
-def setup_tracing(service_name: str, env: Mapping[str, str], *, set_global: bool = True) -> TracerProvider | None:
+def setup_tracing(service_name: str, env: Mapping[str, str], *,
+                  set_global: bool = True) -> TracerProvider | None:
     """Builds (and by default installs) the process's tracer provider from ``OTEL_*`` variables.
 
     Args:
@@ -214,8 +215,8 @@ def instrument_grpc_client(channel: grpc.Channel, tracer_provider: trace.TracerP
                            trace_health_checks: bool = False) -> grpc.Channel:
     """Wraps ``channel`` so each outgoing call gets a CLIENT span and carries the trace context.
 
-    Returns ``channel`` itself when tracing is off. Close the original channel, not the wrapper's
-    return value, if the caller needs both.
+    Returns ``channel`` itself when tracing is off; otherwise a wrapper whose ``close()`` closes
+    ``channel`` too, so callers keep one object either way.
     """
     provider = _active_provider(tracer_provider)
     if provider is None:

@@ -73,6 +73,7 @@ class Request:
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
     num_tokens_sent_to_kvm: int = 0  # tokens the kv-cache-manager knows of this request
+    block_hashes: list[bytes] = field(default_factory=list)  # full blocks' chained hashes (offload keys)
     known_to_runner: bool = False
     num_cached_tokens: int = -1  # prompt tokens from the prefix cache at first scheduling
     num_preemptions: int = 0

