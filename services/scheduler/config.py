@@ -21,6 +21,11 @@ class SchedulerConfig:
         kvm_address / runner_address / offload_address: ``host:port`` of the other services;
             an empty offload address disables the offload tier.
         rpc_timeout_seconds: deadline of each internal RPC.
+        deployment_key: root of the prefix-hash chain; must equal the kv-cache-manager's
+            (``KVMESH_KVM_DEPLOYMENT_KEY``): the scheduler checks this at start.
+        trace_steps: how many of a request's first steps get their own span (then every
+            ``trace_step_every``-th), so a 2,000-token answer is not 2,000 spans.
+        trace_step_every: sampling period of step spans after the first ``trace_steps``.
     """
 
     max_num_seqs: int = 64
@@ -35,6 +40,9 @@ class SchedulerConfig:
     runner_address: str = "127.0.0.1:50053"
     offload_address: str = ""
     rpc_timeout_seconds: float = 60.0
+    deployment_key: str = "kvmesh-dev"
+    trace_steps: int = 4
+    trace_step_every: int = 64
 
     def __post_init__(self) -> None:
         if self.max_num_seqs <= 0 or self.max_num_batched_tokens <= 0:

@@ -23,9 +23,11 @@ from typing import Any
 from services.scheduler.backends import KVCacheBackend, RunnerBackend, RunnerInfo
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.metrics import RequestMetrics
+from services.scheduler.offload import OffloadBackend, OffloadConnector
 from services.scheduler.request import FinishReason, Request, RequestSpec
 from services.scheduler.scheduler import ScheduledStep, Scheduler
 from shared.errors import InvalidArgument, KVMeshError, ResourceExhausted, Unavailable
+from shared.hashing import hash_seed
 
 log = logging.getLogger(__name__)
 
@@ -59,13 +61,16 @@ class _Finish:
 class Engine:
     """Runs the step loop in a thread; safe to call from many threads."""
 
-    def __init__(self, config: SchedulerConfig, kv: KVCacheBackend, runner: RunnerBackend) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheBackend, runner: RunnerBackend,
+                 offload: OffloadBackend | None = None) -> None:
         self.config = config
         self.kv = kv
         self.runner = runner
         self.info: RunnerInfo = runner.info()
         kv.initialize(self.info.num_blocks, self.info.block_size, self.info.max_model_len, self.info.model_id)
-        self.scheduler = Scheduler(config, kv, self.info)
+        self.offload = OffloadConnector(offload) if offload is not None else None
+        seed = hash_seed(config.deployment_key.encode(), self.info.model_id)
+        self.scheduler = Scheduler(config, kv, self.info, self.offload, seed)
         self._commands: queue.SimpleQueue[_Add | _Finish] = queue.SimpleQueue()
         self._queues: dict[str, queue.SimpleQueue[EngineOutput]] = {}
         self._lock = threading.Lock()

@@ -11,7 +11,8 @@ import os
 
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.engine import Engine
-from services.scheduler.remote import RemoteKVCache, RemoteRunner
+from services.scheduler.offload import RemoteOffload
+from services.scheduler.remote import RemoteKVCache, RemoteRunner, check_hash_seed
 from services.scheduler.servicer import SchedulerServicer
 from services.scheduler.tokenizer import Tokenizer
 from shared.config import ServerConfig, from_env
@@ -35,8 +36,15 @@ def main() -> int:
         wait_healthy(address, timeout=float(env.get("KVMESH_DEPENDENCY_TIMEOUT", "300")))
     kv = RemoteKVCache(config.kvm_address, config.rpc_timeout_seconds)
     runner = RemoteRunner(config.runner_address, config.rpc_timeout_seconds)
+    offload = None
+    if config.offload_address:
+        wait_healthy(config.offload_address, timeout=float(env.get("KVMESH_DEPENDENCY_TIMEOUT", "300")))
+        offload = RemoteOffload(config.offload_address, config.rpc_timeout_seconds)
+        offload.attach_pool(runner.pool_handle())
     tokenizer = Tokenizer(config.model_dir) if config.model_dir else None
-    engine = Engine(config, kv, runner).start()
+    engine = Engine(config, kv, runner, offload)
+    check_hash_seed(kv, engine)
+    engine.start()
     servicer = SchedulerServicer(engine, tokenizer)
     running = start_server(server_cfg, [
         ServiceRegistration("kvmesh.v1.Scheduler", servicer, scheduler_pb2_grpc.add_SchedulerServicer_to_server),
@@ -47,4 +55,6 @@ def main() -> int:
         engine.stop()
         kv.close()
         runner.close()
+        if offload is not None:
+            offload.close()
     return 0

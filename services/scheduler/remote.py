@@ -7,6 +7,7 @@ them into ended streams.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import grpc
 
@@ -21,7 +22,9 @@ from services.kv_cache_manager.types import (
 from services.model_runner.convert import output_from_proto, step_to_proto
 from services.model_runner.types import StepInput, StepOutput
 from services.scheduler.backends import RunnerInfo
-from shared.hashing import BlockHash
+from shared.errors import FailedPrecondition
+from shared.hashing import BlockHash, hash_blocks
+from shared.pb.kvmesh.v1 import common_pb2
 from shared.pb.kvmesh.v1 import (
     kv_cache_manager_pb2 as kvm_pb2,
 )
@@ -127,6 +130,26 @@ class RemoteRunner:
     def execute(self, step: StepInput) -> StepOutput:
         return output_from_proto(self.stub.Execute(step_to_proto(step), timeout=self.timeout))
 
+    def pool_handle(self) -> common_pb2.SharedTensorHandle:
+        """The KV pool's shared-memory handle (passed on to the offload-store)."""
+        return self.stub.GetKVPoolHandle(runner_pb2.GetKVPoolHandleRequest(), timeout=self.timeout)
+
     def close(self) -> None:
         """Closes the channel."""
         self.channel.close()
+
+
+def check_hash_seed(kv: RemoteKVCache, engine: Any) -> None:
+    """Refuses to start when the scheduler's prefix hashes differ from the kv-cache-manager's.
+
+    Offload-store keys come from both sides (the scheduler hashes prompts for lookups, the manager
+    reports evicted blocks' hashes for saves), so a deployment-key mismatch would silently turn
+    every offload lookup into a miss.
+    """
+    probe = list(range(engine.info.block_size))
+    theirs = list(kv.stub.LookupPrefix(kvm_pb2.LookupPrefixRequest(token_ids=probe), timeout=kv.timeout).block_hashes)
+    ours = hash_blocks(engine.scheduler.hash_seed, probe, engine.info.block_size)
+    if theirs != ours:
+        raise FailedPrecondition(
+            "prefix-hash seed mismatch between scheduler and kv-cache-manager: set the same deployment key "
+            "(KVMESH_SCHED_DEPLOYMENT_KEY and KVMESH_KVM_DEPLOYMENT_KEY)")
