@@ -160,8 +160,13 @@ def start_server(
     return RunningServer(server, port, health_servicer, names, config.grace_seconds)
 
 
-def serve_forever(running: RunningServer, label: str) -> None:
-    """Logs where the server listens and blocks until SIGTERM/SIGINT, then stops gracefully."""
+def serve_forever(running: RunningServer, label: str, on_stop: Callable[[], None] | None = None) -> None:
+    """Logs where the server listens and blocks until SIGTERM/SIGINT, then stops gracefully.
+
+    Args:
+        on_stop: runs before the drain, e.g. to end streams that never finish on their own
+            (they would otherwise hold the drain for the whole grace period).
+    """
     done = threading.Event()
 
     def _on_signal(signum: int, _frame: object) -> None:
@@ -172,5 +177,7 @@ def serve_forever(running: RunningServer, label: str) -> None:
     signal.signal(signal.SIGINT, _on_signal)
     print(f"kvmesh {label} listening on port {running.port}", flush=True)
     done.wait()
+    if on_stop is not None:
+        on_stop()
     running.stop()
     log.info("%s: stopped", label)

@@ -112,3 +112,24 @@ class PrefixLookup:
     num_cached_tokens: int
     block_ids: tuple[int, ...]
     block_hashes: tuple[BlockHash, ...] = field(default_factory=tuple)
+
+
+@dataclass(frozen=True)
+class BlockTable:
+    """One live request's blocks (see ``GetBlockTableResponse`` in the proto)."""
+
+    block_ids: tuple[int, ...]
+    num_tokens: int
+    block_hashes: tuple[BlockHash, ...]
+
+
+@dataclass(frozen=True)
+class KVEventBatch:
+    """Events of one manager operation, in order; ``seq`` grows by one per published batch.
+
+    NOTE: ``seq`` is global, not per subscriber, so a subscriber that was dropped for falling
+    behind and resubscribes can tell how much it missed.
+    """
+
+    seq: int
+    events: tuple[KVEvent, ...]

@@ -1,0 +1,377 @@
+"""KVCacheManager: block tables, prefix-cache hits and slot allocation for scheduler steps.
+
+One step = frees, then allocations in order. Each allocation either succeeds or reports
+OUT_OF_BLOCKS having changed nothing; malformed input raises before anything changes. Not
+thread-safe: the servicer serialises calls with one lock.
+
+A new request's table, with a pool hit on two blocks and an external (offload-store) hit on one::
+
+    prompt:  [ 16 tok ][ 16 tok ][ 16 tok ][ 16 tok ][ 7 tok  ]
+    blocks:  [  hit   ][  hit   ][external][ fresh  ][ fresh  ]
+             |   <- cached ->   |  (num_cached_tokens)
+             | <- num_computed_tokens ->  | <-num_new_tokens->|
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from services.kv_cache_manager.block_pool import BlockPool, KVCacheBlock
+from services.kv_cache_manager.events import EventHub
+from services.kv_cache_manager.integrity import check_integrity
+from services.kv_cache_manager.request import RequestState
+from services.kv_cache_manager.types import (
+    AllBlocksCleared,
+    AllocationResult,
+    AllocationSpec,
+    AllocationStatus,
+    BlockRemoved,
+    BlockStored,
+    BlockTable,
+    EvictedBlock,
+    KVCacheStats,
+    KVEvent,
+    PrefixLookup,
+    StepResult,
+)
+from services.kv_cache_manager.validation import validate_free, validate_step, validate_token_ids
+from shared.config import CacheConfig
+from shared.errors import FailedPrecondition, InvalidArgument, NotFound
+from shared.hashing import BlockHash, hash_blocks, hash_seed
+
+_OK = AllocationStatus.OK
+
+
+class KVCacheManager:
+    """The kv-cache-manager core.
+
+    Args:
+        config: pool geometry and hash identity.
+        events: where KV events go; they are only built while it has subscribers.
+    """
+
+    def __init__(self, config: CacheConfig, events: EventHub | None = None) -> None:
+        self._hub = events
+        self._reset(config)
+
+    def _reset(self, config: CacheConfig) -> None:
+        self._config = config
+        self._block_size = config.block_size
+        self._seed = hash_seed(config.deployment_key.encode(), config.model_id)
+        self._pool = BlockPool(config.num_blocks)
+        self._requests: dict[str, RequestState] = {}
+        self._prefix_queries = self._prefix_hits = 0
+        self._recompute_queries = self._recompute_hits = 0
+
+    @property
+    def config(self) -> CacheConfig:
+        """The current pool geometry."""
+        return self._config
+
+    @property
+    def pool(self) -> BlockPool:
+        """The block pool, for inspection (tests, integrity); mutate it only through the manager."""
+        return self._pool
+
+    def initialize(self, num_blocks: int, block_size: int = 0, max_model_len: int = 0,
+                   model_id: str = "") -> KVCacheStats:
+        """Recreates the pool (new geometry or model); forgets the cache and the counters.
+
+        Args:
+            num_blocks: pool size including the null block (>= 2).
+            block_size: tokens per block; 0 keeps the configured value.
+            max_model_len: longest sequence; 0 keeps the configured value.
+            model_id: enters the hash seed; empty keeps the configured one.
+
+        Raises:
+            InvalidArgument: an out-of-range size.
+            FailedPrecondition: some request is live (its table would name blocks of the old pool).
+        """
+        current = self._config
+        try:
+            config = dataclasses.replace(
+                current,
+                num_blocks=num_blocks,
+                block_size=block_size or current.block_size,
+                max_model_len=max_model_len or current.max_model_len,
+                model_id=model_id or current.model_id,
+            )
+        except ValueError as exc:
+            raise InvalidArgument(str(exc)) from exc
+        if self._requests:
+            raise FailedPrecondition(f"{len(self._requests)} requests are live; free them first")
+        events = self._begin_events()
+        self._reset(config)
+        if events is not None:
+            events.append(AllBlocksCleared())
+        self._publish(events)
+        return self.stats()
+
+    # ------------------------------------------------------------------ steps
+
+    def step(self, free_request_ids: Sequence[str] = (),
+             allocations: Sequence[AllocationSpec] = ()) -> StepResult:
+        """Frees ``free_request_ids``, then applies ``allocations`` in order.
+
+        Args:
+            free_request_ids: live requests to release first (finished, aborted, preempted).
+            allocations: this step's scheduled requests.
+
+        Returns:
+            One result per allocation, the cached blocks evicted to make room (in eviction
+            order) and the stats after the step.
+
+        Raises:
+            InvalidArgument, NotFound, AlreadyExists: malformed step; nothing changed.
+        """
+        validate_step(self._requests, free_request_ids, allocations, self._config.max_model_len)
+        events = self._begin_events()
+        for request_id in free_request_ids:
+            self._free_one(request_id)
+        evicted: list[EvictedBlock] = []
+        results = tuple(self._allocate(spec, evicted, events) for spec in allocations)
+        self._publish(events)
+        return StepResult(results, tuple(evicted), self.stats())
+
+    def allocate_slots(self, allocations: Sequence[AllocationSpec]) -> StepResult:
+        """A step with allocations only."""
+        return self.step((), allocations)
+
+    def free(self, request_ids: Sequence[str]) -> KVCacheStats:
+        """Releases every block of the given live requests, each table tail first.
+
+        Raises:
+            NotFound, InvalidArgument: an id is not live or named twice; nothing changed.
+        """
+        validate_free(self._requests, request_ids)
+        events = self._begin_events()
+        for request_id in request_ids:
+            self._free_one(request_id)
+        self._publish(events)
+        return self.stats()
+
+    def _free_one(self, request_id: str) -> None:
+        state = self._requests.pop(request_id)
+        # NOTE: tail first, so a chain's tail lands in the free queue before its head and is
+        # evicted first: a later request is likelier to share a prefix's head than its tail.
+        self._pool.free_blocks(reversed(state.blocks))
+
+    def _allocate(self, spec: AllocationSpec, evicted: list[EvictedBlock],
+                  events: list[KVEvent] | None) -> AllocationResult:
+        if spec.is_new:
+            return self._allocate_new(spec, evicted, events)
+        return self._allocate_running(spec, self._requests[spec.request_id], evicted, events)
+
+    def _allocate_new(self, spec: AllocationSpec, evicted: list[EvictedBlock],
+                      events: list[KVEvent] | None) -> AllocationResult:
+        """Registers a request: hash, prefix hit, external blocks, then slots for its first chunk.
+
+        NOTE: ``use_prefix_cache=False`` only skips *reading* the cache (and its stats); the
+        request's computed blocks are still registered, so later requests can reuse them.
+        """
+        bs = self._block_size
+        pool = self._pool
+        tokens = list(spec.new_token_ids)
+        num_tokens = len(tokens)
+        hashes = hash_blocks(self._seed, tokens, bs, spec.cache_salt)
+        # NOTE: the last token is always computed (its logits are needed), so at most
+        # (num_tokens - 1) // block_size full blocks can come from any cache tier.
+        max_cached_blocks = (num_tokens - 1) // bs
+        hits = self.get_computed_blocks(hashes, tokens, max_cached_blocks) if spec.use_prefix_cache else []
+        num_hit = len(hits)
+        num_known = max(num_hit, min(spec.num_external_blocks, max_cached_blocks))
+        num_computed = num_known * bs
+        num_new = min(spec.num_new_tokens, num_tokens - num_computed)
+        num_fresh = -(-(num_computed + num_new) // bs) - num_hit
+        # Taking a free cached hit removes it from the free queue, so it cannot also be fresh.
+        num_free_hits = sum(1 for block in hits if block.ref_cnt == 0)
+        if num_fresh > pool.num_free_blocks - num_free_hits:
+            return AllocationResult(spec.request_id, AllocationStatus.OUT_OF_BLOCKS)
+
+        pool.touch(hits)
+        fresh = self._get_new_blocks(num_fresh, evicted, events)
+        state = RequestState(spec.request_id, tokens, hashes, spec.cache_salt)
+        state.blocks = hits + fresh
+        state.num_cached_blocks = num_hit
+        state.num_computed_tokens = num_computed + num_new
+        self._requests[spec.request_id] = state
+        self._cache_full_blocks(state, (num_computed + num_new) // bs, events)
+        if spec.use_prefix_cache:
+            if spec.is_resumed:
+                self._recompute_queries += num_tokens
+                self._recompute_hits += num_hit * bs
+            else:
+                self._prefix_queries += num_tokens
+                self._prefix_hits += num_hit * bs
+        return AllocationResult(
+            spec.request_id, _OK,
+            new_block_ids=tuple([block.block_id for block in state.blocks]),
+            num_computed_tokens=num_computed,
+            num_new_tokens=num_new,
+            num_cached_tokens=num_hit * bs,
+            external_block_ids=tuple([block.block_id for block in fresh[: num_known - num_hit]]),
+        )
+
+    def _allocate_running(self, spec: AllocationSpec, state: RequestState, evicted: list[EvictedBlock],
+                          events: list[KVEvent] | None) -> AllocationResult:
+        bs = self._block_size
+        num_computed = state.num_computed_tokens
+        total = num_computed + spec.num_new_tokens
+        num_fresh = max(0, -(-total // bs) - len(state.blocks))
+        if num_fresh > self._pool.num_free_blocks:
+            return AllocationResult(spec.request_id, AllocationStatus.OUT_OF_BLOCKS)
+        if spec.new_token_ids:
+            state.append_tokens(spec.new_token_ids, self._seed, bs)
+        fresh = self._get_new_blocks(num_fresh, evicted, events) if num_fresh else []
+        state.blocks.extend(fresh)
+        state.num_computed_tokens = total
+        self._cache_full_blocks(state, total // bs, events)
+        return AllocationResult(
+            spec.request_id, _OK,
+            new_block_ids=tuple([block.block_id for block in fresh]),
+            num_computed_tokens=num_computed,
+            num_new_tokens=spec.num_new_tokens,
+        )
+
+    def get_computed_blocks(self, hashes: Sequence[BlockHash], token_ids: Sequence[int],
+                            max_blocks: int) -> list[KVCacheBlock]:
+        """The longest run of leading blocks cached in the pool (read-only).
+
+        Args:
+            hashes: the sequence's full-block hashes.
+            token_ids: the sequence, to verify each hit's stored tokens.
+            max_blocks: cap on the hit (callers pass ``(num_tokens - 1) // block_size``).
+
+        Returns:
+            The hit blocks, in order. A block whose stored tokens differ from the sequence's
+            (a hash collision) ends the run: a miss, never wrong KV.
+        """
+        bs = self._block_size
+        cached = self._pool.cached
+        hits: list[KVCacheBlock] = []
+        for i in range(min(max_blocks, len(hashes))):
+            block = cached.get(hashes[i])
+            start = i * bs
+            if block is None or block.token_ids != tuple(token_ids[start : start + bs]):
+                break
+            hits.append(block)
+        return hits
+
+    def _get_new_blocks(self, n: int, evicted: list[EvictedBlock],
+                        events: list[KVEvent] | None) -> list[KVCacheBlock]:
+        first = len(evicted)
+        blocks = self._pool.get_new_blocks(n, evicted)
+        if events is not None and len(evicted) > first:
+            events.append(BlockRemoved(tuple([e.block_hash for e in evicted[first:]])))
+        return blocks
+
+    def _cache_full_blocks(self, state: RequestState, num_full_computed: int,
+                           events: list[KVEvent] | None) -> None:
+        """Registers the request's full blocks that are known and computed by the end of the step.
+
+        A block whose hash another block already serves (computed concurrently by another
+        request) stays unregistered, and the existing mapping wins.
+        """
+        start = state.num_cached_blocks
+        end = min(num_full_computed, len(state.block_hashes))
+        if end <= start:
+            return
+        bs = self._block_size
+        tokens, hashes, blocks = state.token_ids, state.block_hashes, state.blocks
+        cache_block = self._pool.cache_block
+        stored: list[int] = []
+        for i in range(start, end):
+            if cache_block(blocks[i], hashes[i], tuple(tokens[i * bs : (i + 1) * bs])):
+                stored.append(i)
+        state.num_cached_blocks = end
+        if events is not None and stored:
+            self._stored_events(state, stored, events)
+
+    def _stored_events(self, state: RequestState, stored: list[int], events: list[KVEvent]) -> None:
+        """One BlockStored per contiguous run of newly registered blocks, with its parent hash."""
+        hashes, blocks, bs = state.block_hashes, state.blocks, self._block_size
+        run_start = 0
+        for k in range(1, len(stored) + 1):
+            if k < len(stored) and stored[k] == stored[k - 1] + 1:
+                continue
+            first, last = stored[run_start], stored[k - 1]
+            events.append(BlockStored(
+                block_hashes=tuple(hashes[first : last + 1]),
+                parent_block_hash=hashes[first - 1] if first else None,
+                block_size=bs,
+                num_tokens=(last + 1 - first) * bs,
+                block_ids=tuple([block.block_id for block in blocks[first : last + 1]]),
+            ))
+            run_start = k
+
+    # ------------------------------------------------------------------ queries
+
+    def lookup_prefix(self, token_ids: Sequence[int], cache_salt: bytes = b"") -> PrefixLookup:
+        """How many leading tokens are cached in the pool; changes nothing (not even LRU order)."""
+        validate_token_ids(token_ids, "lookup")
+        if len(token_ids) > self._config.max_model_len:
+            raise InvalidArgument(f"{len(token_ids)} tokens exceed max_model_len {self._config.max_model_len}")
+        bs = self._block_size
+        tokens = list(token_ids)
+        hashes = hash_blocks(self._seed, tokens, bs, cache_salt)
+        hits = self.get_computed_blocks(hashes, tokens, max(0, (len(tokens) - 1) // bs))
+        return PrefixLookup(len(hits) * bs, tuple([b.block_id for b in hits]), tuple(hashes))
+
+    def get_block_table(self, request_id: str) -> BlockTable:
+        """A live request's blocks, known token count and computed full-block hashes."""
+        state = self._requests.get(request_id)
+        if state is None:
+            raise NotFound(f"request {request_id!r} is not live")
+        return BlockTable(tuple([b.block_id for b in state.blocks]), state.num_tokens,
+                          tuple(state.block_hashes[: state.num_cached_blocks]))
+
+    def reset_prefix_cache(self) -> int:
+        """Forgets every cached prefix; returns how many blocks were cached.
+
+        Raises:
+            FailedPrecondition: some block is in use (its request may still rely on its hash).
+        """
+        pool = self._pool
+        if pool.num_free_blocks != pool.num_usable_blocks:
+            raise FailedPrecondition(f"{pool.num_usable_blocks - pool.num_free_blocks} blocks in use")
+        events = self._begin_events()
+        num = pool.reset_prefix_cache()
+        if events is not None:
+            events.append(AllBlocksCleared())
+        self._publish(events)
+        return num
+
+    def stats(self) -> KVCacheStats:
+        """Pool usage and cumulative prefix-cache counters."""
+        pool = self._pool
+        usable = pool.num_usable_blocks
+        free = pool.num_free_blocks
+        return KVCacheStats(
+            num_blocks=usable,
+            num_free_blocks=free,
+            num_cached_blocks=len(pool.cached),
+            usage_percent=(usable - free) / usable * 100.0,
+            prefix_cache_queries=self._prefix_queries,
+            prefix_cache_hits=self._prefix_hits,
+            recompute_queries=self._recompute_queries,
+            recompute_hits=self._recompute_hits,
+            num_requests=len(self._requests),
+            block_size=self._block_size,
+            num_evictions=pool.num_evictions,
+        )
+
+    def check_integrity(self) -> None:
+        """Re-derives the accounting; raises IntegrityError on any mismatch."""
+        check_integrity(self._pool, self._requests.values(), self._block_size)
+
+    # ------------------------------------------------------------------ events
+
+    def _begin_events(self) -> list[KVEvent] | None:
+        """A list to collect this operation's events, or None when nobody listens (no cost)."""
+        hub = self._hub
+        return [] if hub is not None and hub.has_subscribers else None
+
+    def _publish(self, events: list[KVEvent] | None) -> None:
+        if events and self._hub is not None:
+            self._hub.publish(events)

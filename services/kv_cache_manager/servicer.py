@@ -1,0 +1,134 @@
+"""The gRPC adapter: protobuf in, core call under one lock, protobuf out.
+
+Errors are raised as :mod:`shared.errors` exceptions and mapped to status codes by the
+server's interceptor; nothing here decides policy.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import grpc
+
+from services.kv_cache_manager import convert
+from services.kv_cache_manager.events import EventHub
+from services.kv_cache_manager.manager import KVCacheManager
+from services.kv_cache_manager.types import KVCacheStats
+from shared.errors import ResourceExhausted
+from shared.metrics import KVCacheMetrics
+from shared.pb.kvmesh.v1 import kv_cache_manager_pb2 as pb
+from shared.pb.kvmesh.v1 import kv_cache_manager_pb2_grpc as pb_grpc
+
+SERVICE_NAME = "kvmesh.v1.KVCacheManager"
+# Initial metadata sent once a SubscribeEvents stream is registered: a client that waits for
+# it (``call.initial_metadata()``) knows every later operation's events will reach it.
+SUBSCRIBED_METADATA = (("kvmesh-subscribed", "1"),)
+
+
+class KVCacheManagerServicer(pb_grpc.KVCacheManagerServicer):
+    """Serves one :class:`KVCacheManager`.
+
+    NOTE: gRPC calls handlers from a thread pool, and the core is not thread-safe; one lock
+    serialises every call (each is microseconds to a millisecond, so it is not a bottleneck
+    next to the scheduler's one call per step).
+
+    Args:
+        manager: the core.
+        hub: the manager's event hub.
+        max_subscribers: concurrent SubscribeEvents streams allowed. Each holds a server worker
+            thread for its whole life, so an unbounded number would starve the scheduler's calls.
+    """
+
+    def __init__(self, manager: KVCacheManager, hub: EventHub, max_subscribers: int = 4,
+                 metrics: KVCacheMetrics | None = None) -> None:
+        self._manager = manager
+        self._hub = hub
+        self._max_subscribers = max_subscribers
+        self._lock = threading.Lock()
+        self._metrics = metrics
+        self._seen = (0, 0)  # prefix-cache (queries, hits) already exported
+
+    def _export(self, stats: KVCacheStats) -> None:
+        """Mirrors the step's stats into Prometheus (counters advance by the delta since last time)."""
+        if self._metrics is None:
+            return
+        self._metrics.set_usage(stats.num_blocks - stats.num_free_blocks, stats.num_blocks)
+        queries, hits = stats.prefix_cache_queries, stats.prefix_cache_hits
+        dq, dh = queries - self._seen[0], hits - self._seen[1]
+        if dq >= 0 and 0 <= dh <= dq:  # counters reset by Initialize: skip that one delta
+            self._metrics.record_prefix_lookup(dq, dh)
+        self._seen = (queries, hits)
+
+    def Initialize(self, request: pb.InitializeRequest, context: grpc.ServicerContext) -> pb.InitializeResponse:
+        with self._lock:
+            stats = self._manager.initialize(request.num_blocks, request.block_size, request.max_model_len,
+                                             request.model_id)
+        return pb.InitializeResponse(stats=convert.stats_to_pb(stats))
+
+    def AllocateSlots(self, request: pb.AllocateSlotsRequest,
+                      context: grpc.ServicerContext) -> pb.AllocateSlotsResponse:
+        specs = [convert.spec_from_pb(a) for a in request.allocations]
+        free_ids = list(request.free_request_ids)
+        with self._lock:
+            step = self._manager.step(free_ids, specs)
+            self._export(step.stats)
+        return convert.step_to_pb(step)
+
+    def Free(self, request: pb.FreeRequest, context: grpc.ServicerContext) -> pb.FreeResponse:
+        with self._lock:
+            stats = self._manager.free(list(request.request_ids))
+        return pb.FreeResponse(stats=convert.stats_to_pb(stats))
+
+    def LookupPrefix(self, request: pb.LookupPrefixRequest,
+                     context: grpc.ServicerContext) -> pb.LookupPrefixResponse:
+        with self._lock:
+            lookup = self._manager.lookup_prefix(list(request.token_ids), request.cache_salt)
+        return convert.lookup_to_pb(lookup)
+
+    def GetBlockTable(self, request: pb.GetBlockTableRequest,
+                      context: grpc.ServicerContext) -> pb.GetBlockTableResponse:
+        with self._lock:
+            table = self._manager.get_block_table(request.request_id)
+        return convert.block_table_to_pb(table)
+
+    def ResetPrefixCache(self, request: pb.ResetPrefixCacheRequest,
+                         context: grpc.ServicerContext) -> pb.ResetPrefixCacheResponse:
+        with self._lock:
+            num = self._manager.reset_prefix_cache()
+        return pb.ResetPrefixCacheResponse(num_cleared=num)
+
+    def GetStats(self, request: pb.GetStatsRequest, context: grpc.ServicerContext) -> pb.KVCacheStats:
+        with self._lock:
+            stats = self._manager.stats()
+        return convert.stats_to_pb(stats)
+
+    def CheckIntegrity(self, request: pb.CheckIntegrityRequest,
+                       context: grpc.ServicerContext) -> pb.CheckIntegrityResponse:
+        with self._lock:
+            self._manager.check_integrity()
+        return pb.CheckIntegrityResponse(ok=True)
+
+    def SubscribeEvents(self, request: pb.SubscribeEventsRequest,
+                        context: grpc.ServicerContext) -> Iterator[pb.KVEventBatch]:
+        # NOTE: subscribing under the manager lock means no operation is half-published:
+        # the subscriber sees every event of every operation that starts after this point.
+        with self._lock:
+            if self._hub.num_subscribers >= self._max_subscribers:
+                raise ResourceExhausted(f"at most {self._max_subscribers} event subscribers; retry later")
+            sub = self._hub.subscribe()
+        if not context.add_callback(sub.close):  # the client is already gone
+            sub.close()
+            return
+        context.send_initial_metadata(SUBSCRIBED_METADATA)
+        try:
+            for batch in sub:
+                yield convert.batch_to_pb(batch)
+        finally:
+            sub.close()
+        if sub.overflowed:
+            raise ResourceExhausted("event subscriber fell behind and was dropped; resubscribe")
+
+    def close(self) -> None:
+        """Ends every event stream cleanly (called when the server begins to stop)."""
+        self._hub.close()

@@ -1,0 +1,197 @@
+"""The kv-cache-manager as a real process over gRPC: scenario, status codes, events, health, stop.
+
+Pool: 11 blocks of 16 tokens (block 0 null). Every test starts from a fresh pool (Initialize).
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from collections.abc import Iterator
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from shared.hashing import hash_blocks, hash_seed
+from shared.launcher import ServiceProcess
+from shared.pb.kvmesh.v1 import kv_cache_manager_pb2 as pb
+from shared.pb.kvmesh.v1 import kv_cache_manager_pb2_grpc as pb_grpc
+
+ENV = {
+    "KVMESH_KVM_NUM_BLOCKS": "11",
+    "KVMESH_KVM_BLOCK_SIZE": "16",
+    "KVMESH_KVM_MAX_MODEL_LEN": "256",
+    "KVMESH_KVM_MODEL_ID": "it-model",
+    "KVMESH_KVM_DEPLOYMENT_KEY": "it-key",
+}
+SEED = hash_seed(b"it-key", "it-model")
+SERVICE = "kvmesh.v1.KVCacheManager"
+A = list(range(55))
+B = A[:48] + list(range(1000, 1005))
+OK = pb.AllocationResult.STATUS_OK
+TIMEOUT = 10.0
+
+
+@pytest.fixture(scope="module")
+def service() -> Iterator[ServiceProcess]:
+    with ServiceProcess("kv-cache-manager", env=ENV) as proc:
+        yield proc
+
+
+@pytest.fixture(scope="module")
+def channel(service: ServiceProcess) -> Iterator[grpc.Channel]:
+    with grpc.insecure_channel(service.address) as ch:
+        yield ch
+
+
+@pytest.fixture
+def stub(channel: grpc.Channel) -> pb_grpc.KVCacheManagerStub:
+    s = pb_grpc.KVCacheManagerStub(channel)
+    s.Initialize(pb.InitializeRequest(num_blocks=11), timeout=TIMEOUT)
+    return s
+
+
+def new(rid: str, tokens: list[int], num_new: int | None = None) -> pb.Allocation:
+    num = len(tokens) if num_new is None else num_new
+    return pb.Allocation(request_id=rid, new_token_ids=tokens, num_new_tokens=num, is_new=True, use_prefix_cache=True)
+
+
+def step(stub: pb_grpc.KVCacheManagerStub, free: list[str], allocs: list[pb.Allocation]) -> pb.AllocateSlotsResponse:
+    return stub.AllocateSlots(pb.AllocateSlotsRequest(free_request_ids=free, allocations=allocs), timeout=TIMEOUT)
+
+
+def observable(stub: pb_grpc.KVCacheManagerStub, live: list[str]) -> tuple[object, ...]:
+    """Stats and block tables (and integrity must hold)."""
+    assert stub.CheckIntegrity(pb.CheckIntegrityRequest(), timeout=TIMEOUT).ok
+    tables = [stub.GetBlockTable(pb.GetBlockTableRequest(request_id=r), timeout=TIMEOUT) for r in live]
+    return stub.GetStats(pb.GetStatsRequest(), timeout=TIMEOUT), tables
+
+
+def test_prefix_sharing_scenario_with_exact_block_ids(stub: pb_grpc.KVCacheManagerStub) -> None:
+    ra = step(stub, [], [new("a", A)]).results[0]
+    assert (ra.status, list(ra.new_block_ids), ra.num_computed_tokens, ra.num_new_tokens) == (OK, [1, 2, 3, 4], 0, 55)
+    rb = step(stub, [], [new("b", B)])
+    r = rb.results[0]
+    assert list(r.new_block_ids) == [1, 2, 3, 5]
+    assert (r.num_computed_tokens, r.num_cached_tokens, r.num_new_tokens) == (48, 48, 5)
+    assert (rb.stats.num_free_blocks, rb.stats.num_cached_blocks, rb.stats.prefix_cache_hits) == (5, 3, 48)
+    table = stub.GetBlockTable(pb.GetBlockTableRequest(request_id="a"), timeout=TIMEOUT)
+    hashes = hash_blocks(SEED, A, 16)
+    assert (list(table.block_ids), table.num_tokens, list(table.block_hashes)) == ([1, 2, 3, 4], 55, hashes)
+    lookup = stub.LookupPrefix(pb.LookupPrefixRequest(token_ids=A), timeout=TIMEOUT)
+    assert (lookup.num_cached_tokens, list(lookup.block_ids), list(lookup.block_hashes)) == (48, [1, 2, 3], hashes)
+
+    free = stub.Free(pb.FreeRequest(request_ids=["a", "b"]), timeout=TIMEOUT)
+    assert (free.stats.num_free_blocks, free.stats.num_requests, free.stats.usage_percent) == (10, 0, 0.0)
+    rc = step(stub, [], [new("c", list(range(5000, 5160)))])
+    assert list(rc.results[0].new_block_ids) == [5, 4, 6, 7, 8, 9, 10, 3, 2, 1]
+    assert [(e.block_id, e.block_hash) for e in rc.evicted] == [(3, hashes[2]), (2, hashes[1]), (1, hashes[0])]
+    assert rc.stats.num_evictions == 3
+    step(stub, ["c"], [])
+    assert stub.ResetPrefixCache(pb.ResetPrefixCacheRequest(), timeout=TIMEOUT).num_cleared == 10
+    assert stub.CheckIntegrity(pb.CheckIntegrityRequest(), timeout=TIMEOUT).ok
+
+
+def test_out_of_blocks_is_a_status_not_an_error(stub: pb_grpc.KVCacheManagerStub) -> None:
+    step(stub, [], [new("x", list(range(100)))])
+    before = observable(stub, ["x"])
+    resp = step(stub, [], [new("y", list(range(500, 564)))])
+    assert [(r.request_id, r.status, list(r.new_block_ids)) for r in resp.results] == [
+        ("y", pb.AllocationResult.STATUS_OUT_OF_BLOCKS, [])]
+    assert observable(stub, ["x"]) == before
+    stub.Free(pb.FreeRequest(request_ids=["x"]), timeout=TIMEOUT)
+
+
+BAD_CASES = [
+    ("unknown free id", lambda s: step(s, ["nope"], []), grpc.StatusCode.NOT_FOUND),
+    ("unknown running id", lambda s: step(s, [], [pb.Allocation(request_id="nope", num_new_tokens=1)]),
+     grpc.StatusCode.NOT_FOUND),
+    ("live id sent as new", lambda s: step(s, [], [new("live", [1, 2])]), grpc.StatusCode.ALREADY_EXISTS),
+    ("duplicate ids in a step", lambda s: step(s, [], [new("d", [1]), new("d", [2])]),
+     grpc.StatusCode.INVALID_ARGUMENT),
+    ("negative num_new_tokens", lambda s: step(s, [], [new("d", [1, 2], num_new=-1)]),
+     grpc.StatusCode.INVALID_ARGUMENT),
+    ("negative token id", lambda s: step(s, [], [new("d", [1, -5])]), grpc.StatusCode.INVALID_ARGUMENT),
+    ("beyond max_model_len", lambda s: step(s, [], [new("d", list(range(257)))]),
+     grpc.StatusCode.INVALID_ARGUMENT),
+    ("valid allocation before a bad one", lambda s: step(s, [], [new("d", [1, 2]), new("live", [3])]),
+     grpc.StatusCode.ALREADY_EXISTS),
+    ("free of unknown id", lambda s: s.Free(pb.FreeRequest(request_ids=["nope"]), timeout=TIMEOUT),
+     grpc.StatusCode.NOT_FOUND),
+    ("block table of unknown id",
+     lambda s: s.GetBlockTable(pb.GetBlockTableRequest(request_id="nope"), timeout=TIMEOUT), grpc.StatusCode.NOT_FOUND),
+    ("lookup with negative token", lambda s: s.LookupPrefix(pb.LookupPrefixRequest(token_ids=[-1]), timeout=TIMEOUT),
+     grpc.StatusCode.INVALID_ARGUMENT),
+    ("reset while in use", lambda s: s.ResetPrefixCache(pb.ResetPrefixCacheRequest(), timeout=TIMEOUT),
+     grpc.StatusCode.FAILED_PRECONDITION),
+    ("initialize while in use", lambda s: s.Initialize(pb.InitializeRequest(num_blocks=11), timeout=TIMEOUT),
+     grpc.StatusCode.FAILED_PRECONDITION),
+]
+
+
+def test_bad_input_maps_to_status_codes_and_changes_nothing(stub: pb_grpc.KVCacheManagerStub) -> None:
+    step(stub, [], [new("live", list(range(40)))])
+    before = observable(stub, ["live"])
+    for name, call, code in BAD_CASES:
+        with pytest.raises(grpc.RpcError) as info:
+            call(stub)
+        assert info.value.code() == code, name
+        assert observable(stub, ["live"]) == before, name
+    stub.Free(pb.FreeRequest(request_ids=["live"]), timeout=TIMEOUT)
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Initialize(pb.InitializeRequest(num_blocks=1), timeout=TIMEOUT)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_subscribers_receive_block_events(stub: pb_grpc.KVCacheManagerStub) -> None:
+    stream = stub.SubscribeEvents(pb.SubscribeEventsRequest(), timeout=30)
+    assert dict(stream.initial_metadata())["kvmesh-subscribed"] == "1"
+    step(stub, [], [new("a", A)])
+    step(stub, ["a"], [new("c", list(range(5000, 5160)))])
+    step(stub, ["c"], [])
+    stub.ResetPrefixCache(pb.ResetPrefixCacheRequest(), timeout=TIMEOUT)
+    it = iter(stream)
+    batches = [next(it) for _ in range(3)]
+    stream.cancel()
+    hashes = hash_blocks(SEED, A, 16)
+    assert batches[0].seq < batches[1].seq < batches[2].seq
+    (stored,) = batches[0].events
+    assert list(stored.stored.block_hashes) == hashes
+    assert (stored.stored.parent_block_hash, stored.stored.block_size, stored.stored.num_tokens) == (b"", 16, 48)
+    assert list(stored.stored.block_ids) == [1, 2, 3]
+    removed, stored_c = batches[1].events
+    assert list(removed.removed.block_hashes) == hashes[::-1]
+    assert list(stored_c.stored.block_ids) == [4, 5, 6, 7, 8, 9, 10, 3, 2, 1]
+    assert [e.WhichOneof("event") for e in batches[2].events] == ["cleared"]
+
+
+def test_health_and_reflection(service: ServiceProcess, channel: grpc.Channel) -> None:
+    health = health_pb2_grpc.HealthStub(channel)
+    for name in ("", SERVICE):
+        resp = health.Check(health_pb2.HealthCheckRequest(service=name), timeout=TIMEOUT)
+        assert resp.status == health_pb2.HealthCheckResponse.SERVING
+    refl = reflection_pb2_grpc.ServerReflectionStub(channel)
+    (resp,) = list(refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]),
+                                             timeout=TIMEOUT))
+    assert SERVICE in {s.name for s in resp.list_services_response.service}
+
+
+def test_sigterm_ends_event_streams_cleanly_and_exits_zero() -> None:
+    proc = ServiceProcess("kv-cache-manager", env=ENV)
+    try:
+        with grpc.insecure_channel(proc.address) as ch:
+            stream = pb_grpc.KVCacheManagerStub(ch).SubscribeEvents(pb.SubscribeEventsRequest(), timeout=30)
+            stream.initial_metadata()
+            received: list[pb.KVEventBatch] = []
+            reader = threading.Thread(target=lambda: received.extend(stream))
+            reader.start()
+            proc.proc.send_signal(signal.SIGTERM)
+            assert proc.proc.wait(timeout=10) == 0
+            reader.join(timeout=10)
+            assert not reader.is_alive()
+            assert stream.code() == grpc.StatusCode.OK
+            assert received == []
+    finally:
+        assert proc.stop() == 0

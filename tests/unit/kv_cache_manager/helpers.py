@@ -1,0 +1,49 @@
+"""Builders and snapshots shared by the kv-cache-manager unit tests."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from services.kv_cache_manager.events import EventHub
+from services.kv_cache_manager.manager import KVCacheManager
+from services.kv_cache_manager.types import AllocationSpec
+from shared.config import CacheConfig
+
+BS = 16
+
+
+def make_manager(num_blocks: int = 11, block_size: int = BS, max_model_len: int = 1024,
+                 hub: EventHub | None = None) -> KVCacheManager:
+    """A manager with a small pool (block 0 is null, so ``num_blocks - 1`` are usable)."""
+    config = CacheConfig(block_size=block_size, num_blocks=num_blocks, max_model_len=max_model_len,
+                         model_id="test-model", deployment_key="test-key")
+    return KVCacheManager(config, hub)
+
+
+def new(request_id: str, tokens: Sequence[int], num_new: int | None = None, **kw: Any) -> AllocationSpec:
+    """A new request's first allocation, scheduling its whole prompt unless told otherwise."""
+    return AllocationSpec(request_id, tuple(tokens), len(tokens) if num_new is None else num_new,
+                          is_new=True, **kw)
+
+
+def running(request_id: str, new_tokens: Sequence[int], num_new: int) -> AllocationSpec:
+    """A running request's allocation (decode or the next prefill chunk)."""
+    return AllocationSpec(request_id, tuple(new_tokens), num_new)
+
+
+def free_order(manager: KVCacheManager) -> list[int]:
+    """Block ids in the free queue, front (allocated next) to back (evicted last)."""
+    return [block.block_id for block in manager.pool.free_queue]
+
+
+def snapshot(manager: KVCacheManager, request_ids: Sequence[str] = ()) -> tuple[Any, ...]:
+    """Everything observable: stats, block tables, free-queue order, cached hashes -> block ids."""
+    tables = {rid: manager.get_block_table(rid) for rid in request_ids}
+    cached = {h: b.block_id for h, b in manager.pool.cached.items()}
+    return manager.stats(), tables, free_order(manager), cached
+
+
+def seq(start: int, n: int) -> list[int]:
+    """``n`` distinct token ids from ``start`` (different starts give unrelated prompts)."""
+    return list(range(start, start + n))
