@@ -1,0 +1,42 @@
+"""``kvmesh serve offload-store``: the only place that reads the environment.
+
+Variables: ``KVMESH_OFFLOAD_DATA_DIR``, ``KVMESH_OFFLOAD_DB_URL`` (default: SQLite in the data
+dir), ``KVMESH_OFFLOAD_DB_TABLE``, ``KVMESH_OFFLOAD_DRAM_BYTES``, ``KVMESH_OFFLOAD_DISK_BYTES``,
+``KVMESH_OFFLOAD_POOL_DIR``, ``KVMESH_OFFLOAD_TORCH_THREADS``, and the server's ``KVMESH_HOST`` / ``KVMESH_PORT`` /
+``KVMESH_PORT_FILE``.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from services.offload_store.config import OffloadConfig
+from services.offload_store.servicer import OffloadStoreServicer
+from services.offload_store.store import OffloadStoreCore
+from shared.config import ServerConfig, from_env
+from shared.grpc_server import ServiceRegistration, serve_forever, start_server
+from shared.pb.kvmesh.v1 import offload_store_pb2, offload_store_pb2_grpc
+
+log = logging.getLogger(__name__)
+SERVICE_NAME = offload_store_pb2.DESCRIPTOR.services_by_name["OffloadStore"].full_name
+
+
+def main() -> int:
+    """Opens the store (reconciling disk and index), serves until SIGTERM, then closes it."""
+    config = from_env(OffloadConfig, "KVMESH_OFFLOAD_")
+    server_config = from_env(ServerConfig, "KVMESH_")
+    if config.torch_threads > 0:
+        torch.set_num_threads(config.torch_threads)
+    core = OffloadStoreCore(config)
+    log.info("offload-store: data dir %s, reconcile %s", config.data_dir, core.reconcile_report)
+    try:
+        registration = ServiceRegistration(
+            SERVICE_NAME, OffloadStoreServicer(core), offload_store_pb2_grpc.add_OffloadStoreServicer_to_server
+        )
+        running = start_server(server_config, [registration])
+        serve_forever(running, "offload-store")
+    finally:
+        core.close()
+    return 0

@@ -1,0 +1,79 @@
+"""gRPC adapter of the offload-store: protobuf in, core call under one lock, protobuf out.
+
+Only hashes, block ids and counters cross this boundary; KV bytes move through the mapped pool.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from services.offload_store.pool_mapping import KIND_CUDA_IPC, KIND_SHM_FILE, PoolHandle
+from services.offload_store.store import OffloadStoreCore
+from shared.errors import InvalidArgument
+from shared.pb.kvmesh.v1 import common_pb2, offload_store_pb2, offload_store_pb2_grpc
+
+_KINDS = {
+    common_pb2.SharedTensorHandle.KIND_SHM_FILE: KIND_SHM_FILE,
+    common_pb2.SharedTensorHandle.KIND_CUDA_IPC: KIND_CUDA_IPC,
+}
+
+
+def handle_from_proto(msg: common_pb2.SharedTensorHandle) -> PoolHandle:
+    """The core's view of a ``SharedTensorHandle``."""
+    kind = _KINDS.get(msg.kind)
+    if kind is None:
+        raise InvalidArgument("pool handle kind is unset or unknown")
+    return PoolHandle(
+        kind=kind, dtype=msg.dtype, shape=tuple(msg.shape), nbytes=msg.nbytes, path=msg.path,
+        cuda_ipc_handle=msg.cuda_ipc_handle, device_index=msg.device_index, generation=msg.generation,
+    )
+
+
+def _blocks(refs: Any) -> list[tuple[bytes, int]]:
+    return [(r.block_hash, r.block_id) for r in refs]
+
+
+class OffloadStoreServicer(offload_store_pb2_grpc.OffloadStoreServicer):
+    """Serialises every call on one lock: the core, its index and the pool mapping are not
+    thread-safe, and the grpc server runs handlers on a thread pool."""
+
+    def __init__(self, core: OffloadStoreCore) -> None:
+        self._core = core
+        self._lock = threading.Lock()
+
+    def AttachPool(self, request: offload_store_pb2.AttachPoolRequest, context: Any
+                   ) -> offload_store_pb2.AttachPoolResponse:
+        handle = handle_from_proto(request.pool)
+        with self._lock:
+            nbytes = self._core.attach_pool(handle)
+        return offload_store_pb2.AttachPoolResponse(bytes_per_block=nbytes)
+
+    def Lookup(self, request: offload_store_pb2.LookupRequest, context: Any
+               ) -> offload_store_pb2.LookupResponse:
+        with self._lock:
+            result = self._core.lookup(list(request.block_hashes))
+        return offload_store_pb2.LookupResponse(num_present=result.num_present,
+                                                num_in_dram=result.num_in_dram)
+
+    def Save(self, request: offload_store_pb2.SaveRequest, context: Any) -> offload_store_pb2.SaveResponse:
+        with self._lock:
+            result = self._core.save(_blocks(request.blocks))
+        return offload_store_pb2.SaveResponse(num_saved=result.num_saved, num_skipped=result.num_skipped)
+
+    def Load(self, request: offload_store_pb2.LoadRequest, context: Any) -> offload_store_pb2.LoadResponse:
+        with self._lock:
+            result = self._core.load(_blocks(request.blocks))
+        return offload_store_pb2.LoadResponse(num_loaded=result.num_loaded,
+                                              failed_hashes=result.failed_hashes)
+
+    def GetStats(self, request: offload_store_pb2.GetOffloadStatsRequest, context: Any
+                 ) -> offload_store_pb2.OffloadStats:
+        with self._lock:
+            s = self._core.stats()
+        return offload_store_pb2.OffloadStats(
+            dram_blocks=s.dram_blocks, dram_bytes=s.dram_bytes, dram_capacity_bytes=s.dram_capacity_bytes,
+            disk_blocks=s.disk_blocks, disk_bytes=s.disk_bytes, disk_capacity_bytes=s.disk_capacity_bytes,
+            dram_hits=s.dram_hits, disk_hits=s.disk_hits, misses=s.misses, saves=s.saves,
+            corruptions=s.corruptions,
+        )
