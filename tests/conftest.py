@@ -7,14 +7,14 @@ at the top of the root conftest, before test modules import the kernels.
 from __future__ import annotations
 
 import os
+from pathlib import Path
+
+import pytest
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from pathlib import Path  # noqa: E402
-
-import pytest  # noqa: E402
 
 _CORPUS = [
     "The capital of France is Paris. The capital of Japan is Tokyo.",

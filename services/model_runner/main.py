@@ -15,14 +15,19 @@ from services.model_runner.factory import build_runner
 from services.model_runner.servicer import ModelRunnerServicer
 from shared.config import ServerConfig, from_env
 from shared.grpc_server import ServiceRegistration, serve_forever, start_server
+from shared.metrics import RunnerMetrics, new_registry, start_metrics_server
 from shared.pb.kvmesh.v1 import model_runner_pb2_grpc
+from shared.telemetry import server_interceptors, setup_tracing
 
 log = logging.getLogger(__name__)
+_GRPC_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
 
 
 def main() -> int:
     """Loads the model and the pool, then serves until SIGTERM; the pool file is removed on exit."""
     env = os.environ
+    setup_tracing("model-runner", env)
+    registry = new_registry()
     config = from_env(RunnerConfig, "KVMESH_RUNNER_")
     if env.get("KVMESH_MODEL_DIR"):
         config = dataclasses.replace(config, model_dir=env["KVMESH_MODEL_DIR"])
@@ -32,10 +37,12 @@ def main() -> int:
     info = core.model_info()
     log.info("model %s: %d blocks of %d tokens (%s KV, %s attention, %s)", info.model_id, info.num_blocks,
              info.block_size, info.kv_cache_dtype, info.attention_backend, info.device)
+    metrics = RunnerMetrics(registry, info.model_id)
+    start_metrics_server(int(env.get("KVMESH_METRICS_PORT", "0")), registry)
     running = start_server(from_env(ServerConfig, "KVMESH_"), [
-        ServiceRegistration("kvmesh.v1.ModelRunner", ModelRunnerServicer(core),
+        ServiceRegistration("kvmesh.v1.ModelRunner", ModelRunnerServicer(core, metrics),
                             model_runner_pb2_grpc.add_ModelRunnerServicer_to_server),
-    ], options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)])
+    ], interceptors=server_interceptors(), options=_GRPC_OPTIONS)
     try:
         serve_forever(running, "model-runner")
     finally:

@@ -15,6 +15,7 @@ from services.model_runner.convert import output_to_proto, step_from_proto
 from services.model_runner.kv_pool import SharedTensorHandle, attach
 from services.model_runner.runner import ModelRunnerCore
 from shared.errors import InvalidArgument
+from shared.metrics import RunnerMetrics
 from shared.pb.kvmesh.v1 import common_pb2, model_runner_pb2, model_runner_pb2_grpc
 
 _KINDS = {common_pb2.SharedTensorHandle.KIND_SHM_FILE: "shm_file",
@@ -44,8 +45,9 @@ def handle_from_proto(msg: common_pb2.SharedTensorHandle) -> SharedTensorHandle:
 class ModelRunnerServicer(model_runner_pb2_grpc.ModelRunnerServicer):
     """Serves one :class:`ModelRunnerCore`."""
 
-    def __init__(self, core: ModelRunnerCore) -> None:
+    def __init__(self, core: ModelRunnerCore, metrics: RunnerMetrics | None = None) -> None:
         self.core = core
+        self.metrics = metrics
         self._lock = threading.Lock()
 
     def GetModelInfo(self, request: model_runner_pb2.GetModelInfoRequest, context: grpc.ServicerContext
@@ -70,6 +72,10 @@ class ModelRunnerServicer(model_runner_pb2_grpc.ModelRunnerServicer):
         step = step_from_proto(request)
         with self._lock:
             out = self.core.execute(step)
+        if self.metrics is not None:
+            tokens = sum(r.num_new_tokens for r in step.new_requests) + sum(
+                r.num_new_tokens for r in step.cached_requests)
+            self.metrics.observe_step(out.forward_seconds, tokens)
         return output_to_proto(out)
 
     def GetKVPoolHandle(self, request: model_runner_pb2.GetKVPoolHandleRequest, context: grpc.ServicerContext

@@ -49,11 +49,13 @@ class IncrementalDetokenizer:
             token_ids: new output tokens.
             final: the request ended: flush everything held back (except a stop string).
         """
-        if self.stop_hit is None and token_ids:
+        if self.stop_hit is None and (token_ids or final):
             self._ids.extend(token_ids)
             prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
             full = self._decode(self._ids[self._prefix_offset :])
-            if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            # A trailing U+FFFD is an incomplete character: wait for its next bytes, unless no
+            # more tokens will come (then the text is what decoding all ids gives).
+            if len(full) > len(prefix) and (final or not full.endswith("\ufffd")):
                 before = len(self.text)
                 self.text += full[len(prefix) :]
                 self._prefix_offset = self._read_offset

@@ -26,8 +26,10 @@ from services.scheduler.metrics import RequestMetrics
 from services.scheduler.offload import OffloadBackend, OffloadConnector
 from services.scheduler.request import FinishReason, Request, RequestSpec
 from services.scheduler.scheduler import ScheduledStep, Scheduler
+from services.scheduler.tracing import record_queue_span, step_span
 from shared.errors import InvalidArgument, KVMeshError, ResourceExhausted, Unavailable
 from shared.hashing import hash_seed
+from shared.metrics import SchedulerMetrics
 
 log = logging.getLogger(__name__)
 
@@ -62,8 +64,9 @@ class Engine:
     """Runs the step loop in a thread; safe to call from many threads."""
 
     def __init__(self, config: SchedulerConfig, kv: KVCacheBackend, runner: RunnerBackend,
-                 offload: OffloadBackend | None = None) -> None:
+                 offload: OffloadBackend | None = None, metrics: SchedulerMetrics | None = None) -> None:
         self.config = config
+        self.metrics = metrics
         self.kv = kv
         self.runner = runner
         self.info: RunnerInfo = runner.info()
@@ -80,6 +83,7 @@ class Engine:
         self._queued_requests = 0  # added but not yet first scheduled (admission control)
         self._queued_tokens = 0
         self.num_steps = 0
+        self._preemptions_seen = 0
 
     # ----------------------------------------------------------------- public API
     def start(self) -> Engine:
@@ -177,26 +181,58 @@ class Engine:
                 self._queued_tokens -= req.num_prompt_tokens
 
     def _run_one_step(self) -> None:
-        waiting_before = [r for r in self.scheduler.waiting if r.in_admission_queue]
-        try:
-            step = self.scheduler.schedule()
-        except Exception as exc:
-            self._fail_all(exc)
-            return
-        for req in waiting_before:
-            if req.times.first_scheduled is not None:
-                self._on_dequeued(req)
-        if step is None:
-            self._wake.wait(0.005)
-            self._wake.clear()
-            return
-        try:
-            output = self.runner.execute(step.step_input)
-        except Exception as exc:
-            self._fail_step(step, exc)
-            return
+        sched = self.scheduler
+        waiting_before = [r for r in sched.waiting if r.in_admission_queue]
+        candidates = [*sched.running, *sched.waiting[: max(self.config.max_num_seqs - len(sched.running), 0)]]
+        with step_span(self.num_steps, candidates, self.config.trace_steps, self.config.trace_step_every):
+            try:
+                step = sched.schedule()
+            except Exception as exc:
+                self._fail_all(exc)
+                return
+            for req in waiting_before:
+                if req.times.first_scheduled is not None:
+                    self._on_dequeued(req)
+                    record_queue_span(req)
+            if step is None:
+                self._wake.wait(0.005)
+                self._wake.clear()
+                return
+            try:
+                output = self.runner.execute(step.step_input)
+            except Exception as exc:
+                self._fail_step(step, exc)
+                return
         self.num_steps += 1
+        if self.metrics is not None:
+            self._record_step(step, output)
+        for rid in step.num_scheduled:
+            stepped = sched.requests.get(rid)
+            if stepped is not None:
+                stepped.num_steps += 1
         self._dispatch(step, output)
+
+    def _record_step(self, step: ScheduledStep, output: Any) -> None:
+        assert self.metrics is not None
+        sched = self.scheduler
+        decodes = len(step.step_input.cached_requests)
+        self.metrics.add_step_tokens(max(step.total_tokens - decodes, 0), len(output.sampled))
+        self.metrics.set_queues(len(sched.running), len(sched.waiting))
+        if sched.num_preemptions > self._preemptions_seen:
+            self.metrics.num_preemptions.inc(sched.num_preemptions - self._preemptions_seen)
+            self._preemptions_seen = sched.num_preemptions
+
+    def _observe_finished(self, out: EngineOutput) -> None:
+        if self.metrics is None or out.metrics is None:
+            return
+        m = out.metrics
+        reason = "error" if out.error is not None else (out.finish_reason or FinishReason.ABORT).value
+        self.metrics.observe_finished(
+            finished_reason=reason, e2e_s=m.e2e_seconds, queue_s=m.queue_seconds,
+            ttft_s=m.ttft_seconds if m.completion_tokens else None, prompt_tokens=m.prompt_tokens,
+            generation_tokens=m.completion_tokens)
+        if m.max_itl_seconds > 0:
+            self.metrics.observe_inter_token(m.max_itl_seconds)
 
     def _dispatch(self, step: ScheduledStep, output: Any) -> None:
         events = self.scheduler.update(step, output)
@@ -220,6 +256,7 @@ class Engine:
         ))
 
     def _finish_queue(self, request_id: str, out: EngineOutput) -> None:
+        self._observe_finished(out)
         with self._lock:
             q = self._queues.pop(request_id, None)
         if q is not None:

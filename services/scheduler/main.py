@@ -18,7 +18,9 @@ from services.scheduler.tokenizer import Tokenizer
 from shared.config import ServerConfig, from_env
 from shared.grpc_server import ServiceRegistration, serve_forever, start_server
 from shared.launcher import wait_healthy
+from shared.metrics import SchedulerMetrics, new_registry, start_metrics_server
 from shared.pb.kvmesh.v1 import scheduler_pb2_grpc
+from shared.telemetry import server_interceptors, setup_tracing
 
 log = logging.getLogger(__name__)
 
@@ -26,6 +28,8 @@ log = logging.getLogger(__name__)
 def main() -> int:
     """Connects to the kv-cache-manager and model-runner, then serves the public API."""
     env = os.environ
+    setup_tracing("scheduler", env)
+    registry = new_registry()
     config = from_env(SchedulerConfig, "KVMESH_SCHED_", model_dir=env.get("KVMESH_MODEL_DIR", ""))
     # NOTE: every streaming Generate holds a server thread for its whole life, so the pool must
     # exceed the admission bound; otherwise excess requests queue inside gRPC, invisible to
@@ -42,13 +46,15 @@ def main() -> int:
         offload = RemoteOffload(config.offload_address, config.rpc_timeout_seconds)
         offload.attach_pool(runner.pool_handle())
     tokenizer = Tokenizer(config.model_dir) if config.model_dir else None
-    engine = Engine(config, kv, runner, offload)
+    metrics = SchedulerMetrics(registry, runner.info().model_id, runner.info().max_model_len)
+    start_metrics_server(int(env.get("KVMESH_METRICS_PORT", "0")), registry)
+    engine = Engine(config, kv, runner, offload, metrics)
     check_hash_seed(kv, engine)
     engine.start()
     servicer = SchedulerServicer(engine, tokenizer)
     running = start_server(server_cfg, [
         ServiceRegistration("kvmesh.v1.Scheduler", servicer, scheduler_pb2_grpc.add_SchedulerServicer_to_server),
-    ])
+    ], interceptors=server_interceptors())
     try:
         serve_forever(running, "scheduler")
     finally:

@@ -24,6 +24,7 @@ from typing import Any, Protocol
 import grpc
 
 from shared.pb.kvmesh.v1 import offload_store_pb2, offload_store_pb2_grpc
+from shared.telemetry import instrument_grpc_client
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +124,7 @@ class RemoteOffload:
     """The offload-store over gRPC (hashes and block ids only; bytes move through shared memory)."""
 
     def __init__(self, address: str, timeout: float = 30.0) -> None:
-        self.channel = grpc.insecure_channel(address)
+        self.channel = instrument_grpc_client(grpc.insecure_channel(address))
         self.stub = offload_store_pb2_grpc.OffloadStoreStub(self.channel)
         self.timeout = timeout
 

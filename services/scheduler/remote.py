@@ -37,6 +37,7 @@ from shared.pb.kvmesh.v1 import (
 from shared.pb.kvmesh.v1 import (
     model_runner_pb2_grpc as runner_grpc,
 )
+from shared.telemetry import instrument_grpc_client
 
 _CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
 
@@ -74,7 +75,7 @@ class RemoteKVCache:
     """The kv-cache-manager over gRPC: one ``AllocateSlots`` call per step."""
 
     def __init__(self, address: str, timeout: float = 60.0) -> None:
-        self.channel = grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
+        self.channel = instrument_grpc_client(grpc.insecure_channel(address, options=_CHANNEL_OPTIONS))
         self.stub = kvm_grpc.KVCacheManagerStub(self.channel)
         self.timeout = timeout
 
@@ -116,7 +117,7 @@ class RemoteRunner:
     """The model-runner over gRPC: one ``Execute`` call per step."""
 
     def __init__(self, address: str, timeout: float = 60.0) -> None:
-        self.channel = grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
+        self.channel = instrument_grpc_client(grpc.insecure_channel(address, options=_CHANNEL_OPTIONS))
         self.stub = runner_grpc.ModelRunnerStub(self.channel)
         self.timeout = timeout
 

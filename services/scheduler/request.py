@@ -9,6 +9,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from shared.sampling_params import SamplingParams
 
@@ -41,6 +42,7 @@ class RequestSpec:
     priority: int = 0
     cache_salt: bytes = b""
     deadline: float | None = None  # time.monotonic() value after which the request is aborted
+    trace_context: Any = None  # OpenTelemetry context of the Generate span (None: untraced)
 
 
 @dataclass
@@ -78,6 +80,7 @@ class Request:
     num_cached_tokens: int = -1  # prompt tokens from the prefix cache at first scheduling
     num_preemptions: int = 0
     in_admission_queue: bool = True  # counted against the waiting-queue bounds
+    num_steps: int = 0  # steps the request took part in (for step-span sampling)
     finish_reason: FinishReason | None = None
     stop_reason: str = ""
     times: RequestTimes = field(default_factory=lambda: RequestTimes(arrival=time.monotonic()))
@@ -107,6 +110,11 @@ class Request:
         if start >= n_prompt:
             return self.output_token_ids[start - n_prompt :]
         return [*self.spec.prompt_token_ids[start:], *self.output_token_ids]
+
+    @property
+    def trace_context(self) -> Any:
+        """The request's trace context, if it is traced."""
+        return self.spec.trace_context
 
     @property
     def sort_key(self) -> tuple[int, int]:

@@ -12,6 +12,7 @@ from services.scheduler.engine import Engine
 from services.scheduler.request import FinishReason
 from services.scheduler.stream import Chunk, OutputStream, build_spec
 from services.scheduler.tokenizer import Tokenizer
+from services.scheduler.tracing import capture_context
 from shared.convert import sampling_from_proto
 from shared.errors import InvalidArgument
 from shared.pb.kvmesh.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
@@ -88,7 +89,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         spec = build_spec(
             self.engine, prompt, sampling, request.max_tokens, stop=list(request.stop),
             request_id=request.request_id, priority=request.priority, cache_salt=request.cache_salt,
-            deadline=deadline,
+            deadline=deadline, trace_context=capture_context(),
         )
         stream = OutputStream(self.engine, spec, self.tokenizer, request.include_special_tokens)
         context.add_callback(stream.cancel)

@@ -9,6 +9,7 @@ import dataclasses
 import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from services.scheduler.detokenizer import IncrementalDetokenizer
 from services.scheduler.engine import Engine
@@ -49,6 +50,7 @@ def build_spec(
     priority: int = 0,
     cache_salt: str = "",
     deadline: float | None = None,
+    trace_context: Any = None,
 ) -> RequestSpec:
     """Validates a request (raising ``InvalidArgument`` naming the field) and builds its spec."""
     validate_request(prompt_token_ids, sampling, max_tokens, engine.info, engine.config)
@@ -61,6 +63,7 @@ def build_spec(
         priority=priority,
         cache_salt=cache_salt.encode(),
         deadline=deadline,
+        trace_context=trace_context,
     )
 
 

@@ -84,11 +84,11 @@ def test_decode_grows_block_table_at_block_boundary() -> None:
 
 def test_prefix_hit_skips_cached_tokens() -> None:
     sched, manager = _make(num_blocks=40)
-    prompt = list(range(48)) + [500, 501]
+    prompt = [*list(range(48)), 500, 501]
     sched.add(_req("a", prompt, max_tokens=1))
     _run(sched)  # a finishes after one token (max_tokens=1)
     assert "a" not in sched.requests
-    sched.add(_req("b", list(range(48)) + [600]))
+    sched.add(_req("b", [*list(range(48)), 600]))
     step = _run(sched)
     new = step.step_input.new_requests[0]
     assert new.num_computed_tokens == 48 and new.num_new_tokens == 1
@@ -98,9 +98,9 @@ def test_prefix_hit_skips_cached_tokens() -> None:
 
 def test_prefix_caching_off_recomputes() -> None:
     sched, _ = _make(num_blocks=40, prefix=False)
-    sched.add(_req("a", list(range(48)) + [1], max_tokens=1))
+    sched.add(_req("a", [*list(range(48)), 1], max_tokens=1))
     _run(sched)
-    sched.add(_req("b", list(range(48)) + [2]))
+    sched.add(_req("b", [*list(range(48)), 2]))
     step = _run(sched)
     assert step.step_input.new_requests[0].num_computed_tokens == 0
 
