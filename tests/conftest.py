@@ -73,3 +73,20 @@ def build_tiny_checkpoint(folder: Path, arch: str = "llama", vocab_size: int = 3
 def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Llama checkpoint + tokenizer, built once per test session."""
     return build_tiny_checkpoint(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def postgres_url() -> str | None:
+    """The PostgreSQL server the machines run (127.0.0.1:5432, trust auth, database test), or None.
+
+    Tests that need it skip with a clear reason when it does not answer.
+    """
+    import psycopg
+
+    for user in ("postgres", "root"):
+        try:
+            with psycopg.connect(f"host=127.0.0.1 port=5432 user={user} dbname=test", connect_timeout=2):
+                return f"postgresql+psycopg://{user}@127.0.0.1:5432/test"
+        except psycopg.Error:
+            continue
+    return None

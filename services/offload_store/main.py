@@ -9,6 +9,7 @@ dir), ``KVMESH_OFFLOAD_DB_TABLE``, ``KVMESH_OFFLOAD_DRAM_BYTES``, ``KVMESH_OFFLO
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 
@@ -17,7 +18,9 @@ from services.offload_store.servicer import OffloadStoreServicer
 from services.offload_store.store import OffloadStoreCore
 from shared.config import ServerConfig, from_env
 from shared.grpc_server import ServiceRegistration, serve_forever, start_server
+from shared.metrics import OffloadMetrics, new_registry, start_metrics_server
 from shared.pb.kvmesh.v1 import offload_store_pb2, offload_store_pb2_grpc
+from shared.telemetry import server_interceptors, setup_tracing
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = offload_store_pb2.DESCRIPTOR.services_by_name["OffloadStore"].full_name
@@ -25,6 +28,8 @@ SERVICE_NAME = offload_store_pb2.DESCRIPTOR.services_by_name["OffloadStore"].ful
 
 def main() -> int:
     """Opens the store (reconciling disk and index), serves until SIGTERM, then closes it."""
+    setup_tracing("offload-store", os.environ)
+    registry = new_registry()
     config = from_env(OffloadConfig, "KVMESH_OFFLOAD_")
     server_config = from_env(ServerConfig, "KVMESH_")
     if config.torch_threads > 0:
@@ -33,9 +38,11 @@ def main() -> int:
     log.info("offload-store: data dir %s, reconcile %s", config.data_dir, core.reconcile_report)
     try:
         registration = ServiceRegistration(
-            SERVICE_NAME, OffloadStoreServicer(core), offload_store_pb2_grpc.add_OffloadStoreServicer_to_server
+            SERVICE_NAME, OffloadStoreServicer(core, OffloadMetrics(registry, os.environ.get("KVMESH_MODEL_ID", ""))),
+            offload_store_pb2_grpc.add_OffloadStoreServicer_to_server,
         )
-        running = start_server(server_config, [registration])
+        running = start_server(server_config, [registration], interceptors=server_interceptors())
+        start_metrics_server(int(os.environ.get("KVMESH_METRICS_PORT", "0")), registry)
         serve_forever(running, "offload-store")
     finally:
         core.close()

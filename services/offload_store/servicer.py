@@ -10,7 +10,9 @@ from typing import Any
 
 from services.offload_store.pool_mapping import KIND_CUDA_IPC, KIND_SHM_FILE, PoolHandle
 from services.offload_store.store import OffloadStoreCore
+from services.offload_store.types import OffloadStats
 from shared.errors import InvalidArgument
+from shared.metrics import OffloadMetrics
 from shared.pb.kvmesh.v1 import common_pb2, offload_store_pb2, offload_store_pb2_grpc
 
 _KINDS = {
@@ -38,9 +40,25 @@ class OffloadStoreServicer(offload_store_pb2_grpc.OffloadStoreServicer):
     """Serialises every call on one lock: the core, its index and the pool mapping are not
     thread-safe, and the grpc server runs handlers on a thread pool."""
 
-    def __init__(self, core: OffloadStoreCore) -> None:
+    def __init__(self, core: OffloadStoreCore, metrics: OffloadMetrics | None = None) -> None:
         self._core = core
         self._lock = threading.Lock()
+        self._metrics = metrics
+        self._seen = OffloadStats()
+
+    def _export(self) -> None:
+        """Mirrors the core's counters into Prometheus (by delta; called under the lock)."""
+        if self._metrics is None:
+            return
+        s, old, m = self._core.stats(), self._seen, self._metrics
+        m.hit("dram", s.dram_hits - old.dram_hits)
+        m.hit("disk", s.disk_hits - old.disk_hits)
+        m.save("dram", s.saves - old.saves)
+        m.corruption("disk", s.corruptions - old.corruptions)
+        m.miss(s.misses - old.misses)
+        m.set_stored_bytes("dram", s.dram_bytes)
+        m.set_stored_bytes("disk", s.disk_bytes)
+        self._seen = s
 
     def AttachPool(self, request: offload_store_pb2.AttachPoolRequest, context: Any
                    ) -> offload_store_pb2.AttachPoolResponse:
@@ -59,11 +77,13 @@ class OffloadStoreServicer(offload_store_pb2_grpc.OffloadStoreServicer):
     def Save(self, request: offload_store_pb2.SaveRequest, context: Any) -> offload_store_pb2.SaveResponse:
         with self._lock:
             result = self._core.save(_blocks(request.blocks))
+            self._export()
         return offload_store_pb2.SaveResponse(num_saved=result.num_saved, num_skipped=result.num_skipped)
 
     def Load(self, request: offload_store_pb2.LoadRequest, context: Any) -> offload_store_pb2.LoadResponse:
         with self._lock:
             result = self._core.load(_blocks(request.blocks))
+            self._export()
         return offload_store_pb2.LoadResponse(num_loaded=result.num_loaded,
                                               failed_hashes=result.failed_hashes)
 

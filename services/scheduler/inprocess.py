@@ -6,15 +6,20 @@ cores together without processes.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from services.kv_cache_manager.manager import KVCacheManager
 from services.model_runner.config import RunnerConfig
 from services.model_runner.factory import build_runner
 from services.model_runner.runner import ModelRunnerCore
+from services.offload_store.config import OffloadConfig
+from services.offload_store.pool_mapping import PoolHandle
+from services.offload_store.store import OffloadStoreCore
 from services.scheduler.backends import InProcessKVCache, InProcessRunner
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.engine import Engine
+from services.scheduler.offload import InProcessOffload
 from services.scheduler.tokenizer import Tokenizer
 from shared.config import CacheConfig
 
@@ -27,21 +32,34 @@ class InProcessSuite:
     manager: KVCacheManager
     runner: ModelRunnerCore
     tokenizer: Tokenizer | None
+    store: OffloadStoreCore | None = None
 
     def close(self) -> None:
-        """Stops the engine and releases the pool file."""
+        """Stops the engine, closes the store and releases the pool file."""
         self.engine.stop()
+        if self.store is not None:
+            self.store.close()
         self.runner.pool.close()
 
 
 def build_inprocess(runner_config: RunnerConfig, scheduler_config: SchedulerConfig | None = None,
-                    deployment_key: str = "kvmesh-dev", with_tokenizer: bool = True) -> InProcessSuite:
-    """Builds and starts an in-process engine for ``runner_config.model_dir``."""
+                    with_tokenizer: bool = True, offload_config: OffloadConfig | None = None) -> InProcessSuite:
+    """Builds and starts an in-process engine for ``runner_config.model_dir``.
+
+    With ``offload_config`` an offload-store core maps the runner's pool through its shared-memory
+    handle, exactly as the service does.
+    """
+    sched_config = scheduler_config or SchedulerConfig()
     runner = build_runner(runner_config)
     info = runner.model_info()
     manager = KVCacheManager(CacheConfig(block_size=info.block_size, num_blocks=info.num_blocks,
                                          max_model_len=info.max_model_len, model_id=info.model_id,
-                                         deployment_key=deployment_key))
-    engine = Engine(scheduler_config or SchedulerConfig(), InProcessKVCache(manager), InProcessRunner(runner))
+                                         deployment_key=sched_config.deployment_key))
+    store = None
+    if offload_config is not None:
+        store = OffloadStoreCore(offload_config)
+        store.attach_pool(PoolHandle(**dataclasses.asdict(runner.pool.handle())))
+    engine = Engine(sched_config, InProcessKVCache(manager), InProcessRunner(runner),
+                    InProcessOffload(store) if store is not None else None)
     tokenizer = Tokenizer(runner_config.model_dir) if with_tokenizer else None
-    return InProcessSuite(engine.start(), manager, runner, tokenizer)
+    return InProcessSuite(engine.start(), manager, runner, tokenizer, store)

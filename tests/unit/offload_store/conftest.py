@@ -1,5 +1,5 @@
 """Registers the offload-store fixtures (defined in offload_testlib.py)."""
 
-from offload_testlib import db, make_core, make_pool, postgres_url
+from offload_testlib import db, make_core, make_pool
 
-__all__ = ["db", "make_core", "make_pool", "postgres_url"]
+__all__ = ["db", "make_core", "make_pool"]

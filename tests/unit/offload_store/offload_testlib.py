@@ -25,7 +25,6 @@ from services.offload_store.pool_mapping import KIND_SHM_FILE, PoolHandle
 from services.offload_store.store import OffloadStoreCore
 
 SHM_DIR = "/dev/shm"
-PG_USERS = ("postgres", "root")
 
 
 @dataclass
@@ -88,24 +87,6 @@ class DbTarget:
     table: str
 
 
-def _postgres_url() -> str | None:
-    import psycopg
-
-    for user in PG_USERS:
-        try:
-            with psycopg.connect(f"host=127.0.0.1 port=5432 user={user} dbname=test", connect_timeout=2):
-                return f"postgresql+psycopg://{user}@127.0.0.1:5432/test"
-        except psycopg.Error:
-            continue
-    return None
-
-
-@pytest.fixture(scope="session")
-def postgres_url() -> str | None:
-    """The reachable PostgreSQL URL (user postgres, then root), or None."""
-    return _postgres_url()
-
-
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
 def db(request: pytest.FixtureRequest, tmp_path: Path, postgres_url: str | None) -> Iterator[DbTarget]:
     """The index database, once SQLite in the test's tmp dir and once PostgreSQL (own table)."""
@@ -114,7 +95,7 @@ def db(request: pytest.FixtureRequest, tmp_path: Path, postgres_url: str | None)
         yield DbTarget("sqlite", f"sqlite:///{tmp_path / 'data' / 'index.sqlite'}", "offload_blocks")
         return
     if postgres_url is None:
-        pytest.skip(f"no PostgreSQL server answers at 127.0.0.1:5432 as any of {PG_USERS}")
+        pytest.skip("no PostgreSQL server answers at 127.0.0.1:5432 (users postgres, root)")
     table = f"offload_test_{uuid.uuid4().hex[:12]}"
     yield DbTarget("postgres", postgres_url, table)
     engine = create_engine(postgres_url)
