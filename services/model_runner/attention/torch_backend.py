@@ -70,11 +70,10 @@ class TorchAttentionBackend:
                 query[rows], k_cache, v_cache, meta.block_tables[seqs], meta.seq_lens[seqs], max_len,
                 softmax_scale, k_scale, v_scale,
             )  # fmt: skip
-        chunked = set(range(len(seq_lens))) - set(decodes)
-        for i in sorted(chunked):
-            start, end, seq_len = starts[i], starts[i + 1], seq_lens[i]
-            if end == start:
-                continue
+        for i, seq_len in enumerate(seq_lens):
+            start, end = starts[i], starts[i + 1]
+            if end - start <= 1:
+                continue  # a decode (done above) or a sequence with nothing scheduled
             block_table = meta.block_tables[i]
             k = _gather(k_cache, block_table[None], seq_len, query.dtype, k_scale)[0]  # [S, KV, D]
             v = _gather(v_cache, block_table[None], seq_len, query.dtype, v_scale)[0]  # [S, KV, D]

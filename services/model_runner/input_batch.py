@@ -1,0 +1,162 @@
+"""Turning one step's scheduled requests into the flat tensors of a forward pass.
+
+Plain functions of the batch, with no model, so the layout is testable on its own. For each
+request, the step computes tokens ``num_computed_tokens .. num_computed_tokens + num_new_tokens``
+of its known tokens; they are laid out back to back::
+
+    request:        A (prefill chunk, 3 tokens)   B (decode)
+    input_ids:      a4 a5 a6                       b9
+    positions:      4  5  6                        9
+    query_start_loc 0 ─────────────────────────── 3 ── 4
+    seq_lens:       7                              10
+    slot_mapping:   block_table[pos // block_size] * block_size + pos % block_size
+
+A request samples only when its scheduled tokens reach the end of its known tokens; a partial
+prefill chunk produces K/V and nothing else.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from services.model_runner.attention.base import AttentionMetadata
+from shared.errors import InvalidArgument
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    """One request's share of a step, as the runner knows it after applying the step's diffs."""
+
+    request_id: str
+    token_ids: Sequence[int]  # every token known so far (prompt + outputs)
+    block_ids: Sequence[int]  # the block table, in token order
+    num_computed_tokens: int  # tokens whose K/V are already in the pool
+    num_new_tokens: int  # tokens to compute now
+
+
+@dataclass(frozen=True)
+class PoolGeometry:
+    """What input preparation validates against."""
+
+    num_blocks: int  # including the null block 0
+    block_size: int
+    vocab_size: int
+    max_model_len: int
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        """Longest block table one sequence can need."""
+        return min(-(-self.max_model_len // self.block_size), self.num_blocks - 1)
+
+
+@dataclass(frozen=True)
+class BatchInputs:
+    """The tensors of one forward pass.
+
+    Attributes:
+        input_ids: ``[T]`` int64 token ids of all scheduled tokens.
+        positions: ``[T]`` int64 position of each token in its sequence.
+        meta: slots, query ranges, context lengths and padded block tables.
+        logits_indices: ``[N]`` int64 rows of the hidden states to sample from.
+        sampling_requests: for each of those rows, the index of its request in the input order.
+    """
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor
+    sampling_requests: tuple[int, ...]
+
+
+def validate_request(req: ScheduledRequest, geometry: PoolGeometry) -> None:
+    """Raises :class:`InvalidArgument` when ``req``'s counts or block table do not fit the pool.
+
+    Token ids are checked by :func:`check_token_ids`, vectorized, once they are in an array.
+    """
+    rid = req.request_id
+    computed, new = req.num_computed_tokens, req.num_new_tokens
+    if computed < 0 or new <= 0:
+        raise InvalidArgument(f"{rid}: num_computed_tokens={computed} must be >= 0 and num_new_tokens={new} > 0")
+    end = computed + new
+    if end > len(req.token_ids):
+        raise InvalidArgument(f"{rid}: {computed} computed + {new} new tokens exceed its {len(req.token_ids)} tokens")
+    if end > geometry.max_model_len:
+        raise InvalidArgument(f"{rid}: {end} tokens exceed max_model_len {geometry.max_model_len}")
+    if len(req.block_ids) > geometry.max_blocks_per_seq:
+        raise InvalidArgument(
+            f"{rid}: block table of {len(req.block_ids)} blocks exceeds the {geometry.max_blocks_per_seq} "
+            "one sequence can use"
+        )
+    needed = -(-end // geometry.block_size)
+    if len(req.block_ids) < needed:
+        raise InvalidArgument(
+            f"{rid}: {end} tokens need {needed} blocks of {geometry.block_size}, block table has {len(req.block_ids)}"
+        )
+    for block_id in req.block_ids[:needed]:
+        if not 0 < block_id < geometry.num_blocks:
+            raise InvalidArgument(f"{rid}: block id {block_id} is outside the pool [1, {geometry.num_blocks})")
+
+
+def check_token_ids(token_ids: np.ndarray, request_id: str, vocab_size: int) -> None:
+    """Raises :class:`InvalidArgument` naming the first token id outside ``[0, vocab_size)``."""
+    bad = (token_ids < 0) | (token_ids >= vocab_size)
+    if bad.any():
+        token = int(token_ids[int(bad.argmax())])
+        raise InvalidArgument(f"{request_id}: token id {token} is outside the vocabulary [0, {vocab_size})")
+
+
+def prepare_inputs(
+    requests: Sequence[ScheduledRequest], geometry: PoolGeometry, device: torch.device | str = "cpu"
+) -> BatchInputs:
+    """Validates every request, then lays the step out as flat tensors (see the module docstring).
+
+    Raises:
+        InvalidArgument: on the first request that cannot run; nothing is built then.
+    """
+    if not requests:
+        raise InvalidArgument("a step needs at least one scheduled request")
+    chunks = []
+    for req in requests:
+        validate_request(req, geometry)
+        end = req.num_computed_tokens + req.num_new_tokens
+        chunks.append(np.asarray(req.token_ids[req.num_computed_tokens : end], dtype=np.int64))
+        check_token_ids(chunks[-1], req.request_id, geometry.vocab_size)
+    bs = geometry.block_size
+    computed = np.array([r.num_computed_tokens for r in requests], dtype=np.int64)  # [B]
+    q_lens = np.array([r.num_new_tokens for r in requests], dtype=np.int64)  # [B]
+    seq_lens = computed + q_lens  # [B]
+    query_start_loc = np.concatenate(([0], np.cumsum(q_lens)))  # [B + 1]
+    width = int(-(-seq_lens.max() // bs))
+    block_tables = np.zeros((len(requests), width), dtype=np.int64)  # [B, W], 0 = null block
+    for i, r in enumerate(requests):
+        blocks = r.block_ids[: -(-int(seq_lens[i]) // bs)]
+        block_tables[i, : len(blocks)] = blocks
+    req_of_token = np.repeat(np.arange(len(requests)), q_lens)  # [T]
+    positions = np.arange(int(query_start_loc[-1])) - query_start_loc[req_of_token] + computed[req_of_token]  # [T]
+    slot_mapping = block_tables[req_of_token, positions // bs] * bs + positions % bs  # [T]
+    input_ids = np.concatenate(chunks)  # [T]
+    samples = [i for i, r in enumerate(requests) if int(seq_lens[i]) == len(r.token_ids)]
+    logits_indices = query_start_loc[1:][samples] - 1  # [N]
+
+    def to(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(array)).to(device=device, dtype=dtype)
+
+    meta = AttentionMetadata(
+        slot_mapping=to(slot_mapping, torch.int64),
+        query_start_loc=to(query_start_loc, torch.int32),
+        seq_lens=to(seq_lens, torch.int32),
+        block_tables=to(block_tables, torch.int32),
+        max_query_len=int(q_lens.max()),
+        max_seq_len=int(seq_lens.max()),
+    )
+    return BatchInputs(
+        input_ids=to(input_ids, torch.int64),
+        positions=to(positions, torch.int64),
+        meta=meta,
+        logits_indices=to(logits_indices, torch.int64),
+        sampling_requests=tuple(samples),
+    )

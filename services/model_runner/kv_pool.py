@@ -1,0 +1,277 @@
+"""The KV pool: one tensor holding every layer's paged K/V, shareable with other processes.
+
+Layout (see ``attention/base.py``)::
+
+    [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]     block 0 = null block
+
+The number of blocks follows from a byte budget. On the CPU the tensor is a ``/dev/shm`` file
+mapped with ``torch.from_file(shared=True)``, so the offload-store can map the same pages
+(zero copy) from a :class:`SharedTensorHandle`; on CUDA the handle carries a CUDA IPC handle of
+the storage instead. Each creation gets a new ``generation`` (also in the file name), so a handle
+to a closed or re-created pool fails to attach instead of mapping the wrong memory.
+
+fp8 caches (``kv_cache_dtype="fp8_e4m3"``) hold ``K / k_scale`` and ``V / v_scale`` with one
+pair of float32 scales per layer; :meth:`KVPool.calibrate` sets them from observed maxima.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+import os
+import shutil
+import uuid
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from shared.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+
+FP8_NAME = "fp8_e4m3"
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+_KV_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    FP8_NAME: torch.float8_e4m3fn,
+}
+
+
+@dataclass(frozen=True)
+class SharedTensorHandle:
+    """Where another process on this node can map a tensor from (mirrors the proto message).
+
+    Attributes:
+        kind: ``"shm_file"`` or ``"cuda_ipc"``.
+        dtype: torch's name of the element type, e.g. ``"float32"``, ``"float8_e4m3fn"``.
+        shape: tensor shape, outermost first.
+        nbytes: bytes of the mapping.
+        generation: unique per creation of the storage.
+        path: the backing file (``shm_file``).
+        cuda_ipc_handle: the pickled storage IPC handle (``cuda_ipc``), opaque to callers.
+        device_index: CUDA device owning the memory (``cuda_ipc``), -1 otherwise.
+    """
+
+    kind: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    generation: str
+    path: str = ""
+    cuda_ipc_handle: bytes = b""
+    device_index: int = -1
+
+
+def kv_dtype_for(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """``"auto"`` -> the model's dtype; ``"fp8_e4m3"``, ``"float16"``... -> that dtype."""
+    if kv_cache_dtype == "auto":
+        return model_dtype
+    if kv_cache_dtype not in _KV_DTYPES:
+        raise InvalidArgument(f"kv_cache_dtype {kv_cache_dtype!r}: use auto or one of {sorted(_KV_DTYPES)}")
+    return _KV_DTYPES[kv_cache_dtype]
+
+
+def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """Bytes of one block id across all layers, K and V."""
+    return num_layers * 2 * block_size * num_kv_heads * head_dim * dtype.itemsize
+
+
+class KVPool:
+    """Owns the pool tensor and its per-layer fp8 scales; ``close()`` releases the shared file."""
+
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        block_size: int,
+        memory_bytes: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+        shm_dir: str = "/dev/shm",
+        name: str = "kvmesh-kv",
+    ):
+        """Allocates ``memory_bytes // bytes_per_block`` blocks (at least 2: block 0 is null).
+
+        Args:
+            dtype: element type of the cache (``torch.float8_e4m3fn`` for fp8).
+            shm_dir: memory-backed folder for the CPU mapping.
+            name: file name prefix (the generation is appended).
+        """
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.block_size = block_size
+        self.bytes_per_block = bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype)
+        self.num_blocks = memory_bytes // self.bytes_per_block
+        if self.num_blocks < 2:
+            raise InvalidArgument(
+                f"a KV budget of {memory_bytes} bytes holds {self.num_blocks} blocks of "
+                f"{self.bytes_per_block} bytes; at least 2 are needed (block 0 is the null block)"
+            )
+        self.shape = (num_layers, 2, self.num_blocks, block_size, num_kv_heads, head_dim)
+        self.nbytes = self.num_blocks * self.bytes_per_block
+        self.generation = uuid.uuid4().hex
+        self.scales = torch.ones(num_layers, 2, dtype=torch.float32)  # [L, (k, v)]
+        self.path: Path | None = None
+        if self.device.type == "cpu":
+            self.path = Path(shm_dir) / f"{name}-{self.generation}.kv"
+            free = shutil.disk_usage(shm_dir).free
+            if self.nbytes > free:
+                raise ResourceExhausted(f"KV pool needs {self.nbytes} bytes, {shm_dir} has {free} free")
+            self.tensor = _map_file(self.path, self.shape, dtype)
+        else:
+            self.tensor = torch.zeros(self.shape, dtype=dtype, device=self.device)
+        self._closed = False
+        # NOTE: a pool dropped or left open at interpreter exit still unlinks its file, so crashed
+        # tests and forgotten close() calls do not fill /dev/shm (only SIGKILL leaks it).
+        self._unlink = weakref.finalize(self, _unlink, self.path)
+
+    @property
+    def kv_cache_dtype(self) -> str:
+        """The name the rest of kvmesh uses: ``"fp8_e4m3"`` or the torch dtype's name."""
+        return FP8_NAME if self.is_fp8 else _dtype_name(self.dtype)
+
+    @property
+    def is_fp8(self) -> bool:
+        """Whether K/V are stored scaled in float8_e4m3fn."""
+        return self.dtype == torch.float8_e4m3fn
+
+    def layer_scales(self) -> list[tuple[float, float]]:
+        """``(k_scale, v_scale)`` per layer as Python floats (what the attention layers take)."""
+        return [(float(k), float(v)) for k, v in self.scales.tolist()]
+
+    def calibrate(self, amax: torch.Tensor) -> None:
+        """Sets each scale to ``amax / 448``, so the largest value seen maps to fp8's largest.
+
+        Args:
+            amax: ``[num_layers, 2]`` max ``|K|`` / ``|V|`` per layer from a sample forward.
+                Zero entries (nothing observed) keep scale 1.
+        """
+        if tuple(amax.shape) != tuple(self.scales.shape):
+            raise InvalidArgument(f"amax must be {list(self.scales.shape)}, got {list(amax.shape)}")
+        amax = amax.detach().float().cpu()
+        self.scales = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+
+    def handle(self) -> SharedTensorHandle:
+        """How another process maps this pool; raises once the pool is closed."""
+        if self._closed:
+            raise FailedPrecondition("the KV pool is closed")
+        common = {
+            "dtype": _dtype_name(self.dtype),
+            "shape": self.shape,
+            "nbytes": self.nbytes,
+            "generation": self.generation,
+        }
+        if self.path is not None:
+            return SharedTensorHandle(kind="shm_file", path=str(self.path), **common)  # type: ignore[arg-type]
+        # NOTE: the IPC handle stays valid while this process keeps self.tensor alive.
+        device, *ipc = self.tensor.untyped_storage()._share_cuda_()
+        return SharedTensorHandle(
+            kind="cuda_ipc",
+            cuda_ipc_handle=_encode_ipc(ipc),
+            device_index=int(device),
+            **common,  # type: ignore[arg-type]
+        )
+
+    def close(self) -> None:
+        """Unlinks the shared file (mappings already made stay valid until dropped). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._unlink()
+
+    def __enter__(self) -> KVPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def attach(handle: SharedTensorHandle) -> torch.Tensor:
+    """Maps the tensor a handle names, zero copy, in this process.
+
+    Raises:
+        NotFound: the backing file is gone (pool closed or re-created).
+        FailedPrecondition: the file's size is not what the handle says.
+        InvalidArgument: the handle is malformed (unknown kind or dtype, shape/nbytes mismatch).
+    """
+    dtype = _dtype_from_name(handle.dtype)
+    numel = math.prod(handle.shape)
+    if numel * dtype.itemsize != handle.nbytes:
+        raise InvalidArgument(f"handle shape {list(handle.shape)} of {handle.dtype} is not {handle.nbytes} bytes")
+    if handle.kind == "shm_file":
+        # NOTE: no generation check here: a KVPool's file name carries its generation, so a stale
+        # handle names a file that is gone; other owners (staging buffers) name files their own way.
+        path = Path(handle.path)
+        try:
+            size = os.stat(path).st_size
+        except FileNotFoundError:
+            raise NotFound(f"shared KV file {path} does not exist (closed or re-created pool)") from None
+        if size != handle.nbytes:
+            raise FailedPrecondition(f"{path} has {size} bytes, the handle says {handle.nbytes}")
+        return _map_file(path, handle.shape, dtype)
+    if handle.kind == "cuda_ipc":
+        from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+        ipc = _decode_ipc(handle.cuda_ipc_handle)
+        stride = torch.empty(handle.shape, device="meta").stride()
+        tensor: torch.Tensor = rebuild_cuda_tensor(
+            torch.Tensor, handle.shape, stride, 0, torch.UntypedStorage, dtype, handle.device_index,
+            ipc[0], ipc[1], ipc[2], False, ipc[3], ipc[4], ipc[5], ipc[6],
+        )  # fmt: skip
+        return tensor
+    raise InvalidArgument(f"unknown shared tensor kind {handle.kind!r}")
+
+
+# The fields of ``UntypedStorage._share_cuda_()`` after the device: bytes, ints, a bool, maybe None.
+_IPC_FIELDS = (
+    "handle", "size_bytes", "offset_bytes", "ref_counter_handle", "ref_counter_offset", "event_handle",
+    "event_sync_required",
+)  # fmt: skip
+
+
+def _encode_ipc(ipc: list[object]) -> bytes:
+    """JSON (bytes as base64) rather than pickle: a handle from a peer must not run code when read."""
+    fields = {
+        name: {"b64": base64.b64encode(v).decode()} if isinstance(v, bytes) else v
+        for name, v in zip(_IPC_FIELDS, ipc, strict=True)
+    }
+    return json.dumps(fields).encode()
+
+
+def _decode_ipc(raw: bytes) -> list[object]:
+    try:
+        fields = json.loads(raw)
+        return [base64.b64decode(v["b64"]) if isinstance(v, dict) else v for v in (fields[n] for n in _IPC_FIELDS)]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise InvalidArgument(f"malformed cuda_ipc_handle: {exc}") from None
+
+
+def _unlink(path: Path | None) -> None:
+    if path is not None:
+        path.unlink(missing_ok=True)
+
+
+def _map_file(path: Path, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """``shape`` tensor over the file at ``path`` (created zero-filled if missing), shared mapping."""
+    numel = math.prod(shape)
+    if dtype == torch.float8_e4m3fn:
+        # NOTE: from_file has no fp8 path; map the bytes and reinterpret them.
+        raw = torch.from_file(str(path), shared=True, size=numel, dtype=torch.uint8)
+        return raw.view(dtype).view(shape)
+    return torch.from_file(str(path), shared=True, size=numel, dtype=dtype).view(shape)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _dtype_from_name(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise InvalidArgument(f"unknown dtype {name!r}")
+    return dtype

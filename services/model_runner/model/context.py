@@ -1,0 +1,34 @@
+"""What one forward pass needs besides the tokens: the paged cache, its scales, the batch layout.
+
+It is passed explicitly down the layers (never set as a global between them), so two forwards with
+different caches, e.g. the real pool and a scratch fp32 cache for fp8 calibration, cannot mix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from services.model_runner.attention.base import AttentionBackend, AttentionMetadata
+
+
+@dataclass(frozen=True)
+class ForwardContext:
+    """Per-forward state shared by every attention layer.
+
+    Attributes:
+        kv_cache: ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`` pool tensor.
+        kv_scales: ``(k_scale, v_scale)`` per layer (1.0 unless the cache is fp8).
+        meta: the flat batch layout (slots, query ranges, block tables).
+        backend: writes K/V and computes paged attention.
+        kv_amax: ``[num_layers, 2]`` float32 running max of ``|K|`` / ``|V|``, updated in place when
+            given (fp8 calibration); None in normal serving.
+    """
+
+    kv_cache: torch.Tensor
+    kv_scales: Sequence[tuple[float, float]]
+    meta: AttentionMetadata
+    backend: AttentionBackend
+    kv_amax: torch.Tensor | None = None

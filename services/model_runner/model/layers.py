@@ -1,0 +1,169 @@
+"""Building blocks of the Llama-family decoder: linear, RMSNorm, rotary embedding, attention, MLP.
+
+Every layer works on flattened tokens (``[T, hidden]``, all sequences of a step back to back), so
+one forward serves prefill chunks and decodes alike; the attention backend is what knows where
+one sequence ends. Parameters are created empty: the loader fills every one of them, so random
+initialisation would only cost time.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from services.model_runner.model.config import ModelConfig, RopeConfig
+from services.model_runner.model.context import ForwardContext
+
+
+class Linear(nn.Module):
+    """``y = x W^T (+ b)``; ``shard_sizes`` splits the output rows of a merged projection.
+
+    NOTE: q/k/v and gate/up are merged into one matmul each (fewer, larger GEMMs); the loader
+    copies each HF tensor into its row range, given by :meth:`shard_offset`.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, shard_sizes: tuple[int, ...] = ()):
+        super().__init__()
+        self.shard_sizes = shard_sizes or (out_features,)
+        if sum(self.shard_sizes) != out_features:
+            raise ValueError(f"shards {self.shard_sizes} do not add up to {out_features}")
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+
+    def shard_offset(self, shard: int) -> tuple[int, int]:
+        """``(first row, number of rows)`` of one shard of the output."""
+        return sum(self.shard_sizes[:shard]), self.shard_sizes[shard]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class Embedding(nn.Module):
+    """Token id -> row of ``weight`` (``[vocab, hidden]``), also the lm_head when tied."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim), requires_grad=False)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
+        return F.embedding(input_ids, self.weight)
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm, computed in float32 like the reference implementation."""
+
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(hidden_size), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden]
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
+    """``[head_dim / 2]`` float32 inverse frequencies, rescaled per ``rope.rope_type``.
+
+    ``linear`` divides every frequency by ``factor`` (position interpolation). ``llama3`` divides
+    only the low frequencies (wavelength above ``original_max / low_freq_factor``), keeps the
+    high ones, and blends linearly in between, as Llama 3.1 was trained.
+    """
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    inv_freq = 1.0 / (rope.theta**exponents)
+    if rope.rope_type == "linear":
+        return inv_freq / rope.factor
+    if rope.rope_type == "llama3":
+        old_len = rope.original_max_position_embeddings
+        low_freq_wavelen = old_len / rope.low_freq_factor
+        high_freq_wavelen = old_len / rope.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / rope.factor, inv_freq)
+        smooth = (old_len / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+        is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+        return torch.where(is_medium, smoothed, scaled)
+    return inv_freq
+
+
+class RotaryEmbedding(nn.Module):
+    """Precomputed cos/sin tables; ``forward(positions)`` gathers the rows of a step once."""
+
+    def __init__(self, rope: RopeConfig, head_dim: int, max_positions: int):
+        super().__init__()
+        inv_freq = rope_inv_freq(rope, head_dim)  # [D/2]
+        freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]  # [P, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
+        self.cos: torch.Tensor
+        self.sin: torch.Tensor
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos, sin)``, each ``[T, D]`` in ``dtype``."""
+        return self.cos[positions].to(dtype), self.sin[positions].to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotates ``x`` ``[T, heads, D]`` by position (the "rotate half" layout of HF checkpoints)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+class Attention(nn.Module):
+    """Multi-head attention with grouped K/V heads over the paged cache of layer ``layer_idx``."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size = config.num_heads * config.head_dim
+        self.kv_size = config.num_kv_heads * config.head_dim
+        self.scale = config.head_dim**-0.5
+        self.qkv_proj = Linear(
+            config.hidden_size,
+            self.q_size + 2 * self.kv_size,
+            bias=config.qkv_bias,
+            shard_sizes=(self.q_size, self.kv_size, self.kv_size),
+        )
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.o_bias)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:  # [T, hidden]
+        num_tokens = x.shape[0]
+        qkv = self.qkv_proj(x)  # [T, (H + 2 * KV) * D]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rotary(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)  # [T, H, D]
+        k = apply_rotary(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)  # [T, KV, D]
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KV, D]
+        if ctx.kv_amax is not None:
+            amax = torch.stack((k.abs().amax(), v.abs().amax())).float()  # [2]
+            torch.maximum(ctx.kv_amax[self.layer_idx], amax, out=ctx.kv_amax[self.layer_idx])
+        k_cache, v_cache = ctx.kv_cache[self.layer_idx].unbind(0)  # each [blocks, block_size, KV, D]
+        k_scale, v_scale = ctx.kv_scales[self.layer_idx]
+        ctx.backend.write_kv(k, v, k_cache, v_cache, ctx.meta.slot_mapping, k_scale, v_scale)
+        out = ctx.backend.forward(q, k_cache, v_cache, ctx.meta, self.scale, k_scale, v_scale)  # [T, H, D]
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))`` with gate and up merged."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        size = config.intermediate_size
+        self.intermediate_size = size
+        self.gate_up_proj = Linear(config.hidden_size, 2 * size, bias=config.mlp_bias, shard_sizes=(size, size))
+        self.down_proj = Linear(size, config.hidden_size, bias=config.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden]
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)  # each [T, I]
+        return self.down_proj(F.silu(gate) * up)

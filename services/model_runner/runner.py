@@ -1,0 +1,287 @@
+"""The model-runner's core: executes scheduler steps against the model and the paged KV pool.
+
+It keeps, per request, what the scheduler does not send again: the tokens known so far, the
+block table and the sampling state. ``execute`` validates the whole step first, runs all of the
+step's tokens through the model in one forward, samples, and only then commits the new state;
+so a bad request (or a failed forward) leaves every request as it was.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from services.model_runner.attention.base import AttentionBackend, AttentionMetadata
+from services.model_runner.input_batch import PoolGeometry, ScheduledRequest, check_token_ids, prepare_inputs
+from services.model_runner.kv_pool import KVPool
+from services.model_runner.model.config import ModelConfig
+from services.model_runner.model.context import ForwardContext
+from services.model_runner.model.transformer import CausalLM
+from services.model_runner.sampler import RequestSamplingState, sample
+from services.model_runner.types import NewRequestData, SampledToken, StepInput, StepOutput
+from shared.errors import InvalidArgument
+from shared.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the runner serves (mirrors the ``ModelInfo`` proto message)."""
+
+    model_id: str
+    architecture: str
+    vocab_size: int
+    max_model_len: int
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int  # -1 if none
+    num_blocks: int
+    block_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    kv_cache_dtype: str
+    attention_backend: str
+    bytes_per_block: int
+    device: str
+
+
+@dataclass
+class _Request:
+    """The runner's memory of one request between steps."""
+
+    token_ids: list[int]  # prompt, then every sampled token
+    block_ids: list[int]
+    num_computed_tokens: int
+    sampling: RequestSamplingState
+
+
+@dataclass(frozen=True)
+class _Planned:
+    """A validated request of the step: its new state (not yet committed) and its slice of the batch."""
+
+    request_id: str
+    state: _Request
+    scheduled: ScheduledRequest
+
+
+class ModelRunnerCore:
+    """Holds the model, the KV pool, the attention backend and the per-request state."""
+
+    def __init__(
+        self,
+        model: CausalLM,
+        pool: KVPool,
+        backend: AttentionBackend,
+        *,
+        model_id: str,
+        max_model_len: int | None = None,
+    ):
+        self.model = model
+        self.config: ModelConfig = model.config
+        self.pool = pool
+        self.backend = backend
+        self.model_id = model_id
+        self.device = pool.tensor.device
+        self.max_model_len = min(max_model_len or self.config.max_model_len, self.config.max_model_len)
+        self.geometry = PoolGeometry(pool.num_blocks, pool.block_size, self.config.vocab_size, self.max_model_len)
+        self._requests: dict[str, _Request] = {}
+
+    def close(self) -> None:
+        """Releases the shared pool file; the runner must not execute afterwards."""
+        self.pool.close()
+
+    @property
+    def request_ids(self) -> frozenset[str]:
+        """Requests the runner currently remembers."""
+        return frozenset(self._requests)
+
+    def execute(self, step: StepInput) -> StepOutput:
+        """Runs one scheduler step.
+
+        Finished ids are forgotten first (a new request may reuse one in the same step), then new
+        requests are registered and cached ones extended; the step's tokens run in one forward.
+
+        Returns:
+            One :class:`SampledToken` per request whose scheduled tokens reached its last known
+            token, in step order (new requests first).
+
+        Raises:
+            InvalidArgument: anything malformed; the runner's state is then unchanged.
+        """
+        planned = self._plan(step)
+        start = time.perf_counter()
+        sampled: list[SampledToken] = []
+        if planned:
+            batch = prepare_inputs([p.scheduled for p in planned], self.geometry, self.device)
+            with torch.inference_mode():
+                hidden = self.model(batch.input_ids, batch.positions, self._context(batch.meta))  # [T, hidden]
+                logits = self.model.compute_logits(hidden[batch.logits_indices])  # [N, V] float32
+                results = sample(logits, [planned[i].state.sampling for i in batch.sampling_requests])
+            for i, (token_id, logprobs) in zip(batch.sampling_requests, results, strict=True):
+                sampled.append(SampledToken(planned[i].request_id, token_id, logprobs))
+        # Commit: nothing above mutated the runner.
+        for rid in step.finished_request_ids:
+            self._requests.pop(rid, None)
+        for p in planned:
+            self._requests[p.request_id] = p.state
+            p.state.num_computed_tokens += p.scheduled.num_new_tokens
+            p.state.block_ids = list(p.scheduled.block_ids)
+        for token in sampled:
+            state = self._requests[token.request_id]
+            state.token_ids.append(token.token_id)
+            state.sampling.output_token_ids.append(token.token_id)
+        return StepOutput(step.step_id, tuple(sampled), time.perf_counter() - start)
+
+    def _plan(self, step: StepInput) -> list[_Planned]:
+        """Validates the step against the state after its finished ids; mutates nothing."""
+        finished = set(step.finished_request_ids)
+        live = {rid: r for rid, r in self._requests.items() if rid not in finished}
+        seen: set[str] = set()
+        planned: list[_Planned] = []
+        for new in step.new_requests:
+            self._check_unique(new.request_id, seen)
+            if new.request_id in live:
+                raise InvalidArgument(f"{new.request_id}: already running (a new request needs a new id)")
+            state = self._new_state(new)
+            planned.append(
+                _Planned(
+                    new.request_id,
+                    state,
+                    ScheduledRequest(
+                        new.request_id, state.token_ids, new.block_ids, new.num_computed_tokens, new.num_new_tokens
+                    ),
+                )
+            )
+        for cached in step.cached_requests:
+            self._check_unique(cached.request_id, seen)
+            if cached.request_id not in live:
+                raise InvalidArgument(f"{cached.request_id}: unknown request (never sent as new, or finished)")
+            state = live[cached.request_id]
+            if cached.num_computed_tokens != state.num_computed_tokens:
+                raise InvalidArgument(
+                    f"{cached.request_id}: num_computed_tokens {cached.num_computed_tokens} does not match "
+                    f"the runner's {state.num_computed_tokens}"
+                )
+            blocks = state.block_ids + list(cached.new_block_ids)
+            planned.append(
+                _Planned(
+                    cached.request_id,
+                    state,
+                    ScheduledRequest(
+                        cached.request_id, state.token_ids, blocks, state.num_computed_tokens, cached.num_new_tokens
+                    ),
+                )
+            )
+        return planned
+
+    @staticmethod
+    def _check_unique(request_id: str, seen: set[str]) -> None:
+        if request_id in seen:
+            raise InvalidArgument(f"{request_id}: appears twice in one step")
+        seen.add(request_id)
+
+    def _new_state(self, new: NewRequestData) -> _Request:
+        rid = new.request_id
+        if not new.token_ids:
+            raise InvalidArgument(f"{rid}: no token ids")
+        if not 0 < new.num_prompt_tokens <= len(new.token_ids):
+            raise InvalidArgument(f"{rid}: num_prompt_tokens {new.num_prompt_tokens} not in [1, {len(new.token_ids)}]")
+        if len(new.token_ids) > self.max_model_len:
+            raise InvalidArgument(f"{rid}: {len(new.token_ids)} tokens exceed max_model_len {self.max_model_len}")
+        check_token_ids(np.asarray(new.token_ids, dtype=np.int64), rid, self.config.vocab_size)
+        new.sampling.validate(self.config.vocab_size)
+        tokens = list(new.token_ids)
+        prompt, outputs = tokens[: new.num_prompt_tokens], tokens[new.num_prompt_tokens :]
+        sampling = RequestSamplingState.create(new.sampling, prompt, outputs)
+        return _Request(tokens, list(new.block_ids), new.num_computed_tokens, sampling)
+
+    def _context(self, meta: AttentionMetadata) -> ForwardContext:
+        return ForwardContext(self.pool.tensor, self.pool.layer_scales(), meta, self.backend)
+
+    def model_info(self) -> ModelInfo:
+        """Model and pool geometry, for the scheduler and the kv-cache-manager to size themselves."""
+        cfg = self.config
+        return ModelInfo(
+            model_id=self.model_id,
+            architecture=cfg.architecture,
+            vocab_size=cfg.vocab_size,
+            max_model_len=self.max_model_len,
+            eos_token_ids=cfg.eos_token_ids,
+            bos_token_id=-1 if cfg.bos_token_id is None else cfg.bos_token_id,
+            num_blocks=self.pool.num_blocks,
+            block_size=self.pool.block_size,
+            num_layers=cfg.num_layers,
+            num_kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim,
+            dtype=str(self.model.model.norm.weight.dtype).removeprefix("torch."),
+            kv_cache_dtype=self.pool.kv_cache_dtype,
+            attention_backend=self.backend.name,
+            bytes_per_block=self.pool.bytes_per_block,
+            device=str(self.device),
+        )
+
+    def warmup(self, num_tokens: int = 64, num_decodes: int = 4) -> float:
+        """Runs a prefill-shaped and a decode-shaped forward plus sampling; returns the seconds taken.
+
+        NOTE: every write goes to slot -1 (skipped) and every block table points at the null
+        block, so warming up never touches a real block, even on a pool that holds cached prefixes.
+        """
+        start = time.perf_counter()
+        num_tokens = max(1, min(num_tokens, self.max_model_len))
+        for lens in ([num_tokens], [1] * num_decodes):
+            q_lens = torch.tensor(lens, dtype=torch.int32)
+            seq_lens = torch.full((len(lens),), num_tokens, dtype=torch.int32)
+            meta = AttentionMetadata(
+                slot_mapping=torch.full((sum(lens),), -1, dtype=torch.int64, device=self.device),
+                query_start_loc=torch.cat((torch.zeros(1, dtype=torch.int32), q_lens.cumsum(0).int())).to(self.device),
+                seq_lens=seq_lens.to(self.device),
+                block_tables=torch.zeros(len(lens), -(-num_tokens // self.pool.block_size), dtype=torch.int32,
+                                         device=self.device),
+                max_query_len=max(lens),
+                max_seq_len=num_tokens,
+            )  # fmt: skip
+            input_ids = torch.zeros(sum(lens), dtype=torch.int64, device=self.device)
+            positions = (seq_lens.repeat_interleave(q_lens) - 1).to(device=self.device, dtype=torch.int64)
+            with torch.inference_mode():
+                hidden = self.model(input_ids, positions, self._context(meta))
+                logits = self.model.compute_logits(hidden[-len(lens) :])
+                sample(logits, [RequestSamplingState.create(SamplingParams(), [0]) for _ in lens])
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter() - start
+
+    def calibrate_kv_scales(self, token_ids: Sequence[int] | None = None) -> torch.Tensor:
+        """Sets the fp8 pool's per-layer scales from one forward over a sample; returns the amax.
+
+        The sample runs against a scratch cache in the model's dtype (not the pool), so the
+        observed K/V are unquantized and no real block is written.
+
+        Args:
+            token_ids: a representative prompt; default: 256 fixed pseudo-random tokens.
+
+        Returns:
+            ``[num_layers, 2]`` max ``|K|`` / ``|V|`` per layer.
+        """
+        if token_ids is None:
+            generator = torch.Generator().manual_seed(0)
+            count = min(256, self.max_model_len)
+            token_ids = torch.randint(0, self.config.vocab_size, (count,), generator=generator).tolist()
+        cfg, bs = self.config, self.pool.block_size
+        num_blocks = -(-len(token_ids) // bs) + 1
+        dtype = self.model.model.norm.weight.dtype
+        scratch = torch.zeros(
+            cfg.num_layers, 2, num_blocks, bs, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, device=self.device
+        )
+        geometry = PoolGeometry(num_blocks, bs, cfg.vocab_size, self.max_model_len)
+        req = ScheduledRequest("calibration", list(token_ids), list(range(1, num_blocks)), 0, len(token_ids))
+        batch = prepare_inputs([req], geometry, self.device)
+        amax = torch.zeros(cfg.num_layers, 2, dtype=torch.float32, device=self.device)
+        ctx = ForwardContext(scratch, [(1.0, 1.0)] * cfg.num_layers, batch.meta, self.backend, kv_amax=amax)
+        with torch.inference_mode():
+            self.model(batch.input_ids, batch.positions, ctx)
+        self.pool.calibrate(amax)
+        return amax.cpu()

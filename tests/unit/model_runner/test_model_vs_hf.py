@@ -1,0 +1,158 @@
+"""Our model and runner against transformers on the same weights: logits, then greedy tokens.
+
+The runner is driven by :class:`MiniScheduler` (conftest): requests arrive while others decode,
+prefills are split into chunks, a request reuses the prompt blocks another one filled. Every
+output must be token-identical to ``model.generate(do_sample=False)``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from services.model_runner.attention.base import AttentionMetadata
+from services.model_runner.attention.torch_backend import TorchAttentionBackend
+
+ARCHS = ["llama", "qwen2", "mistral", "llama3"]
+
+
+def _prompt(seed: int, length: int, vocab: int = 320) -> list[int]:
+    return torch.randint(2, vocab, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.mark.parametrize("name", [*ARCHS, "llama_linear"])
+def test_logits_match_transformers(
+    name: str, checkpoint: Any, hf_model: Any, make_runner: Any, all_logits: Any
+) -> None:
+    folder = checkpoint(name)
+    tokens = _prompt(1, 37)
+    with torch.inference_mode():
+        expected = hf_model(folder)(torch.tensor([tokens])).logits[0]  # [37, V]
+    runner = make_runner(folder)
+    assert runner.config.rope.rope_type == {"llama3": "llama3", "llama_linear": "linear"}.get(name, "default")
+    one_pass = all_logits(runner, tokens)
+    torch.testing.assert_close(one_pass, expected, atol=1e-4, rtol=0)
+    chunked = all_logits(runner, tokens, chunks=[5, 1, 13, 18])  # chunks straddle block edges
+    torch.testing.assert_close(chunked, expected, atol=1e-4, rtol=0)
+
+
+def _check_against_generate(runner: Any, sched: Any, folder: Path, hf_model: Any, reference_greedy: Any) -> None:
+    outputs = sched.run()
+    model = hf_model(folder)
+    for rid, req in sched.requests.items():
+        assert outputs[rid] == reference_greedy(model, req.prompt, req.max_new_tokens), rid
+    sched.flush()
+    assert runner.request_ids == frozenset()
+
+
+@pytest.mark.parametrize(("name", "chunk"), [("llama", 1 << 30), ("llama", 5), ("qwen2", 5), ("mistral", 3),
+                                             ("llama3", 7)])  # fmt: skip
+def test_greedy_matches_generate_with_arrivals_and_chunks(
+    name: str, chunk: int, checkpoint: Any, hf_model: Any, make_runner: Any, mini_scheduler: Any,
+    sim_request: Any, reference_greedy: Any,
+) -> None:  # fmt: skip
+    folder = checkpoint(name)
+    runner = make_runner(folder, num_blocks=96)
+    sched = mini_scheduler(runner, chunk=chunk)
+    sched.add(sim_request("a", _prompt(10, 11), max_new_tokens=12))
+    sched.add(sim_request("b", _prompt(11, 7), max_new_tokens=8, arrival_step=4))  # A is decoding by then
+    sched.add(sim_request("c", _prompt(12, 23), max_new_tokens=5, arrival_step=5))
+    sched.add(sim_request("d", _prompt(13, 1), max_new_tokens=6, arrival_step=6))  # one-token prompt
+    _check_against_generate(runner, sched, folder, hf_model, reference_greedy)
+    steps = sched.steps
+    assert any(s.new_requests and s.cached_requests for s in steps), "no step mixed new and running requests"
+    if chunk < 23:
+        c_chunks = [r.num_new_tokens for s in steps for r in (*s.new_requests, *s.cached_requests)
+                    if r.request_id == "c"]  # fmt: skip
+        assert c_chunks[: math.ceil(23 / chunk)] == [chunk] * (23 // chunk) + ([23 % chunk] if 23 % chunk else [])
+
+
+def test_prefix_blocks_filled_by_another_request(
+    checkpoint: Any, hf_model: Any, make_runner: Any, mini_scheduler: Any, sim_request: Any, reference_greedy: Any
+) -> None:
+    folder = checkpoint("llama")
+    runner = make_runner(folder, num_blocks=96)
+    sched = mini_scheduler(runner, chunk=6)
+    shared = _prompt(20, 13)
+    sched.add(sim_request("donor", shared + _prompt(21, 3), max_new_tokens=10))
+    # Arrives while the donor decodes: 12 of its 15 tokens are in the donor's 3 full blocks.
+    sched.add(sim_request("while", shared + _prompt(22, 2), max_new_tokens=6, arrival_step=5, prefix_from="donor"))
+    # Arrives after the donor finished (its blocks stay cached): prompt = a whole-block prefix + 1.
+    sched.add(sim_request("after", [*shared[:8], 5], max_new_tokens=6, arrival_step=16, prefix_from="donor"))
+    _check_against_generate(runner, sched, folder, hf_model, reference_greedy)
+    firsts = {r.request_id: r for s in sched.steps for r in s.new_requests}
+    assert firsts["while"].num_computed_tokens == 12
+    assert firsts["while"].block_ids[:3] == tuple(sched.requests["donor"].blocks[:3])
+    assert firsts["after"].num_computed_tokens == 8
+    assert any("donor" in s.finished_request_ids for s in sched.steps[:16])
+
+
+def _naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
+    """Query row i (position start + i) over keys 0..start + i; GQA by repeating K/V heads."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(q.shape[-1])
+    allowed = torch.arange(k.shape[0])[None, :] <= (start + torch.arange(q.shape[0]))[:, None]
+    return torch.einsum("hqk,khd->qhd", scores.masked_fill(~allowed, -math.inf).softmax(-1), v)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float8_e4m3fn])
+def test_torch_backend_against_naive_attention(cache_dtype: torch.dtype) -> None:
+    """Three sequences (a decode, a chunk after context, a fresh prefill) over scattered blocks."""
+    torch.manual_seed(0)
+    heads, kv_heads, dim, bs, scale = 4, 2, 16, 4, 0.5
+    k_cache = torch.zeros(20, bs, kv_heads, dim).to(cache_dtype)
+    v_cache = torch.zeros(20, bs, kv_heads, dim).to(cache_dtype)
+    seqs = [(9, 1, [7, 3, 12]), (10, 4, [5, 9, 1]), (6, 6, [2, 14])]  # (seq_len, new, block table)
+    backend = TorchAttentionBackend()
+    keys = [torch.randn(n, kv_heads, dim) for n, _, _ in seqs]
+    values = [torch.randn(n, kv_heads, dim) for n, _, _ in seqs]
+    for (n, _, table), key, value in zip(seqs, keys, values, strict=True):
+        slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(n)])
+        pad, junk = torch.tensor([-1, -1]), torch.full((2, kv_heads, dim), 99.0)  # padding: never written
+        backend.write_kv(
+            torch.cat((key, junk)),
+            torch.cat((value, junk)),
+            k_cache,
+            v_cache,
+            torch.cat((slots, pad)),
+            k_scale=scale,
+            v_scale=scale,
+        )
+    assert k_cache.float().abs().max() < 99 * (1 if cache_dtype == torch.float32 else scale)
+    q = torch.randn(sum(new for _, new, _ in seqs), heads, dim)
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(q.shape[0], dtype=torch.int64),
+        query_start_loc=torch.tensor([0, 1, 5, 11], dtype=torch.int32),
+        seq_lens=torch.tensor([n for n, _, _ in seqs], dtype=torch.int32),
+        block_tables=torch.tensor([[7, 3, 12], [5, 9, 1], [2, 14, 0]], dtype=torch.int32),
+        max_query_len=6,
+        max_seq_len=10,
+    )
+    out = backend.forward(q, k_cache, v_cache, meta, 1 / math.sqrt(dim), k_scale=scale, v_scale=scale)
+    rows = [0, 1, 5, 11]
+    for i, (n, new, _) in enumerate(seqs):
+        k, v = keys[i], values[i]
+        if cache_dtype != torch.float32:  # what the cache holds: x / scale in fp8, times scale
+            k = (k / scale).to(cache_dtype).float() * scale
+            v = (v / scale).to(cache_dtype).float() * scale
+        expected = _naive_attention(q[rows[i] : rows[i + 1]], k, v, n - new)
+        torch.testing.assert_close(out[rows[i] : rows[i + 1]], expected, atol=1e-5, rtol=1e-5)
+    if cache_dtype != torch.float32:
+        exact = _naive_attention(q[1:5], keys[1], values[1], 6)
+        assert F.cosine_similarity(out[1:5].flatten(), exact.flatten(), dim=0) > 0.99
+
+
+def test_hf_reference_fixture_is_plain_generate(
+    checkpoint: Callable[[str], Path], hf_model: Any, reference_greedy: Any
+) -> None:
+    """Guards the reference itself: a second call is deterministic and has the requested length."""
+    model = hf_model(checkpoint("llama"))
+    first = reference_greedy(model, _prompt(3, 5), 7)
+    assert len(first) == 7 and first == reference_greedy(model, _prompt(3, 5), 7)
