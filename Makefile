@@ -33,7 +33,7 @@ test: venv lint typecheck
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 run: venv
-	$(BIN)/kvmesh demo
+	$(BIN)/kvmesh demo $(ARGS)
 
 bench-kv: venv
 	$(BIN)/python bench/kv_manager.py

@@ -16,19 +16,25 @@ pair of float32 scales per layer; :meth:`KVPool.calibrate` sets them from observ
 
 from __future__ import annotations
 
-import base64
-import json
 import math
 import os
 import shutil
 import uuid
 import weakref
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from shared.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from shared.tensor_handle import (
+    SharedTensorHandle,
+    decode_cuda_ipc,
+    dtype_from_name,
+    dtype_name,
+    encode_cuda_ipc,
+)
+
+__all__ = ["FP8_NAME", "KVPool", "SharedTensorHandle", "attach", "bytes_per_block", "kv_dtype_for"]
 
 FP8_NAME = "fp8_e4m3"
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -38,31 +44,6 @@ _KV_DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
     FP8_NAME: torch.float8_e4m3fn,
 }
-
-
-@dataclass(frozen=True)
-class SharedTensorHandle:
-    """Where another process on this node can map a tensor from (mirrors the proto message).
-
-    Attributes:
-        kind: ``"shm_file"`` or ``"cuda_ipc"``.
-        dtype: torch's name of the element type, e.g. ``"float32"``, ``"float8_e4m3fn"``.
-        shape: tensor shape, outermost first.
-        nbytes: bytes of the mapping.
-        generation: unique per creation of the storage.
-        path: the backing file (``shm_file``).
-        cuda_ipc_handle: the pickled storage IPC handle (``cuda_ipc``), opaque to callers.
-        device_index: CUDA device owning the memory (``cuda_ipc``), -1 otherwise.
-    """
-
-    kind: str
-    dtype: str
-    shape: tuple[int, ...]
-    nbytes: int
-    generation: str
-    path: str = ""
-    cuda_ipc_handle: bytes = b""
-    device_index: int = -1
 
 
 def kv_dtype_for(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
@@ -133,7 +114,7 @@ class KVPool:
     @property
     def kv_cache_dtype(self) -> str:
         """The name the rest of kvmesh uses: ``"fp8_e4m3"`` or the torch dtype's name."""
-        return FP8_NAME if self.is_fp8 else _dtype_name(self.dtype)
+        return FP8_NAME if self.is_fp8 else dtype_name(self.dtype)
 
     @property
     def is_fp8(self) -> bool:
@@ -161,7 +142,7 @@ class KVPool:
         if self._closed:
             raise FailedPrecondition("the KV pool is closed")
         common = {
-            "dtype": _dtype_name(self.dtype),
+            "dtype": dtype_name(self.dtype),
             "shape": self.shape,
             "nbytes": self.nbytes,
             "generation": self.generation,
@@ -172,7 +153,7 @@ class KVPool:
         device, *ipc = self.tensor.untyped_storage()._share_cuda_()
         return SharedTensorHandle(
             kind="cuda_ipc",
-            cuda_ipc_handle=_encode_ipc(ipc),
+            cuda_ipc_handle=encode_cuda_ipc(ipc),
             device_index=int(device),
             **common,  # type: ignore[arg-type]
         )
@@ -199,7 +180,7 @@ def attach(handle: SharedTensorHandle) -> torch.Tensor:
         FailedPrecondition: the file's size is not what the handle says.
         InvalidArgument: the handle is malformed (unknown kind or dtype, shape/nbytes mismatch).
     """
-    dtype = _dtype_from_name(handle.dtype)
+    dtype = dtype_from_name(handle.dtype)
     numel = math.prod(handle.shape)
     if numel * dtype.itemsize != handle.nbytes:
         raise InvalidArgument(f"handle shape {list(handle.shape)} of {handle.dtype} is not {handle.nbytes} bytes")
@@ -217,7 +198,7 @@ def attach(handle: SharedTensorHandle) -> torch.Tensor:
     if handle.kind == "cuda_ipc":
         from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
-        ipc = _decode_ipc(handle.cuda_ipc_handle)
+        ipc = decode_cuda_ipc(handle.cuda_ipc_handle)
         stride = torch.empty(handle.shape, device="meta").stride()
         tensor: torch.Tensor = rebuild_cuda_tensor(
             torch.Tensor, handle.shape, stride, 0, torch.UntypedStorage, dtype, handle.device_index,
@@ -225,30 +206,6 @@ def attach(handle: SharedTensorHandle) -> torch.Tensor:
         )  # fmt: skip
         return tensor
     raise InvalidArgument(f"unknown shared tensor kind {handle.kind!r}")
-
-
-# The fields of ``UntypedStorage._share_cuda_()`` after the device: bytes, ints, a bool, maybe None.
-_IPC_FIELDS = (
-    "handle", "size_bytes", "offset_bytes", "ref_counter_handle", "ref_counter_offset", "event_handle",
-    "event_sync_required",
-)  # fmt: skip
-
-
-def _encode_ipc(ipc: list[object]) -> bytes:
-    """JSON (bytes as base64) rather than pickle: a handle from a peer must not run code when read."""
-    fields = {
-        name: {"b64": base64.b64encode(v).decode()} if isinstance(v, bytes) else v
-        for name, v in zip(_IPC_FIELDS, ipc, strict=True)
-    }
-    return json.dumps(fields).encode()
-
-
-def _decode_ipc(raw: bytes) -> list[object]:
-    try:
-        fields = json.loads(raw)
-        return [base64.b64decode(v["b64"]) if isinstance(v, dict) else v for v in (fields[n] for n in _IPC_FIELDS)]
-    except (ValueError, KeyError, TypeError) as exc:
-        raise InvalidArgument(f"malformed cuda_ipc_handle: {exc}") from None
 
 
 def _unlink(path: Path | None) -> None:
@@ -266,12 +223,3 @@ def _map_file(path: Path, shape: tuple[int, ...], dtype: torch.dtype) -> torch.T
     return torch.from_file(str(path), shared=True, size=numel, dtype=dtype).view(shape)
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def _dtype_from_name(name: str) -> torch.dtype:
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise InvalidArgument(f"unknown dtype {name!r}")
-    return dtype

@@ -12,34 +12,12 @@ import grpc
 import torch
 
 from services.model_runner.convert import output_to_proto, step_from_proto
-from services.model_runner.kv_pool import SharedTensorHandle, attach
+from services.model_runner.kv_pool import attach
 from services.model_runner.runner import ModelRunnerCore
 from shared.errors import InvalidArgument
 from shared.metrics import RunnerMetrics
 from shared.pb.kvmesh.v1 import common_pb2, model_runner_pb2, model_runner_pb2_grpc
-
-_KINDS = {common_pb2.SharedTensorHandle.KIND_SHM_FILE: "shm_file",
-          common_pb2.SharedTensorHandle.KIND_CUDA_IPC: "cuda_ipc"}
-
-
-def handle_to_proto(h: SharedTensorHandle) -> common_pb2.SharedTensorHandle:
-    """A pool handle as its proto message."""
-    kind = {v: k for k, v in _KINDS.items()}[h.kind]
-    return common_pb2.SharedTensorHandle(
-        kind=kind, path=h.path, cuda_ipc_handle=h.cuda_ipc_handle, device_index=h.device_index,
-        dtype=h.dtype, shape=list(h.shape), nbytes=h.nbytes, generation=h.generation,
-    )
-
-
-def handle_from_proto(msg: common_pb2.SharedTensorHandle) -> SharedTensorHandle:
-    """A proto handle as the dataclass ``kv_pool.attach`` maps."""
-    if msg.kind not in _KINDS:
-        raise InvalidArgument("staging.kind: must be KIND_SHM_FILE or KIND_CUDA_IPC")
-    return SharedTensorHandle(
-        kind=_KINDS[msg.kind], dtype=msg.dtype, shape=tuple(msg.shape), nbytes=msg.nbytes,
-        generation=msg.generation, path=msg.path, cuda_ipc_handle=msg.cuda_ipc_handle,
-        device_index=msg.device_index,
-    )
+from shared.tensor_handle import handle_from_proto, handle_to_proto
 
 
 class ModelRunnerServicer(model_runner_pb2_grpc.ModelRunnerServicer):

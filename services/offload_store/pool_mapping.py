@@ -13,8 +13,6 @@ is a uint8 file to us, and the dtype name only decides which stored blocks it ma
 
 from __future__ import annotations
 
-import base64
-import json
 import math
 import os
 import stat
@@ -24,35 +22,18 @@ import torch
 
 from services.offload_store.types import BlockFormat
 from shared.errors import FailedPrecondition, InvalidArgument
+from shared.tensor_handle import (
+    KIND_CUDA_IPC,
+    KIND_SHM_FILE,
+    SharedTensorHandle,
+    decode_cuda_ipc,
+    dtype_from_name,
+)
 
-KIND_SHM_FILE = "shm_file"
-KIND_CUDA_IPC = "cuda_ipc"
 _POOL_RANK = 6
 
 
-@dataclass(frozen=True)
-class PoolHandle:
-    """Where to map a pool from (``SharedTensorHandle`` without protobuf).
-
-    Attributes:
-        kind: ``"shm_file"`` or ``"cuda_ipc"``.
-        dtype: torch's name of the element type, e.g. ``"float16"``, ``"float8_e4m3fn"``.
-        shape: ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``.
-        nbytes: size of the mapping in bytes.
-        path: for ``shm_file``, the absolute path of the backing file.
-        cuda_ipc_handle: for ``cuda_ipc``, the bytes of :func:`encode_cuda_ipc`.
-        device_index: for ``cuda_ipc``, the CUDA device owning the memory.
-        generation: changes whenever the owner recreates the storage.
-    """
-
-    kind: str
-    dtype: str
-    shape: tuple[int, ...]
-    nbytes: int
-    path: str = ""
-    cuda_ipc_handle: bytes = b""
-    device_index: int = 0
-    generation: str = ""
+PoolHandle = SharedTensorHandle  # the offload-store's name for the shared handle type
 
 
 @dataclass(frozen=True)
@@ -81,14 +62,6 @@ class MappedPool:
         """The pool in its own dtype and shape (a view; for tests and tools)."""
         dtype = dtype_from_name(self.block_format.dtype)
         return self.raw.view(-1).view(dtype).view(self.handle.shape)
-
-
-def dtype_from_name(name: str) -> torch.dtype:
-    """The torch dtype called ``name``, refusing anything that is not a real dtype name."""
-    dtype = getattr(torch, name, None) if name.isidentifier() else None
-    if not isinstance(dtype, torch.dtype) or dtype.is_complex or dtype == torch.bool:
-        raise InvalidArgument(f"unknown pool dtype {name!r}")
-    return dtype
 
 
 def map_pool(handle: PoolHandle, allowed_dir: str) -> MappedPool:
@@ -144,36 +117,8 @@ def _map_shm_file(path: str, nbytes: int, allowed_dir: str) -> torch.Tensor:
     return torch.from_file(real, shared=True, size=nbytes, dtype=torch.uint8)
 
 
-# --- CUDA IPC -------------------------------------------------------------------------------------
-# Wire form of ``UntypedStorage._share_cuda_()`` minus the device (which travels in device_index):
-# JSON with bytes as base64, the form services/model_runner/kv_pool.py writes. Not pickle, so a
-# handle from an RPC can never run code when decoded. NOTE: untested on this CPU-only machine.
-_IPC_FIELDS = (
-    "handle", "size_bytes", "offset_bytes", "ref_counter_handle", "ref_counter_offset", "event_handle",
-    "event_sync_required",
-)
-
-
-def encode_cuda_ipc(tensor: torch.Tensor) -> bytes:
-    """The ``cuda_ipc_handle`` bytes for ``tensor``'s storage (the owner must keep it alive)."""
-    _device, *ipc = tensor.untyped_storage()._share_cuda_()  # type: ignore[attr-defined]
-    fields = {
-        name: {"b64": base64.b64encode(v).decode()} if isinstance(v, bytes) else v
-        for name, v in zip(_IPC_FIELDS, ipc, strict=True)
-    }
-    return json.dumps(fields).encode()
-
-
-def _decode_cuda_ipc(data: bytes) -> list[object]:
-    try:
-        fields = json.loads(data)
-        return [base64.b64decode(v["b64"]) if isinstance(v, dict) else v for v in (fields[n] for n in _IPC_FIELDS)]
-    except (ValueError, KeyError, TypeError) as exc:
-        raise InvalidArgument(f"malformed cuda_ipc_handle: {exc}") from None
-
-
 def _map_cuda_ipc(data: bytes, device_index: int, nbytes: int) -> torch.Tensor:
-    fields = _decode_cuda_ipc(data)
+    fields = decode_cuda_ipc(data)
     if not torch.cuda.is_available():
         raise FailedPrecondition("a cuda_ipc pool handle needs CUDA in the offload-store process")
     torch.cuda._lazy_init()

@@ -8,28 +8,11 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from services.offload_store.pool_mapping import KIND_CUDA_IPC, KIND_SHM_FILE, PoolHandle
 from services.offload_store.store import OffloadStoreCore
 from services.offload_store.types import OffloadStats
-from shared.errors import InvalidArgument
 from shared.metrics import OffloadMetrics
-from shared.pb.kvmesh.v1 import common_pb2, offload_store_pb2, offload_store_pb2_grpc
-
-_KINDS = {
-    common_pb2.SharedTensorHandle.KIND_SHM_FILE: KIND_SHM_FILE,
-    common_pb2.SharedTensorHandle.KIND_CUDA_IPC: KIND_CUDA_IPC,
-}
-
-
-def handle_from_proto(msg: common_pb2.SharedTensorHandle) -> PoolHandle:
-    """The core's view of a ``SharedTensorHandle``."""
-    kind = _KINDS.get(msg.kind)
-    if kind is None:
-        raise InvalidArgument("pool handle kind is unset or unknown")
-    return PoolHandle(
-        kind=kind, dtype=msg.dtype, shape=tuple(msg.shape), nbytes=msg.nbytes, path=msg.path,
-        cuda_ipc_handle=msg.cuda_ipc_handle, device_index=msg.device_index, generation=msg.generation,
-    )
+from shared.pb.kvmesh.v1 import offload_store_pb2, offload_store_pb2_grpc
+from shared.tensor_handle import handle_from_proto
 
 
 def _blocks(refs: Any) -> list[tuple[bytes, int]]:

@@ -6,7 +6,6 @@ cores together without processes.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 from services.kv_cache_manager.manager import KVCacheManager
@@ -14,7 +13,6 @@ from services.model_runner.config import RunnerConfig
 from services.model_runner.factory import build_runner
 from services.model_runner.runner import ModelRunnerCore
 from services.offload_store.config import OffloadConfig
-from services.offload_store.pool_mapping import PoolHandle
 from services.offload_store.store import OffloadStoreCore
 from services.scheduler.backends import InProcessKVCache, InProcessRunner
 from services.scheduler.config import SchedulerConfig
@@ -58,7 +56,7 @@ def build_inprocess(runner_config: RunnerConfig, scheduler_config: SchedulerConf
     store = None
     if offload_config is not None:
         store = OffloadStoreCore(offload_config)
-        store.attach_pool(PoolHandle(**dataclasses.asdict(runner.pool.handle())))
+        store.attach_pool(runner.pool.handle())
     engine = Engine(sched_config, InProcessKVCache(manager), InProcessRunner(runner),
                     InProcessOffload(store) if store is not None else None)
     tokenizer = Tokenizer(runner_config.model_dir) if with_tokenizer else None

@@ -72,7 +72,7 @@ def test_offload_store_service(tmp_path: Path, pool_file: tuple[str, torch.Tenso
             with pytest.raises(grpc.RpcError) as err:
                 stub.AttachPool(offload_store_pb2.AttachPoolRequest(pool=bad), timeout=5)
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-            assert "unknown pool dtype 'float17'" in (err.value.details() or "")
+            assert "unknown dtype 'float17'" in (err.value.details() or "")
 
             attached = stub.AttachPool(offload_store_pb2.AttachPoolRequest(pool=handle), timeout=5)
             assert attached.bytes_per_block == BLOCK_BYTES

@@ -43,7 +43,7 @@ def test_geometry_and_format(make_pool: PoolFactory, dtype: str, itemsize: int) 
 @pytest.mark.parametrize("name", ["float64x", "complex64", "bool", "Tensor", "", "half.real"])
 def test_unknown_dtype_is_refused(make_pool: PoolFactory, name: str) -> None:
     pool = make_pool("float32")
-    with pytest.raises(InvalidArgument, match="unknown pool dtype"):
+    with pytest.raises(InvalidArgument, match="unknown dtype"):
         map_pool(dataclasses.replace(pool.handle, dtype=name), SHM_DIR)
 
 
