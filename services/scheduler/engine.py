@@ -271,8 +271,11 @@ class Engine:
                 self._emit_final(req, err)
 
     def _fail_all(self, exc: Exception) -> None:
+        """The kv-cache-manager call failed: end every live request with an error rather than let
+        any wait forever; their blocks are freed with the next successful call."""
         log.error("scheduling failed: %s", exc)
         err = exc if isinstance(exc, KVMeshError) else Unavailable(f"kv-cache-manager step failed: {exc}")
-        for req in [*self.scheduler.running]:
+        for req in [*self.scheduler.running, *self.scheduler.waiting]:
+            self._on_dequeued(req)
             if self.scheduler.finish(req.request_id, FinishReason.ABORT, "error"):
                 self._emit_final(req, err)

@@ -46,3 +46,16 @@ def test_evicted_prefix_comes_back_from_the_store(suite: Suite) -> None:
     store = offload_store_pb2_grpc.OffloadStoreStub(grpc.insecure_channel(suite.services["offload-store"].address))
     stats = store.GetStats(offload_store_pb2.GetOffloadStatsRequest())
     assert stats.dram_hits == 10 and stats.saves >= 10
+
+
+def test_store_down_means_recompute_not_failure(suite: Suite) -> None:
+    """Runs last in this module: with the offload-store stopped, requests are still answered the same."""
+    prompt = _prompt(7, 41)
+    with KVMeshClient(suite.address) as client:
+        _, before, _ = client.complete(prompt, 4, ignore_eos=True, cache_salt="down-test")
+        suite.services["offload-store"].stop()
+        for seed in (103, 104):
+            client.complete(_prompt(seed, 100), 2, ignore_eos=True)  # evictions: saves now fail
+        _, after, final = client.complete(prompt, 4, ignore_eos=True, cache_salt="down-test")
+    assert after == before
+    assert final.cached_tokens == 0  # nothing could be loaded: recomputed
