@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: venv proto lint typecheck test run up clean bench-kv
+.PHONY: venv proto lint typecheck test run clean bench-kv bench-runner bench-offload bench-compare
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -37,6 +37,16 @@ run: venv
 
 bench-kv: venv
 	$(BIN)/python bench/kv_manager.py
+
+bench-runner: venv
+	$(BIN)/python bench/model_runner.py
+
+bench-offload: venv
+	$(BIN)/python bench/offload.py
+	$(BIN)/python bench/offload_store_bw.py
+
+bench-compare: venv
+	$(BIN)/python bench/compare.py --write-docs docs/benchmarks.md
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -6,6 +6,7 @@
     kvmesh generate "prompt"      stream a completion from a running suite
     kvmesh chat                   an interactive chat with a running suite
     kvmesh demo                   model prepare + up + one streamed chat answer (``make run``)
+    kvmesh bench serve|compare    serving benchmark against a suite; side by side with the peers
 
 Service entry points are imported lazily so ``kvmesh serve kv-cache-manager`` never imports torch.
 """
@@ -160,6 +161,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("service", choices=sorted(SERVICES))
     serve.set_defaults(func=_serve)
     add_model_subcommand(sub)
+    from services.bench_cli import add_bench_subcommand
+
+    add_bench_subcommand(sub)
     up = sub.add_parser("up", help="run the whole suite on loopback until Ctrl-C")
     _add_suite_args(up)
     up.set_defaults(func=_up)

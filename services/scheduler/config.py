@@ -29,7 +29,7 @@ class SchedulerConfig:
     """
 
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int = 512
     max_waiting_requests: int = 1024
     max_waiting_tokens: int = 1_000_000
     max_logprobs: int = 20
