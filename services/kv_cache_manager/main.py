@@ -2,13 +2,15 @@
 
 Environment:
     KVMESH_KVM_BLOCK_SIZE, KVMESH_KVM_NUM_BLOCKS, KVMESH_KVM_MAX_MODEL_LEN, KVMESH_KVM_MODEL_ID,
-    KVMESH_KVM_DEPLOYMENT_KEY: :class:`shared.config.CacheConfig`.
+    KVMESH_KVM_DEPLOYMENT_KEY: :class:`shared.config.CacheConfig`; KVMESH_DEPLOYMENT_KEY, when set,
+    overrides the key (the scheduler reads the same variable).
     KVMESH_HOST, KVMESH_PORT, KVMESH_PORT_FILE (and KVMESH_MAX_WORKERS,
     KVMESH_GRACE_SECONDS): :class:`shared.config.ServerConfig`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 
@@ -30,6 +32,8 @@ def main() -> int:
     setup_tracing(LABEL, os.environ)
     registry = new_registry()
     cache_config = from_env(CacheConfig, "KVMESH_KVM_")
+    if os.environ.get("KVMESH_DEPLOYMENT_KEY"):  # the key the scheduler reads too (one secret for both)
+        cache_config = dataclasses.replace(cache_config, deployment_key=os.environ["KVMESH_DEPLOYMENT_KEY"])
     server_config = from_env(ServerConfig, "KVMESH_")
     hub = EventHub()
     # A quarter of the workers at most may be held by (endless) event streams.

@@ -6,6 +6,7 @@ Variables: ``KVMESH_SCHED_*`` (fields of :class:`SchedulerConfig`, e.g. ``KVMESH
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 
@@ -31,6 +32,8 @@ def main() -> int:
     setup_tracing("scheduler", env)
     registry = new_registry()
     config = from_env(SchedulerConfig, "KVMESH_SCHED_", model_dir=env.get("KVMESH_MODEL_DIR", ""))
+    if env.get("KVMESH_DEPLOYMENT_KEY"):  # the key the kv-cache-manager reads too (one secret for both)
+        config = dataclasses.replace(config, deployment_key=env["KVMESH_DEPLOYMENT_KEY"])
     # NOTE: every streaming Generate holds a server thread for its whole life, so the pool must
     # exceed the admission bound; otherwise excess requests queue inside gRPC, invisible to
     # admission control, instead of getting RESOURCE_EXHAUSTED at once.

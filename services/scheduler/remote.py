@@ -153,4 +153,4 @@ def check_hash_seed(kv: RemoteKVCache, engine: Any) -> None:
     if theirs != ours:
         raise FailedPrecondition(
             "prefix-hash seed mismatch between scheduler and kv-cache-manager: set the same deployment key "
-            "(KVMESH_SCHED_DEPLOYMENT_KEY and KVMESH_KVM_DEPLOYMENT_KEY)")
+            "(KVMESH_DEPLOYMENT_KEY for both)")
