@@ -216,3 +216,23 @@ def test_text_chat_tokenize_and_model_info(suite: Suite) -> None:
         assert final.completion_tokens == 6 and len(out_ids) == 6
         # The streamed, incrementally detokenized text equals detokenizing all ids at once.
         assert text == client.stub.Detokenize(scheduler_pb2.DetokenizeRequest(token_ids=out_ids)).text
+
+
+def test_seeded_sampling_and_logprobs_over_the_api(suite: Suite) -> None:
+    prompt = list(range(30, 50))
+    with KVMeshClient(suite.address) as client:
+        runs = [client.complete(prompt, 6, temperature=0.9, top_p=0.95, seed=1234, ignore_eos=True)[1]
+                for _ in range(2)]
+        other = client.complete(prompt, 6, temperature=0.9, top_p=0.95, seed=99, ignore_eos=True)[1]
+        chunks = list(client.generate(prompt, 4, logprobs=3, ignore_eos=True))
+    assert runs[0] == runs[1] and len(runs[0]) == 6
+    assert other != runs[0]
+    lps = [lp for c in chunks for lp in c.logprobs]
+    ids = [t for c in chunks for t in c.token_ids]
+    assert len(lps) == len(ids) == 4
+    for lp, tok in zip(lps, ids, strict=True):
+        assert lp.sampled.token_id == tok
+        assert len(lp.top) == 3
+        assert lp.top[0].logprob >= lp.top[1].logprob >= lp.top[2].logprob
+        assert lp.top[0].token_id == tok  # greedy: the sampled token is the most likely one
+        assert lp.sampled.logprob == pytest.approx(lp.top[0].logprob)
