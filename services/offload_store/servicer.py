@@ -53,9 +53,9 @@ class OffloadStoreServicer(offload_store_pb2_grpc.OffloadStoreServicer):
     def Lookup(self, request: offload_store_pb2.LookupRequest, context: Any
                ) -> offload_store_pb2.LookupResponse:
         with self._lock:
-            result = self._core.lookup(list(request.block_hashes))
-        return offload_store_pb2.LookupResponse(num_present=result.num_present,
-                                                num_in_dram=result.num_in_dram)
+            results = [self._core.lookup(list(chain.block_hashes)) for chain in request.chains]
+        return offload_store_pb2.LookupResponse(num_present=[r.num_present for r in results],
+                                                num_in_dram=[r.num_in_dram for r in results])
 
     def Save(self, request: offload_store_pb2.SaveRequest, context: Any) -> offload_store_pb2.SaveResponse:
         with self._lock:

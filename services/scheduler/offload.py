@@ -32,8 +32,8 @@ log = logging.getLogger(__name__)
 class OffloadBackend(Protocol):
     """The three verbs the scheduler uses."""
 
-    def lookup(self, hashes: Sequence[bytes]) -> int:
-        """Leading hashes the store holds."""
+    def lookup(self, chains: Sequence[Sequence[bytes]]) -> list[int]:
+        """Per chain, the leading hashes the store holds (all new requests of a step at once)."""
         ...
 
     def save(self, blocks: Sequence[tuple[bytes, int]]) -> int:
@@ -64,18 +64,18 @@ class OffloadConnector:
         self.backend = backend
         self.counters = OffloadCounters()
 
-    def lookup(self, hashes: Sequence[bytes]) -> int:
-        """Leading blocks available; 0 on any error."""
-        if not hashes:
-            return 0
+    def lookup(self, chains: Sequence[Sequence[bytes]]) -> list[int]:
+        """Per chain, the leading blocks available; all 0 on any error."""
+        if not any(chains):
+            return [0] * len(chains)
         self.counters.lookups += 1
         try:
-            n = self.backend.lookup(hashes)
+            found = self.backend.lookup(chains)
         except Exception as exc:
             self._error("lookup", exc)
-            return 0
-        self.counters.hit_blocks += n
-        return n
+            return [0] * len(chains)
+        self.counters.hit_blocks += sum(found)
+        return found
 
     def save(self, blocks: Sequence[tuple[bytes, int]]) -> None:
         """Best effort: a failed save only loses a future hit."""
@@ -110,8 +110,8 @@ class InProcessOffload:
     def __init__(self, core: Any) -> None:
         self.core = core
 
-    def lookup(self, hashes: Sequence[bytes]) -> int:
-        return int(self.core.lookup(list(hashes)).num_present)
+    def lookup(self, chains: Sequence[Sequence[bytes]]) -> list[int]:
+        return [int(self.core.lookup(list(c)).num_present) for c in chains]
 
     def save(self, blocks: Sequence[tuple[bytes, int]]) -> int:
         return int(self.core.save(list(blocks)).num_saved)
@@ -132,9 +132,9 @@ class RemoteOffload:
     def _refs(blocks: Sequence[tuple[bytes, int]]) -> list[offload_store_pb2.BlockRef]:
         return [offload_store_pb2.BlockRef(block_hash=h, block_id=b) for h, b in blocks]
 
-    def lookup(self, hashes: Sequence[bytes]) -> int:
-        resp = self.stub.Lookup(offload_store_pb2.LookupRequest(block_hashes=list(hashes)), timeout=self.timeout)
-        return int(resp.num_present)
+    def lookup(self, chains: Sequence[Sequence[bytes]]) -> list[int]:
+        req = offload_store_pb2.LookupRequest(chains=[offload_store_pb2.HashChain(block_hashes=c) for c in chains])
+        return list(self.stub.Lookup(req, timeout=self.timeout).num_present)
 
     def save(self, blocks: Sequence[tuple[bytes, int]]) -> int:
         resp = self.stub.Save(offload_store_pb2.SaveRequest(blocks=self._refs(blocks)), timeout=self.timeout)

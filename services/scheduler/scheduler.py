@@ -149,11 +149,8 @@ class Scheduler:
             ))
         return req.block_hashes[:n_full]
 
-    def _allocation(self, req: Request, num_new: int, is_new: bool) -> AllocationSpec:
+    def _allocation(self, req: Request, num_new: int, is_new: bool, external: int = 0) -> AllocationSpec:
         start = 0 if is_new else req.num_tokens_sent_to_kvm
-        external = 0
-        if is_new and self.offload is not None:
-            external = self.offload.lookup(self._block_hashes(req))
         return AllocationSpec(
             request_id=req.request_id,
             new_token_ids=tuple(req.token_ids_from(start)),
@@ -188,7 +185,11 @@ class Scheduler:
             return None
 
         allocations = [self._allocation(r, n, False) for r, n in running_plan]
-        allocations += [self._allocation(r, n, True) for r, n in new_plan]
+        externals = [0] * len(new_plan)
+        if self.offload is not None and new_plan:
+            # One offload-store call for every new request of the step.
+            externals = self.offload.lookup([self._block_hashes(r) for r, _ in new_plan])
+        allocations += [self._allocation(r, n, True, ext) for (r, n), ext in zip(new_plan, externals, strict=True)]
         frees = self.take_pending_frees()
         result = self._kv_step(frees, allocations)
         num_running = len(running_plan)

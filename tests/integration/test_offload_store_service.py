@@ -79,8 +79,8 @@ def test_offload_store_service(tmp_path: Path, pool_file: tuple[str, torch.Tenso
             save = offload_store_pb2.SaveRequest(blocks=refs(hashes, [1, 2, 3]))
             assert save.ByteSize() < 200  # hashes and ids only: the 96 KiB of KV go through /dev/shm
             assert stub.Save(save, timeout=5) == offload_store_pb2.SaveResponse(num_saved=3, num_skipped=0)
-            assert stub.Lookup(offload_store_pb2.LookupRequest(block_hashes=hashes), timeout=5) == \
-                offload_store_pb2.LookupResponse(num_present=3, num_in_dram=2)
+            assert stub.Lookup(_lookup(hashes, hashes[:1]), timeout=5) == \
+                offload_store_pb2.LookupResponse(num_present=[3, 1], num_in_dram=[2, 0])
 
             raw[:, :, 4:7].zero_()
             load = stub.Load(offload_store_pb2.LoadRequest(blocks=refs(hashes, [4, 5, 6])), timeout=5)
@@ -88,7 +88,7 @@ def test_offload_store_service(tmp_path: Path, pool_file: tuple[str, torch.Tenso
             assert torch.equal(raw[:, :, 4:7], data)
 
             with pytest.raises(grpc.RpcError) as err:
-                stub.Lookup(offload_store_pb2.LookupRequest(block_hashes=[b"\x01" * 31]), timeout=5)
+                stub.Lookup(_lookup([b"\x01" * 31]), timeout=5)
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert "32 bytes" in (err.value.details() or "")
             unknown = b"\x07" * 32
@@ -107,8 +107,8 @@ def test_offload_store_service(tmp_path: Path, pool_file: tuple[str, torch.Tenso
     try:
         with grpc.insecure_channel(again.address) as channel:
             stub = offload_store_pb2_grpc.OffloadStoreStub(channel)
-            assert stub.Lookup(offload_store_pb2.LookupRequest(block_hashes=hashes), timeout=5) == \
-                offload_store_pb2.LookupResponse(num_present=1, num_in_dram=0)
+            assert stub.Lookup(_lookup(hashes), timeout=5) == \
+                offload_store_pb2.LookupResponse(num_present=[1], num_in_dram=[0])
             stub.AttachPool(offload_store_pb2.AttachPoolRequest(pool=handle), timeout=5)
             raw[:, :, 7].zero_()
             load = stub.Load(offload_store_pb2.LoadRequest(blocks=refs(hashes[:2], [7, 6])), timeout=5)
@@ -116,3 +116,7 @@ def test_offload_store_service(tmp_path: Path, pool_file: tuple[str, torch.Tenso
             assert torch.equal(raw[:, :, 7], data[:, :, 0])
     finally:
         assert again.stop() == 0, again.log_tail()
+
+
+def _lookup(*chains: list[bytes]) -> offload_store_pb2.LookupRequest:
+    return offload_store_pb2.LookupRequest(chains=[offload_store_pb2.HashChain(block_hashes=c) for c in chains])

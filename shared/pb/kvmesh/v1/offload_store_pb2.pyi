@@ -68,8 +68,8 @@ class AttachPoolResponse(_message.Message):
 Global___AttachPoolResponse: _TypeAlias = AttachPoolResponse  # noqa: Y015
 
 @_typing.final
-class LookupRequest(_message.Message):
-    """A chain of block hashes, head first."""
+class HashChain(_message.Message):
+    """A chain of block hashes, head first (one prompt's full blocks)."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -89,25 +89,53 @@ class LookupRequest(_message.Message):
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
+Global___HashChain: _TypeAlias = HashChain  # noqa: Y015
+
+@_typing.final
+class LookupRequest(_message.Message):
+    """The chains to look up: every new request of a scheduler step, in one call."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CHAINS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def chains(self) -> _containers.RepeatedCompositeFieldContainer[Global___HashChain]:
+        """One chain per request."""
+
+    def __init__(
+        self,
+        *,
+        chains: _abc.Iterable[Global___HashChain] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chains", b"chains"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
 Global___LookupRequest: _TypeAlias = LookupRequest  # noqa: Y015
 
 @_typing.final
 class LookupResponse(_message.Message):
-    """Result of a lookup."""
+    """Result of a lookup, aligned with the chains."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
     NUM_PRESENT_FIELD_NUMBER: _builtins.int
     NUM_IN_DRAM_FIELD_NUMBER: _builtins.int
-    num_present: _builtins.int
-    """Leading hashes present (in any tier)."""
-    num_in_dram: _builtins.int
-    """Of those, how many are in DRAM."""
+    @_builtins.property
+    def num_present(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Per chain: leading hashes present (in any tier)."""
+
+    @_builtins.property
+    def num_in_dram(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Per chain: of those, how many are in DRAM."""
+
     def __init__(
         self,
         *,
-        num_present: _builtins.int = ...,
-        num_in_dram: _builtins.int = ...,
+        num_present: _abc.Iterable[_builtins.int] | None = ...,
+        num_in_dram: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...

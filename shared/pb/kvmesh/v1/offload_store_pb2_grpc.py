@@ -74,7 +74,7 @@ class OffloadStoreServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Lookup(self, request, context):
-        """The longest leading run of the given hashes that the store holds.
+        """For each chain of hashes, the longest leading run the store holds (one call per step).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

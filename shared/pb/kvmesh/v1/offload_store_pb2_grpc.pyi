@@ -38,7 +38,7 @@ class OffloadStoreStub:
     AttachPool: _grpc.UnaryUnaryMultiCallable[_offload_store_pb2.AttachPoolRequest, _offload_store_pb2.AttachPoolResponse]
     """Maps the model-runner's KV pool from its handle (replaces any earlier mapping)."""
     Lookup: _grpc.UnaryUnaryMultiCallable[_offload_store_pb2.LookupRequest, _offload_store_pb2.LookupResponse]
-    """The longest leading run of the given hashes that the store holds."""
+    """For each chain of hashes, the longest leading run the store holds (one call per step)."""
     Save: _grpc.UnaryUnaryMultiCallable[_offload_store_pb2.SaveRequest, _offload_store_pb2.SaveResponse]
     """Copies pool blocks into the store under their hashes."""
     Load: _grpc.UnaryUnaryMultiCallable[_offload_store_pb2.LoadRequest, _offload_store_pb2.LoadResponse]
@@ -54,7 +54,7 @@ class OffloadStoreAsyncStub(OffloadStoreStub):
     AttachPool: _aio.UnaryUnaryMultiCallable[_offload_store_pb2.AttachPoolRequest, _offload_store_pb2.AttachPoolResponse]  # type: ignore[assignment]
     """Maps the model-runner's KV pool from its handle (replaces any earlier mapping)."""
     Lookup: _aio.UnaryUnaryMultiCallable[_offload_store_pb2.LookupRequest, _offload_store_pb2.LookupResponse]  # type: ignore[assignment]
-    """The longest leading run of the given hashes that the store holds."""
+    """For each chain of hashes, the longest leading run the store holds (one call per step)."""
     Save: _aio.UnaryUnaryMultiCallable[_offload_store_pb2.SaveRequest, _offload_store_pb2.SaveResponse]  # type: ignore[assignment]
     """Copies pool blocks into the store under their hashes."""
     Load: _aio.UnaryUnaryMultiCallable[_offload_store_pb2.LoadRequest, _offload_store_pb2.LoadResponse]  # type: ignore[assignment]
@@ -79,7 +79,7 @@ class OffloadStoreServicer(metaclass=_abc_1.ABCMeta):
         request: _offload_store_pb2.LookupRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_offload_store_pb2.LookupResponse, _abc.Awaitable[_offload_store_pb2.LookupResponse]]:
-        """The longest leading run of the given hashes that the store holds."""
+        """For each chain of hashes, the longest leading run the store holds (one call per step)."""
 
     @_abc_1.abstractmethod
     def Save(
