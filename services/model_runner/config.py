@@ -21,6 +21,10 @@ class RunnerConfig:
         device: ``auto``, ``cpu`` or ``cuda[:N]``.
         num_threads: torch intra-op threads on CPU; 0 keeps torch's default.
         warmup: run a dummy step at start.
+        quantization: ``none`` (default: fp32 as loaded), or, CPU + fp32 only, ``int8`` (int8
+            weights, dynamically quantized activations) or ``fp16`` (fp16 weights, fp32 math).
+            Faster linear layers, but outputs are no longer token-identical to fp32 (see
+            docs/model_runner.md).
     """
 
     model_dir: str = ""
@@ -34,8 +38,11 @@ class RunnerConfig:
     device: str = "auto"
     num_threads: int = 0
     warmup: bool = True
+    quantization: str = "none"
 
     def __post_init__(self) -> None:
+        if self.quantization not in ("none", "int8", "fp16"):
+            raise ValueError(f"quantization must be none, int8 or fp16, got {self.quantization!r}")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}")
         if self.kv_cache_dtype not in ("auto", "fp8_e4m3"):

@@ -51,7 +51,7 @@ def build_runner(config: RunnerConfig) -> ModelRunnerCore:
     core = ModelRunnerCore(
         model, pool, make_backend(config.attention_backend, device),
         model_id=config.model_id or Path(config.model_dir).name,
-        max_model_len=config.max_model_len or None,
+        max_model_len=config.max_model_len or None, quantization=config.quantization,
     )
     if pool.is_fp8:
         core.calibrate_kv_scales()

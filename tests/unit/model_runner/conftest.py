@@ -109,10 +109,13 @@ def hf_model() -> Callable[[Path], PreTrainedModel]:
 
 @pytest.fixture
 def make_runner(tmp_path: Path) -> Any:
-    """``make_runner(folder, num_blocks=64, kv_cache_dtype="auto")`` -> a runner on a fresh shm pool."""
+    """``make_runner(folder, num_blocks=64, kv_cache_dtype="auto", quantization="none")`` -> a runner on a
+    fresh shm pool."""
     runners: list[ModelRunnerCore] = []
 
-    def make(folder: Path, num_blocks: int = 64, kv_cache_dtype: str = "auto") -> ModelRunnerCore:
+    def make(
+        folder: Path, num_blocks: int = 64, kv_cache_dtype: str = "auto", quantization: str = "none"
+    ) -> ModelRunnerCore:
         model, config = load_model(folder)
         dtype = kv_dtype_for(kv_cache_dtype, torch.float32)
         per_block = bytes_per_block(config.num_layers, BLOCK_SIZE, config.num_kv_heads, config.head_dim, dtype)
@@ -124,7 +127,7 @@ def make_runner(tmp_path: Path) -> Any:
             memory_bytes=num_blocks * per_block,
             dtype=dtype,
         )
-        runner = ModelRunnerCore(model, pool, TorchAttentionBackend(), model_id=folder.name)
+        runner = ModelRunnerCore(model, pool, TorchAttentionBackend(), model_id=folder.name, quantization=quantization)
         runners.append(runner)
         return runner
 

@@ -7,6 +7,9 @@ from typing import Any
 import pytest
 import torch
 
+from services.model_runner.config import RunnerConfig
+from services.model_runner.model.layers import Linear
+from services.model_runner.model.packed import PackedWeight, onednn_available
 from services.model_runner.types import CachedRequestData, NewRequestData, StepInput
 from shared.errors import InvalidArgument
 from shared.sampling_params import SamplingParams
@@ -190,3 +193,52 @@ def test_fp8_runner_serves_a_request(checkpoint: Any, make_runner: Any, mini_sch
     outputs = sched.run()
     assert all(len(o) == 5 and all(0 <= t < 320 for t in o) for o in outputs.values())
     assert runner.model_info().kv_cache_dtype == "fp8_e4m3"
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2"])  # an untied head; a tied head with qkv bias
+def test_quantized_weights_accuracy(
+    name: str, checkpoint: Any, make_runner: Any, mini_scheduler: Any, sim_request: Any, all_logits: Any
+) -> None:
+    """Reports (run with -s) and bounds the logit error of the opt-in int8 / fp16 weights; they serve requests.
+
+    Bounds as for the fp8 cache: the tiny random models (init 0.2) amplify rounding (SmolLM2's
+    figures are in docs/model_runner.md).
+    """
+    folder = checkpoint(name)
+    fp32 = make_runner(folder)
+    generator = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(2, 320, (40,), generator=generator).tolist() for _ in range(4)]
+    for mode, max_error, min_agreement in (("fp16", 0.1, 0.97), ("int8", 5.0, 0.6)):
+        runner = make_runner(folder, quantization=mode)
+        linears = [m for m in runner.model.modules() if isinstance(m, Linear)]
+        assert all(m.packed is not None and m.weight.numel() == 0 for m in linears)  # fp32 copies freed
+        errors, agree = [], 0
+        for prompt in prompts:
+            ref, got = all_logits(fp32, prompt), all_logits(runner, prompt)
+            errors.append((ref - got).abs().max().item())
+            agree += int((ref.argmax(-1) == got.argmax(-1)).sum())
+        agreement = agree / (len(prompts) * 40)
+        print(f"{name} {mode}: max |logit error| {max(errors):.4f}  argmax agreement {agreement:.3f}")
+        assert max(errors) < max_error and agreement >= min_agreement, mode
+        sched = mini_scheduler(runner, chunk=4)
+        sched.add(sim_request("a", PROMPT, max_new_tokens=4))
+        sched.add(sim_request("b", PROMPT[:3], max_new_tokens=4, arrival_step=2))
+        assert all(len(o) == 4 for o in sched.run().values())
+
+
+def test_quantization_is_validated() -> None:
+    with pytest.raises(ValueError, match="quantization"):
+        RunnerConfig(model_dir="x", quantization="int4")
+    with pytest.raises(ValueError, match="fp32 weights on the CPU"):
+        PackedWeight(torch.zeros(4, 4, dtype=torch.bfloat16), None, "int8")
+
+
+def test_fp32_weights_are_packed_once(runner: Any) -> None:
+    """The default runner serves from oneDNN-packed fp32 weights (the path the tests above check)."""
+    linears = [m for m in runner.model.modules() if isinstance(m, Linear)]
+    if onednn_available():
+        assert all(m.packed is not None and m.packed.mode == "fp32" and m.weight.numel() == 0 for m in linears)
+    assert runner.model.prepared == "none"
+    runner.model.prepare("none")  # again: nothing to do
+    with pytest.raises(ValueError, match="already prepared"):
+        runner.model.prepare("int8")

@@ -1,0 +1,108 @@
+"""The linear layers' CPU kernels: each weight is packed once, after loading, for the kernel that runs it.
+
+``RunnerConfig.quantization`` picks the kernel (benchmarks: docs/model_runner.md)::
+
+    none   fp32 weights in oneDNN's blocked layout, oneDNN's fp32 inner product   (default, exact fp32)
+    fp16   fp16 weights packed for fbgemm, fp32 arithmetic                          (opt-in)
+    int8   int8 weights (per output channel) for fbgemm, activations quantized      (opt-in)
+           per call, per tensor ("dynamic quantization")
+
+The packed copy replaces the dense weight, which is freed (vLLM calls this step
+``process_weights_after_loading``). Off the CPU, or for fp16/bf16 models, ``none`` packs nothing
+and ``F.linear`` runs; ``fp16``/``int8`` need fp32 weights on the CPU.
+
+NOTE: why not ``F.linear``: decode GEMMs are skinny (a few rows times a weight streamed from
+memory), where torch's default CPU path (MKL sgemm) is slow. All linear layers of one
+SmolLM2-135M decode step on a 2-core EPYC, 2 threads: MKL 116 ms at batch 32 / 43 ms at batch 1;
+oneDNN on the dense weight 72 / 25 ms (it re-lays the weight out on every call); oneDNN on the
+packed weight 53 / 23 ms. All are IEEE fp32 but sum in different orders, so results differ in
+the last bits (as MKL's own do between batch sizes); greedy outputs stay token-identical to
+transformers in the tests and the benchmark. The ops are those torch's inductor emits for CPU
+linears (private, hence :func:`onednn_available`).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+QUANTIZATIONS = ("none", "fp16", "int8")
+PACK_BATCH = 32  # the batch oneDNN's layout is tuned for; any batch runs (as fast at 1 and 8, measured)
+
+
+def onednn_available() -> bool:
+    """Whether this torch build has oneDNN's linear ops (``torch.ops.mkldnn``)."""
+    try:
+        ops = torch.ops.mkldnn
+        return torch.backends.mkldnn.is_available() and hasattr(ops, "_linear_pointwise") and hasattr(
+            ops, "_reorder_linear_weight"
+        )
+    except (AttributeError, RuntimeError):
+        return False
+
+
+_ONEDNN = onednn_available()
+
+
+def _is_cpu_fp32(t: torch.Tensor) -> bool:
+    return t.device.type == "cpu" and t.dtype == torch.float32
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` on a dense weight; through oneDNN for fp32 on the CPU (see the module NOTE)."""
+    if _ONEDNN and _is_cpu_fp32(x) and _is_cpu_fp32(weight):
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return F.linear(x, weight, bias)
+
+
+class PackedWeight:
+    """A ``[out, in]`` weight (and bias) packed for one kernel; ``packed(x)`` is ``x W^T + b``.
+
+    Args:
+        weight: the dense weight, fp32 on the CPU (it is copied; the caller may free it).
+        bias: ``[out]`` or None.
+        mode: ``fp32`` (oneDNN), ``fp16`` or ``int8`` (fbgemm), see the module docstring.
+
+    NOTE: ``int8`` quantizes activations per call and per tensor with torch's x86 ``reduce_range``
+    (7-bit), so a row's result depends a little on the other rows of the batch. The fbgemm ops
+    come from torch's ``quantized`` namespace, whose quantized-tensor API is deprecated upstream;
+    kept because no other CPU int8 GEMM in torch 2.13 is fast here (``_weight_int8pack_mm``: 30x
+    slower than fbgemm's).
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, mode: str):
+        if mode not in ("fp32", "fp16", "int8"):
+            raise ValueError(f"mode must be fp32, fp16 or int8, got {mode!r}")
+        if not _is_cpu_fp32(weight):
+            raise ValueError(f"packed weights need fp32 weights on the CPU, not {weight.dtype} ({weight.device})")
+        if mode == "fp32" and not _ONEDNN:
+            raise ValueError("this torch build has no oneDNN linear ops")
+        self.mode = mode
+        weight = weight.detach().contiguous()
+        self.bias = None if bias is None else bias.detach().float().contiguous()
+        self.packed: object
+        if mode == "fp32":
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_BATCH)
+        elif mode == "fp16":
+            self.packed = torch.ops.quantized.linear_prepack_fp16(weight, self.bias)
+        else:
+            scales = (weight.abs().amax(dim=1) / 127.0).clamp(min=1e-12).double()  # [out], symmetric
+            zero_points = torch.zeros(weight.shape[0], dtype=torch.long)
+            with warnings.catch_warnings():  # the quantized-tensor deprecation notice
+                warnings.simplefilter("ignore", UserWarning)
+                qweight = torch.quantize_per_channel(weight, scales, zero_points, 0, torch.qint8)
+                self.packed = torch.ops.quantized.linear_prepack(qweight, self.bias)
+
+    @staticmethod
+    def supported(weight: torch.Tensor, mode: str) -> bool:
+        """Whether ``weight`` can be packed for ``mode`` in this build."""
+        return _is_cpu_fp32(weight) and (mode != "fp32" or _ONEDNN)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] fp32 -> [T, out] fp32
+        if self.mode == "fp32":
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        if self.mode == "fp16":
+            return torch.ops.quantized.linear_dynamic_fp16(x, self.packed)
+        return torch.ops.quantized.linear_dynamic(x, self.packed, True)
