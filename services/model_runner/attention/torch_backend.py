@@ -2,9 +2,10 @@
 
 ``write_kv`` scatters each new token's K/V into its slot; ``forward`` gathers every sequence's
 context back from its block table and runs ``scaled_dot_product_attention``. Decodes (one query
-row) are batched into a single padded call, the common case of a busy server; sequences with
-several query rows (prefill chunks) run one call each, with the causal mask shifted so that query
-``i`` of a chunk at position ``p`` sees keys ``0..p``::
+row), the common case of a busy server, are batched into padded calls over groups of sequences
+(see :func:`_make_plan`); sequences with several query rows (prefill chunks) run one call each,
+with the causal mask shifted so that query ``i`` of a chunk at position ``p`` sees keys
+``0..p``::
 
     keys:      0 1 2 3 4 5 6        (seq_len 7, the last 3 are this chunk's own tokens)
     query 0:   x x x x x . .        position 4
@@ -47,8 +48,9 @@ class TorchAttentionBackend:
         Args:
             group_bytes: decodes are gathered and attended in groups of sequences whose K (and
                 whose V) take about this many bytes, so that SDPA reads them back from the cache
-                rather than from memory (measured on a 2-core EPYC: 3.5x faster at batch 32 x
-                2048 tokens than gathering the whole batch at once).
+                rather than from memory (one layer at batch 32 x 2048 tokens on a 2-core EPYC:
+                23 ms, against 31 ms for the whole batch in one buffer and 82 ms for the former
+                advanced-indexing gather into fresh tensors).
         """
         self.group_bytes = group_bytes
         self._plan: tuple[AttentionMetadata, _Plan] | None = None
