@@ -73,9 +73,8 @@ def step_from_proto(msg: model_runner_pb2.ExecuteRequest) -> StepInput:
     )
 
 
-def _logprobs_to_proto(lp: SampledLogprobs | None) -> common_pb2.SampledLogprobs | None:
-    if lp is None:
-        return None
+def logprobs_to_proto(lp: SampledLogprobs) -> common_pb2.SampledLogprobs:
+    """A logprobs dataclass as its proto message."""
     return common_pb2.SampledLogprobs(
         sampled=common_pb2.TokenLogprob(token_id=lp.sampled.token_id, logprob=lp.sampled.logprob),
         top=[common_pb2.TokenLogprob(token_id=t.token_id, logprob=t.logprob) for t in lp.top],
@@ -96,7 +95,8 @@ def output_to_proto(out: StepOutput) -> model_runner_pb2.ExecuteResponse:
         step_id=out.step_id,
         sampled=[
             model_runner_pb2.SampledToken(
-                request_id=s.request_id, token_id=s.token_id, logprobs=_logprobs_to_proto(s.logprobs)
+                request_id=s.request_id, token_id=s.token_id,
+                logprobs=logprobs_to_proto(s.logprobs) if s.logprobs is not None else None,
             )
             for s in out.sampled
         ],

@@ -263,19 +263,19 @@ class Engine:
             q.put(out)
 
     def _fail_step(self, step: ScheduledStep, exc: Exception) -> None:
-        log.error("step %d failed: %s", step.step_input.step_id, exc)
-        err = exc if isinstance(exc, KVMeshError) else Unavailable(f"model-runner step failed: {exc}")
-        for request_id in step.num_scheduled:
-            req = self.scheduler.requests.get(request_id)
-            if req is not None and self.scheduler.finish(request_id, FinishReason.ABORT, "error"):
-                self._emit_final(req, err)
+        """The model-runner call failed: end the step's requests with an error."""
+        reqs = [r for rid in step.num_scheduled if (r := self.scheduler.requests.get(rid)) is not None]
+        self._abort_with_error(reqs, exc, f"model-runner step {step.step_input.step_id}")
 
     def _fail_all(self, exc: Exception) -> None:
         """The kv-cache-manager call failed: end every live request with an error rather than let
         any wait forever; their blocks are freed with the next successful call."""
-        log.error("scheduling failed: %s", exc)
-        err = exc if isinstance(exc, KVMeshError) else Unavailable(f"kv-cache-manager step failed: {exc}")
-        for req in [*self.scheduler.running, *self.scheduler.waiting]:
+        self._abort_with_error([*self.scheduler.running, *self.scheduler.waiting], exc, "kv-cache-manager step")
+
+    def _abort_with_error(self, reqs: list[Request], exc: Exception, what: str) -> None:
+        log.error("%s failed: %s", what, exc)
+        err = exc if isinstance(exc, KVMeshError) else Unavailable(f"{what} failed: {exc}")
+        for req in reqs:
             self._on_dequeued(req)
             if self.scheduler.finish(req.request_id, FinishReason.ABORT, "error"):
                 self._emit_final(req, err)

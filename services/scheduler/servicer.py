@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from typing import Any
 
 import grpc
 
+from services.model_runner.convert import logprobs_to_proto
 from services.scheduler.engine import Engine
 from services.scheduler.request import FinishReason
 from services.scheduler.stream import Chunk, OutputStream, build_spec
@@ -15,7 +15,7 @@ from services.scheduler.tokenizer import Tokenizer
 from services.scheduler.tracing import capture_context
 from shared.convert import sampling_from_proto
 from shared.errors import InvalidArgument
-from shared.pb.kvmesh.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from shared.pb.kvmesh.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 _FINISH = {
     FinishReason.STOP: scheduler_pb2.FINISH_REASON_STOP,
@@ -24,18 +24,11 @@ _FINISH = {
 }
 
 
-def _logprobs_to_proto(lp: Any) -> common_pb2.SampledLogprobs:
-    return common_pb2.SampledLogprobs(
-        sampled=common_pb2.TokenLogprob(token_id=lp.sampled.token_id, logprob=lp.sampled.logprob),
-        top=[common_pb2.TokenLogprob(token_id=t.token_id, logprob=t.logprob) for t in lp.top],
-    )
-
-
 def chunk_to_proto(chunk: Chunk) -> scheduler_pb2.GenerateResponse:
     """One engine chunk as a stream message."""
     msg = scheduler_pb2.GenerateResponse(
         request_id=chunk.request_id, token_ids=chunk.token_ids, text=chunk.text,
-        logprobs=[_logprobs_to_proto(lp) for lp in chunk.logprobs if lp is not None],
+        logprobs=[logprobs_to_proto(lp) for lp in chunk.logprobs if lp is not None],
     )
     if chunk.final is not None:
         f = chunk.final

@@ -11,6 +11,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from services.model_runner.types import SampledLogprobs
 from services.scheduler.detokenizer import IncrementalDetokenizer
 from services.scheduler.engine import Engine
 from services.scheduler.metrics import RequestMetrics
@@ -36,7 +37,7 @@ class Chunk:
     request_id: str
     token_ids: tuple[int, ...]
     text: str
-    logprobs: tuple[object, ...] = ()
+    logprobs: tuple[SampledLogprobs | None, ...] = ()
     final: Final | None = None
 
 
