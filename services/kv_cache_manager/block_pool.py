@@ -211,6 +211,16 @@ class BlockPool:
         self.cached[block_hash] = block
         return True
 
+    def uncache_block(self, block: KVCacheBlock) -> BlockHash | None:
+        """Unregisters ``block`` if it serves a hash (its KV was never written); returns that hash."""
+        block_hash = block.block_hash
+        if block_hash is None:
+            return None
+        del self.cached[block_hash]
+        block.block_hash = None
+        block.token_ids = None
+        return block_hash
+
     def reset_prefix_cache(self) -> int:
         """Forgets every cached hash (the caller checked that no block is in use)."""
         for block in self.cached.values():

@@ -111,12 +111,15 @@ class KVCacheManager:
     # ------------------------------------------------------------------ steps
 
     def step(self, free_request_ids: Sequence[str] = (),
-             allocations: Sequence[AllocationSpec] = ()) -> StepResult:
-        """Frees ``free_request_ids``, then applies ``allocations`` in order.
+             allocations: Sequence[AllocationSpec] = (),
+             rollback_request_ids: Sequence[str] = ()) -> StepResult:
+        """Frees ``free_request_ids`` and ``rollback_request_ids``, then applies ``allocations`` in order.
 
         Args:
             free_request_ids: live requests to release first (finished, aborted, preempted).
             allocations: this step's scheduled requests.
+            rollback_request_ids: live requests to release whose latest allocation never ran
+                (see :meth:`free`).
 
         Returns:
             One result per allocation, the cached blocks evicted to make room (in eviction
@@ -125,10 +128,10 @@ class KVCacheManager:
         Raises:
             InvalidArgument, NotFound, AlreadyExists: malformed step; nothing changed.
         """
-        validate_step(self._requests, free_request_ids, allocations, self._config.max_model_len)
+        validate_step(self._requests, [*free_request_ids, *rollback_request_ids], allocations,
+                      self._config.max_model_len)
         events = self._begin_events()
-        for request_id in free_request_ids:
-            self._free_one(request_id)
+        self._free_all(free_request_ids, rollback_request_ids, events)
         evicted: list[EvictedBlock] = []
         results = tuple(self._allocate(spec, evicted, events) for spec in allocations)
         self._publish(events)
@@ -138,18 +141,42 @@ class KVCacheManager:
         """A step with allocations only."""
         return self.step((), allocations)
 
-    def free(self, request_ids: Sequence[str]) -> KVCacheStats:
+    def free(self, request_ids: Sequence[str], rollback_request_ids: Sequence[str] = ()) -> KVCacheStats:
         """Releases every block of the given live requests, each table tail first.
+
+        Args:
+            request_ids: requests whose every allocation ran (finished, aborted or preempted
+                between steps): their registered blocks stay cached.
+            rollback_request_ids: requests whose latest allocation never ran — preempted or
+                refused in the very step that allocated them, or caught in a failed step. Blocks
+                are registered when they are *allocated* (so a request admitted later in the
+                same step can share them), which means that allocation's blocks do not hold
+                their tokens' KV; they are unregistered before being freed, or a later hit on
+                them would read garbage.
 
         Raises:
             NotFound, InvalidArgument: an id is not live or named twice; nothing changed.
         """
-        validate_free(self._requests, request_ids)
+        validate_free(self._requests, [*request_ids, *rollback_request_ids])
         events = self._begin_events()
-        for request_id in request_ids:
-            self._free_one(request_id)
+        self._free_all(request_ids, rollback_request_ids, events)
         self._publish(events)
         return self.stats()
+
+    def _free_all(self, request_ids: Sequence[str], rollback_request_ids: Sequence[str],
+                  events: list[KVEvent] | None) -> None:
+        for request_id in request_ids:
+            self._free_one(request_id)
+        removed: list[BlockHash] = []
+        for request_id in rollback_request_ids:
+            state = self._requests[request_id]
+            for block in state.blocks[state.num_committed_blocks : state.num_cached_blocks]:
+                block_hash = self._pool.uncache_block(block)
+                if block_hash is not None:
+                    removed.append(block_hash)
+            self._free_one(request_id)
+        if events is not None and removed:
+            events.append(BlockRemoved(tuple(removed)))
 
     def _free_one(self, request_id: str) -> None:
         state = self._requests.pop(request_id)
@@ -193,7 +220,7 @@ class KVCacheManager:
         fresh = self._get_new_blocks(num_fresh, evicted, events)
         state = RequestState(spec.request_id, tokens, hashes, spec.cache_salt)
         state.blocks = hits + fresh
-        state.num_cached_blocks = num_hit
+        state.num_cached_blocks = state.num_committed_blocks = num_hit
         state.num_computed_tokens = num_computed + num_new
         self._requests[spec.request_id] = state
         self._cache_full_blocks(state, (num_computed + num_new) // bs, events)
@@ -226,6 +253,7 @@ class KVCacheManager:
         fresh = self._get_new_blocks(num_fresh, evicted, events) if num_fresh else []
         state.blocks.extend(fresh)
         state.num_computed_tokens = total
+        state.num_committed_blocks = state.num_cached_blocks  # the previous step ran
         self._cache_full_blocks(state, total // bs, events)
         return AllocationResult(
             spec.request_id, _OK,

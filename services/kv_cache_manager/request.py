@@ -30,7 +30,8 @@ class RequestState:
         cache_salt: mixed into the first block's hash; kept for hashing later blocks' parents.
     """
 
-    __slots__ = ("block_hashes", "blocks", "cache_salt", "num_cached_blocks", "num_computed_tokens",
+    __slots__ = ("block_hashes", "blocks", "cache_salt", "num_cached_blocks", "num_committed_blocks",
+                 "num_computed_tokens",
                  "request_id", "token_ids")
 
     def __init__(self, request_id: str, token_ids: list[int], block_hashes: list[BlockHash],
@@ -43,6 +44,9 @@ class RequestState:
         self.num_computed_tokens = 0
         # Leading blocks already registered in the prefix map (or skipped as duplicates).
         self.num_cached_blocks = 0
+        # Leading registered blocks whose KV is known to be written: those registered before the
+        # latest allocation (plus prefix hits). A rollback unregisters the ones past it.
+        self.num_committed_blocks = 0
 
     @property
     def num_tokens(self) -> int:

@@ -71,13 +71,13 @@ class KVCacheManagerServicer(pb_grpc.KVCacheManagerServicer):
         specs = [convert.spec_from_pb(a) for a in request.allocations]
         free_ids = list(request.free_request_ids)
         with self._lock:
-            step = self._manager.step(free_ids, specs)
+            step = self._manager.step(free_ids, specs, list(request.rollback_request_ids))
             self._export(step.stats)
         return convert.step_to_pb(step)
 
     def Free(self, request: pb.FreeRequest, context: grpc.ServicerContext) -> pb.FreeResponse:
         with self._lock:
-            stats = self._manager.free(list(request.request_ids))
+            stats = self._manager.free(list(request.request_ids), list(request.rollback_request_ids))
         return pb.FreeResponse(stats=convert.stats_to_pb(stats))
 
     def LookupPrefix(self, request: pb.LookupPrefixRequest,

@@ -30,12 +30,13 @@ class RunnerInfo:
 class KVCacheBackend(Protocol):
     """The kv-cache-manager as the scheduler sees it: one call per step."""
 
-    def step(self, free_request_ids: Sequence[str], allocations: Sequence[AllocationSpec]) -> StepResult:
-        """Frees, then allocates in order (see ``KVCacheManager.AllocateSlots``)."""
+    def step(self, free_request_ids: Sequence[str], allocations: Sequence[AllocationSpec],
+             rollback_request_ids: Sequence[str] = ()) -> StepResult:
+        """Frees (rolling back ``rollback_request_ids``), then allocates in order (``AllocateSlots``)."""
         ...
 
-    def free(self, request_ids: Sequence[str]) -> KVCacheStats:
-        """Frees requests outside a step (idle engine)."""
+    def free(self, request_ids: Sequence[str], rollback_request_ids: Sequence[str] = ()) -> KVCacheStats:
+        """Frees requests outside a step (idle engine, requests refused after allocation)."""
         ...
 
     def initialize(self, num_blocks: int, block_size: int, max_model_len: int, model_id: str) -> None:
@@ -61,12 +62,14 @@ class InProcessKVCache:
     def __init__(self, manager: Any) -> None:
         self.manager = manager
 
-    def step(self, free_request_ids: Sequence[str], allocations: Sequence[AllocationSpec]) -> StepResult:
-        result: StepResult = self.manager.step(list(free_request_ids), list(allocations))
+    def step(self, free_request_ids: Sequence[str], allocations: Sequence[AllocationSpec],
+             rollback_request_ids: Sequence[str] = ()) -> StepResult:
+        result: StepResult = self.manager.step(list(free_request_ids), list(allocations),
+                                               list(rollback_request_ids))
         return result
 
-    def free(self, request_ids: Sequence[str]) -> KVCacheStats:
-        return self.step(request_ids, []).stats
+    def free(self, request_ids: Sequence[str], rollback_request_ids: Sequence[str] = ()) -> KVCacheStats:
+        return self.step(request_ids, [], rollback_request_ids).stats
 
     def initialize(self, num_blocks: int, block_size: int, max_model_len: int, model_id: str) -> None:
         self.manager.initialize(num_blocks=num_blocks, block_size=block_size,

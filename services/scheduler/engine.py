@@ -165,12 +165,12 @@ class Engine:
             self._emit_final(req)
 
     def _flush_frees(self) -> None:
-        frees = self.scheduler.take_pending_frees()
-        if frees:
+        frees, rollbacks = self.scheduler.take_pending_frees()
+        if frees or rollbacks:
             try:
-                self.scheduler.last_kv_stats = self.kv.free(frees)
+                self.scheduler.last_kv_stats = self.kv.free(frees, rollbacks)
             except Exception:
-                log.exception("freeing %d requests failed", len(frees))
+                log.exception("freeing %d requests failed", len(frees) + len(rollbacks))
 
     def _on_dequeued(self, req: Request) -> None:
         """Admission accounting: a request leaves the bounded queue at its first scheduling."""
@@ -277,5 +277,6 @@ class Engine:
         err = exc if isinstance(exc, KVMeshError) else Unavailable(f"{what} failed: {exc}")
         for req in reqs:
             self._on_dequeued(req)
-            if self.scheduler.finish(req.request_id, FinishReason.ABORT, "error"):
+            # NOTE: rollback: the failed step's allocations may have registered blocks it never filled.
+            if self.scheduler.finish(req.request_id, FinishReason.ABORT, "error", rollback=True):
                 self._emit_final(req, err)

@@ -79,11 +79,13 @@ class RemoteKVCache:
         self.stub = kvm_grpc.KVCacheManagerStub(self.channel)
         self.timeout = timeout
 
-    def step(self, free_request_ids: Sequence[str], allocations: Sequence[AllocationSpec]) -> StepResult:
+    def step(self, free_request_ids: Sequence[str], allocations: Sequence[AllocationSpec],
+             rollback_request_ids: Sequence[str] = ()) -> StepResult:
         resp = self.stub.AllocateSlots(
             kvm_pb2.AllocateSlotsRequest(
                 free_request_ids=list(free_request_ids),
                 allocations=[_allocation_to_proto(a) for a in allocations],
+                rollback_request_ids=list(rollback_request_ids),
             ),
             timeout=self.timeout,
         )
@@ -93,8 +95,10 @@ class RemoteKVCache:
             stats=_stats_from_proto(resp.stats),
         )
 
-    def free(self, request_ids: Sequence[str]) -> KVCacheStats:
-        resp = self.stub.Free(kvm_pb2.FreeRequest(request_ids=list(request_ids)), timeout=self.timeout)
+    def free(self, request_ids: Sequence[str], rollback_request_ids: Sequence[str] = ()) -> KVCacheStats:
+        resp = self.stub.Free(kvm_pb2.FreeRequest(request_ids=list(request_ids),
+                                                  rollback_request_ids=list(rollback_request_ids)),
+                              timeout=self.timeout)
         return _stats_from_proto(resp.stats)
 
     def initialize(self, num_blocks: int, block_size: int, max_model_len: int, model_id: str) -> None:

@@ -89,6 +89,8 @@ class Scheduler:
         self.running: list[Request] = []  # in the order they were (re)admitted
         self.requests: dict[str, Request] = {}
         self._pending_frees: list[str] = []  # finished/preempted, not yet freed in the manager
+        # Released before their latest allocation ran: the manager must unregister its blocks.
+        self._pending_rollbacks: list[str] = []
         self._runner_forget: list[str] = []  # finished/preempted, not yet forgotten by the runner
         self._seq = 0
         self._step_id = 0
@@ -105,8 +107,13 @@ class Scheduler:
         self.requests[request.request_id] = request
         bisect.insort(self.waiting, request, key=lambda r: r.sort_key)
 
-    def finish(self, request_id: str, reason: FinishReason, stop_reason: str = "") -> bool:
-        """Ends a request (abort, stop string, deadline); its blocks are freed at the next step."""
+    def finish(self, request_id: str, reason: FinishReason, stop_reason: str = "",
+               rollback: bool = False) -> bool:
+        """Ends a request (abort, stop string, deadline); its blocks are freed at the next step.
+
+        ``rollback``: its latest allocation may not have run (a failed step), so the blocks that
+        allocation registered must be unregistered rather than kept as cache.
+        """
         req = self.requests.get(request_id)
         if req is None or req.is_finished:
             return False
@@ -114,16 +121,16 @@ class Scheduler:
             self.running.remove(req)
         else:
             self.waiting.remove(req)
-        self._retire(req, reason, stop_reason)
+        self._retire(req, reason, stop_reason, rollback)
         return True
 
-    def _retire(self, req: Request, reason: FinishReason, stop_reason: str = "") -> None:
+    def _retire(self, req: Request, reason: FinishReason, stop_reason: str = "", rollback: bool = False) -> None:
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         req.stop_reason = stop_reason
         del self.requests[req.request_id]
         if req.num_tokens_sent_to_kvm:
-            self._pending_frees.append(req.request_id)
+            (self._pending_rollbacks if rollback else self._pending_frees).append(req.request_id)
         if req.known_to_runner:
             self._runner_forget.append(req.request_id)
 
@@ -132,10 +139,11 @@ class Scheduler:
         """Whether a step would do anything (including flushing frees)."""
         return bool(self.waiting or self.running)
 
-    def take_pending_frees(self) -> list[str]:
-        """Frees not yet sent (for an idle engine to flush outside a step)."""
+    def take_pending_frees(self) -> tuple[list[str], list[str]]:
+        """Frees and rollbacks not yet sent (for an idle engine to flush outside a step)."""
         frees, self._pending_frees = self._pending_frees, []
-        return frees
+        rollbacks, self._pending_rollbacks = self._pending_rollbacks, []
+        return frees, rollbacks
 
     # ----------------------------------------------------------------- planning
     def _block_hashes(self, req: Request) -> list[bytes]:
@@ -190,8 +198,7 @@ class Scheduler:
             # One offload-store call for every new request of the step.
             externals = self.offload.lookup([self._block_hashes(r) for r, _ in new_plan])
         allocations += [self._allocation(r, n, True, ext) for (r, n), ext in zip(new_plan, externals, strict=True)]
-        frees = self.take_pending_frees()
-        result = self._kv_step(frees, allocations)
+        result = self._kv_step(allocations)
         num_running = len(running_plan)
         run_results = list(result.results[:num_running])
         new_results = list(result.results[num_running:])
@@ -206,32 +213,37 @@ class Scheduler:
                 # that did fit are released too, so a large request is not starved by small ones.
                 refused_new = True
                 if res.status is AllocationStatus.OK:
-                    self._pending_frees.append(req.request_id)
+                    self._pending_rollbacks.append(req.request_id)
         preempted: list[str] = []
         scheduled: list[tuple[Request, AllocationResult]] = []
+        granted = {req.request_id for (req, _), res in zip(running_plan, run_results, strict=True)
+                   if res.status is AllocationStatus.OK}
         for (req, num_new), res in zip(running_plan, run_results, strict=True):
             if req.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop to make room for an older request
             if res.status is AllocationStatus.OK:
                 scheduled.append((req, res))
                 continue
-            ok = self._preempt_until_fits(req, num_new, scheduled, admitted, preempted)
+            ok = self._preempt_until_fits(req, num_new, scheduled, admitted, preempted, granted)
             if ok is not None:
                 scheduled.append((req, ok))
         admitted = [(req, self._load_external(req, res)) for req, res in admitted]
         for req, res in admitted:
             self._admit(req, res)
-        if refused_new and self._pending_frees:
+        if refused_new and self._pending_rollbacks:
             # Release over-admitted requests now so their blocks are not held a whole step.
-            self.last_kv_stats = self.kv.free(self.take_pending_frees())
+            self.last_kv_stats = self.kv.free(*self.take_pending_frees())
         return self._build_step(scheduled, admitted, preempted)
 
-    def _kv_step(self, frees: list[str], allocations: list[AllocationSpec]) -> StepResult:
-        """One kv-cache-manager call; evicted cached blocks are saved before anything overwrites them."""
+    def _kv_step(self, allocations: list[AllocationSpec]) -> StepResult:
+        """One kv-cache-manager call (pending frees first); evicted cached blocks are saved
+        before anything overwrites them."""
+        frees, rollbacks = self.take_pending_frees()
         try:
-            result = self.kv.step(frees, allocations)
+            result = self.kv.step(frees, allocations, rollbacks)
         except Exception:
             self._pending_frees[:0] = frees  # not applied: send them again next time
+            self._pending_rollbacks[:0] = rollbacks
             raise
         self.last_kv_stats = result.stats
         if self.offload is not None and result.evicted:
@@ -261,29 +273,36 @@ class Scheduler:
         scheduled: list[tuple[Request, AllocationResult]],
         admitted: list[tuple[Request, AllocationResult]],
         preempted: list[str],
+        granted: set[str],
     ) -> AllocationResult | None:
-        """Preempts the newest requests until ``req`` gets its slots, or preempts ``req`` itself."""
+        """Preempts the newest requests until ``req`` gets its slots, or preempts ``req`` itself.
+
+        ``granted``: running requests whose allocation in this step's call succeeded; one of them
+        preempted now is rolled back, since the slots it was granted will never be computed.
+        """
         while True:
             if admitted:
                 victim, _ = admitted.pop()  # admitted this step: newest of all, nothing computed yet
                 self._preempt(victim, was_admitting=True)
             else:
                 victim = self.running[-1]
-                self._preempt(victim)
+                self._preempt(victim, rollback=victim.request_id in granted)
                 scheduled[:] = [(r, a) for r, a in scheduled if r is not victim]
                 if victim is req:
                     preempted.append(req.request_id)
                     return None
             preempted.append(victim.request_id)
-            result = self._kv_step(self.take_pending_frees(), [self._allocation(req, num_new, False)])
+            result = self._kv_step([self._allocation(req, num_new, False)])
             if result.results[0].status is AllocationStatus.OK:
                 return result.results[0]
 
-    def _preempt(self, req: Request, was_admitting: bool = False) -> None:
+    def _preempt(self, req: Request, was_admitting: bool = False, rollback: bool = False) -> None:
         """Frees everything and requeues the request at the front of its priority.
 
         With ``preemption_mode=swap`` its computed full blocks are saved to the offload-store
-        first, so resuming loads them instead of recomputing.
+        first, so resuming loads them instead of recomputing. A request admitted this step
+        (``was_admitting``) or granted this step's slots (``rollback``) is freed with a rollback:
+        blocks registered for tokens that will not be computed must not stay in the prefix cache.
         """
         if req.status is RequestStatus.RUNNING:
             self.running.remove(req)
@@ -291,7 +310,8 @@ class Scheduler:
                 n_full = min(req.num_computed_tokens // self.block_size, len(req.block_ids))
                 hashes = self._block_hashes(req)[:n_full]
                 self.offload.save(list(zip(hashes, req.block_ids[: len(hashes)], strict=True)))
-        self._pending_frees.append(req.request_id)
+        rollback = rollback or was_admitting
+        (self._pending_rollbacks if rollback else self._pending_frees).append(req.request_id)
         if req.known_to_runner:
             self._runner_forget.append(req.request_id)
         req.known_to_runner = False

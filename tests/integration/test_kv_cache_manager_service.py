@@ -94,6 +94,21 @@ def test_prefix_sharing_scenario_with_exact_block_ids(stub: pb_grpc.KVCacheManag
     assert stub.CheckIntegrity(pb.CheckIntegrityRequest(), timeout=TIMEOUT).ok
 
 
+def test_rollback_unregisters_blocks_whose_step_never_ran(stub: pb_grpc.KVCacheManagerStub) -> None:
+    step(stub, [], [new("a", A)])
+    rolled = stub.AllocateSlots(pb.AllocateSlotsRequest(rollback_request_ids=["a"]), timeout=TIMEOUT)
+    assert (rolled.stats.num_cached_blocks, rolled.stats.num_free_blocks) == (0, 10)
+    step(stub, [], [new("b", A)])
+    freed = stub.Free(pb.FreeRequest(rollback_request_ids=["b"]), timeout=TIMEOUT)
+    assert freed.stats.num_cached_blocks == 0
+    r = step(stub, [], [new("c", A)]).results[0]
+    assert (r.num_cached_tokens, list(r.new_block_ids)) == (0, [1, 2, 3, 4])
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Free(pb.FreeRequest(request_ids=["c"], rollback_request_ids=["c"]), timeout=TIMEOUT)
+    assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    step(stub, ["c"], [])
+
+
 def test_out_of_blocks_is_a_status_not_an_error(stub: pb_grpc.KVCacheManagerStub) -> None:
     step(stub, [], [new("x", list(range(100)))])
     before = observable(stub, ["x"])

@@ -420,3 +420,49 @@ def test_a_request_freed_and_renewed_in_one_step(m: KVCacheManager) -> None:
     r = m.step(["a"], [new("a", A)]).results[0]
     assert (r.new_block_ids, r.num_cached_tokens) == ((1, 2, 3, 4), 48)
     m.check_integrity()
+
+
+def test_rollback_of_a_new_request_unregisters_what_it_never_computed() -> None:
+    """A request admitted and released in the same step: its hit stays, its own blocks go."""
+    hub = EventHub()
+    m = make_manager(hub=hub)
+    m.step((), [new("a", seq(0, 40))])  # caches blocks 1, 2
+    m.free(["a"])
+    sub = hub.subscribe()
+    p = seq(0, 80)
+    r = m.step((), [new("b", p, num_external_blocks=3)]).results[0]
+    # a's unhashed tail block 3 was reused first.
+    assert (r.new_block_ids, r.num_cached_tokens, r.external_block_ids) == ((1, 2, 3, 4, 5), 32, (3,))
+    h = hashes_of(p)
+    assert [m.pool.cached[x].block_id for x in h] == [1, 2, 3, 4, 5]
+    m.free([], rollback_request_ids=["b"])
+    # The pool hit (1, 2) held its KV before b came; 3 (external, never loaded) and 4, 5 (never
+    # computed) are unregistered and go to the front of the free queue like any unhashed block.
+    assert sorted(m.pool.cached[x].block_id for x in h if x in m.pool.cached) == [1, 2]
+    assert free_order(m) == [3, 4, 5, 6, 7, 8, 9, 10, 2, 1]
+    assert drain(sub)[-1] == BlockRemoved((h[2], h[3], h[4]))
+    r = m.step((), [new("c", p)]).results[0]
+    assert (r.new_block_ids, r.num_cached_tokens) == ((1, 2, 3, 4, 5), 32)
+    m.check_integrity()
+
+
+def test_rollback_of_a_running_request_keeps_blocks_from_steps_that_ran(m: KVCacheManager) -> None:
+    p = seq(0, 47)
+    m.step((), [new("a", p)])  # blocks 1, 2 cached; block 3 holds 15 tokens
+    m.step((), [running("a", [900], 1)])  # the 48th token completes block 3: registered now
+    h = hashes_of([*p, 900])
+    assert [m.pool.cached[x].block_id for x in h] == [1, 2, 3]
+    m.step([], [], rollback_request_ids=["a"])  # preempted in that same step: token 48 never ran
+    assert h[2] not in m.pool.cached
+    assert [m.pool.cached[x].block_id for x in h[:2]] == [1, 2]
+    assert free_order(m)[0] == 3
+    m.check_integrity()
+
+
+def test_a_plain_free_keeps_the_last_steps_blocks_cached(m: KVCacheManager) -> None:
+    p = seq(0, 47)
+    m.step((), [new("a", p)])
+    m.step((), [running("a", [900], 1)])
+    m.free(["a"])
+    assert [m.pool.cached[x].block_id for x in hashes_of([*p, 900])] == [1, 2, 3]
+    m.check_integrity()

@@ -49,6 +49,8 @@ class ModelRequest:
         self.salt = salt
         self.computed = 0
         self.blocks: list[int] = []
+        # Blocks the latest successful allocation was to fill: garbage if it is rolled back.
+        self.pending: list[int] = []
 
 
 class KVCacheMachine(RuleBasedStateMachine):
@@ -138,6 +140,7 @@ class KVCacheMachine(RuleBasedStateMachine):
             self.content.pop(block_id, None)
         req = ModelRequest(tokens, spec.cache_salt)
         req.blocks = ids
+        req.pending = fresh  # external blocks too: a rolled-back request never loads them
         req.computed = res.num_computed_tokens + res.num_new_tokens
         self.live[spec.request_id] = req
         self.record_computed(req, req.computed)
@@ -157,6 +160,7 @@ class KVCacheMachine(RuleBasedStateMachine):
             self.content.pop(block_id, None)
         req.tokens.extend(spec.new_token_ids)
         req.blocks.extend(res.new_block_ids)
+        req.pending = req.blocks[req.computed // BS :]
         req.computed = total
         self.record_computed(req, total)
 
@@ -204,6 +208,18 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.m.free(ids)
         for rid in ids:
             del self.live[rid]
+
+    @rule(data=st.data())
+    def rollback(self, data: st.DataObject) -> None:
+        """Requests released as if their latest allocation never ran: what it was to fill is
+        garbage, so no later hit may serve it (``check_hits`` would see the missing content)."""
+        if not self.live:
+            return
+        ids = data.draw(st.lists(st.sampled_from(sorted(self.live)), unique=True, min_size=1))
+        self.m.free([], ids)
+        for rid in ids:
+            for block_id in self.live.pop(rid).pending:
+                self.content.pop(block_id, None)
 
     @rule(data=st.data())
     def lookup(self, data: st.DataObject) -> None:

@@ -14,6 +14,7 @@ from services.scheduler.config import SchedulerConfig
 from services.scheduler.request import FinishReason, Request, RequestSpec, RequestStatus
 from services.scheduler.scheduler import ScheduledStep, Scheduler
 from shared.config import CacheConfig
+from shared.hashing import BlockHash, hash_blocks, hash_seed
 from shared.sampling_params import SamplingParams
 
 EOS = 99
@@ -41,6 +42,12 @@ def _sample(sched: Scheduler, step: ScheduledStep, token: int = 7) -> StepOutput
         if req.num_computed_tokens + n == req.num_tokens:
             sampled.append(SampledToken(rid, token))
     return StepOutput(step.step_input.step_id, tuple(sampled))
+
+
+def _hashes(manager: KVCacheManager, tokens: list[int]) -> list[BlockHash]:
+    """The manager's block hashes of ``tokens`` (no salt)."""
+    seed = hash_seed(manager.config.deployment_key.encode(), manager.config.model_id)
+    return hash_blocks(seed, tokens, manager.config.block_size, b"")
 
 
 def _run(sched: Scheduler, token: int = 7) -> ScheduledStep:
@@ -138,7 +145,7 @@ def test_finish_frees_at_next_step_and_abort() -> None:
     assert manager.stats().num_free_blocks == 19 - 2
     assert sched.finish("a", FinishReason.ABORT)
     assert sched.schedule() is None
-    assert sched.take_pending_frees() == ["a"]
+    assert sched.take_pending_frees() == (["a"], [])
 
 
 def test_eos_and_stop_token_and_length() -> None:
@@ -191,4 +198,50 @@ def test_running_request_decodes_every_step_while_long_prompt_prefills() -> None
         chunks.append(step.num_scheduled["long"])
     assert chunks == [63] * 6 + [400 - 63 * 6]
     assert len(sched.requests["short"].output_token_ids) == 1 + len(chunks)
+    manager.check_integrity()
+
+
+def test_request_released_in_the_step_that_allocated_it_leaves_no_cached_block() -> None:
+    """FCFS release after allocation: the released request's full block was registered when it
+    was allocated but never computed; it must not stay in the prefix cache, or the request's own
+    readmission would "hit" uncomputed KV."""
+    sched, manager = _make(num_blocks=6, block_size=4, budget=64)
+    sched.add(_req("a", list(range(10)), max_tokens=2))  # 3 blocks
+    _run(sched)
+    sched.add(_req("big", list(range(100, 112)), max_tokens=1))  # needs 3 blocks; only 2 free
+    small_prompt = [200, 201, 202, 203, 204]
+    sched.add(_req("small", small_prompt, max_tokens=1))  # fits (2 blocks) but waits behind big
+    step = _run(sched)
+    assert set(step.num_scheduled) == {"a"}
+    assert _hashes(manager, small_prompt)[0] not in manager.pool.cached
+    assert manager.stats().num_cached_blocks == 2  # a's two full prompt blocks only
+    manager.check_integrity()
+    step = _run(sched)  # a finished: big and small are admitted together
+    assert [(r.request_id, r.num_computed_tokens) for r in step.step_input.new_requests] == [
+        ("big", 0), ("small", 0)]
+    manager.check_integrity()
+
+
+def test_running_request_preempted_after_its_slots_were_granted_is_rolled_back() -> None:
+    """o (older) needs a block and finds none; n (newer) was granted its last prefill chunk, which
+    completes a block, in the same call. n is preempted: the block it never computed is unregistered,
+    so o's retry reuses it as a plain free block instead of evicting (and offloading) garbage."""
+    sched, manager = _make(num_blocks=7, block_size=4, budget=8)
+    sched.add(_req("o", list(range(6)), max_tokens=20))
+    _run(sched)  # o: blocks 1, 2
+    n_prompt = list(range(300, 316))
+    sched.add(_req("n", n_prompt, max_tokens=4))
+    s2 = _run(sched)  # o decodes; n reads 7 tokens into 3, 4
+    assert s2.num_scheduled == {"o": 1, "n": 7}
+    s3 = _run(sched)  # n reads 7 more into 5, 6: the pool is full
+    assert s3.num_scheduled == {"o": 1, "n": 7}
+    assert sched.requests["n"].block_ids == [3, 4, 5, 6]
+    s4 = _run(sched)  # o needs a 3rd block; n's last 2 tokens (completing block 6) were granted
+    assert s4.preempted == ["n"]
+    assert s4.num_scheduled == {"o": 1}
+    assert sched.requests["o"].block_ids == [1, 2, 6]
+    assert manager.stats().num_evictions == 0
+    n_hashes = _hashes(manager, n_prompt)
+    assert [manager.pool.cached[h].block_id for h in n_hashes[:3]] == [3, 4, 5]
+    assert n_hashes[3] not in manager.pool.cached
     manager.check_integrity()

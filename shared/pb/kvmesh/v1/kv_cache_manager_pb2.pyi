@@ -251,6 +251,7 @@ class AllocateSlotsRequest(_message.Message):
 
     FREE_REQUEST_IDS_FIELD_NUMBER: _builtins.int
     ALLOCATIONS_FIELD_NUMBER: _builtins.int
+    ROLLBACK_REQUEST_IDS_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def free_request_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Requests to free first (finished, aborted or preempted since the last step)."""
@@ -259,15 +260,23 @@ class AllocateSlotsRequest(_message.Message):
     def allocations(self) -> _containers.RepeatedCompositeFieldContainer[Global___Allocation]:
         """Allocations, applied in order (running requests first, then new ones, by convention)."""
 
+    @_builtins.property
+    def rollback_request_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Requests to free first whose latest allocation never ran (preempted or refused in the step
+        that allocated it, or caught in a failed step): the blocks that allocation registered are
+        unregistered, since they do not hold their tokens' KV.
+        """
+
     def __init__(
         self,
         *,
         free_request_ids: _abc.Iterable[_builtins.str] | None = ...,
         allocations: _abc.Iterable[Global___Allocation] | None = ...,
+        rollback_request_ids: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["allocations", b"allocations", "free_request_ids", b"free_request_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["allocations", b"allocations", "free_request_ids", b"free_request_ids", "rollback_request_ids", b"rollback_request_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -316,18 +325,24 @@ class FreeRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     REQUEST_IDS_FIELD_NUMBER: _builtins.int
+    ROLLBACK_REQUEST_IDS_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def request_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Request ids; each must be live."""
+
+    @_builtins.property
+    def rollback_request_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Live requests whose latest allocation never ran; see AllocateSlotsRequest.rollback_request_ids."""
 
     def __init__(
         self,
         *,
         request_ids: _abc.Iterable[_builtins.str] | None = ...,
+        rollback_request_ids: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["request_ids", b"request_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["request_ids", b"request_ids", "rollback_request_ids", b"rollback_request_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
