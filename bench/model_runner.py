@@ -186,6 +186,7 @@ def _build(args: argparse.Namespace, **fields: Any) -> ModelRunnerCore:
     """``build_runner`` on the CPU with the benchmark's threads and block size (and quantization if set)."""
     if args.quantization != "none":
         fields["quantization"] = args.quantization
+    fields.setdefault("attention_backend", args.attention_backend)
     return build_runner(RunnerConfig(model_dir=args.model, device="cpu", num_threads=args.threads,
                                      block_size=BLOCK_SIZE, **fields))  # fmt: skip
 
@@ -362,6 +363,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=128, help="tokens per prompt in the throughput run")
     parser.add_argument("--throughput-repeats", type=int, default=3, help="rounds of runner + generate()")
     parser.add_argument("--quantization", default="none", help="RunnerConfig.quantization (none or int8)")
+    parser.add_argument("--attention-backend", default="auto", help="RunnerConfig.attention_backend (auto, torch, cpu)")
     parser.add_argument("--skip-generate", action="store_true", help="no transformers generate() comparison")
     parser.add_argument("--quick", action="store_true", help="context 512 only, 4 repeats, 32 new tokens, 1 round")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "model_runner.json"))

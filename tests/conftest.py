@@ -7,6 +7,7 @@ at the top of the root conftest, before test modules import the kernels.
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,8 @@ import pytest
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Native CPU kernels are built once per machine into a test-only folder, not the user's cache.
+os.environ.setdefault("KVMESH_NATIVE_CACHE", os.path.join(tempfile.gettempdir(), f"kvmesh-native-tests-{os.getuid()}"))
 
 
 _CORPUS = [

@@ -31,6 +31,10 @@ def make_backend(name: str, device: torch.device) -> AttentionBackend:
         from services.model_runner.attention.triton_backend import TritonAttentionBackend
 
         return TritonAttentionBackend()
+    if name == "cpu":
+        from services.model_runner.attention.cpu_backend import CpuAttentionBackend
+
+        return CpuAttentionBackend()
     from services.model_runner.attention.torch_backend import TorchAttentionBackend
 
     return TorchAttentionBackend()
@@ -52,6 +56,7 @@ def build_runner(config: RunnerConfig) -> ModelRunnerCore:
         model, pool, make_backend(config.attention_backend, device),
         model_id=config.model_id or Path(config.model_dir).name,
         max_model_len=config.max_model_len or None, quantization=config.quantization,
+        pack_tied_head=config.pack_tied_head,
     )
     if pool.is_fp8:
         core.calibrate_kv_scales()

@@ -80,6 +80,7 @@ class ModelRunnerCore:
         model_id: str,
         max_model_len: int | None = None,
         quantization: str = "none",
+        pack_tied_head: bool = True,
     ):
         """
         Args:
@@ -90,8 +91,10 @@ class ModelRunnerCore:
             model_id: identity reported to the others.
             max_model_len: longest sequence; default and cap: the model's.
             quantization: ``none``, ``fp16`` or ``int8`` (``RunnerConfig.quantization``).
+            pack_tied_head: see :meth:`CausalLM.prepare` (``RunnerConfig.pack_tied_head``).
         """
-        model.prepare(quantization)
+        # NOTE: the native attention backend ("cpu") brings the native norms and rotary with it.
+        model.prepare(quantization, pack_tied_head, native=bool(getattr(backend, "native", False)))
         self.model = model
         self.config: ModelConfig = model.config
         self.pool = pool

@@ -222,12 +222,17 @@ def _make_plan(meta: AttentionMetadata, block_size: int, group_tokens: int) -> _
             rows=None if consecutive else torch.tensor(rows, device=device), first=rows[0], count=len(rows),
             block_ids=tables[index, : -(-longest // block_size)].contiguous(), max_len=longest, mask=mask,
         ))  # fmt: skip
-    chunks = [
-        _Chunk(starts[i], starts[i + 1], seq_len, tables[i : i + 1, : -(-seq_len // block_size)].contiguous())
+    return _Plan(groups, make_chunks(meta, starts, seq_lens, block_size))
+
+
+def make_chunks(meta: AttentionMetadata, starts: list[int], seq_lens: list[int], block_size: int) -> list[_Chunk]:
+    """One :class:`_Chunk` per sequence with several query rows (``starts``/``seq_lens`` as host lists)."""
+    tables = meta.block_tables
+    return [
+        _Chunk(starts[i], starts[i + 1], seq_len, tables[i : i + 1, : -(-seq_len // block_size)].long())
         for i, seq_len in enumerate(seq_lens)
         if starts[i + 1] - starts[i] > 1
     ]
-    return _Plan(groups, chunks)
 
 
 def _causal_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float) -> torch.Tensor:

@@ -14,10 +14,16 @@ from services.model_runner.model.config import ModelConfig
 from services.model_runner.model.context import ForwardContext
 from services.model_runner.model.layers import MLP, Attention, Embedding, Linear, RMSNorm, RotaryEmbedding
 from services.model_runner.model.packed import QUANTIZATIONS, PackedWeight, linear
+from services.model_runner.native import load_kernels
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block: ``h = x + attn(norm(x))``, ``out = h + mlp(norm(h))``."""
+    """Pre-norm block: ``h = x + attn(norm(x))``, ``out = h + mlp(norm(h))``.
+
+    The residual stream is carried separately (``forward`` returns the block's last output and
+    the residual it has not been added to yet), so each residual add fuses with the norm after it
+    (:meth:`RMSNorm.add_forward`); the sums are the same fp32 additions as written above.
+    """
 
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
@@ -27,10 +33,18 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext
-    ) -> torch.Tensor:  # [T, hidden]
-        h = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+        ctx: ForwardContext,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # ([T, hidden], [T, hidden])
+        """``(mlp output, residual)``; the layer's output is their sum. ``residual`` None: ``x`` is
+        the embedding (the first layer); the residual tensor is updated in place."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm.add_forward(x, residual)
+        h = self.self_attn(h, cos, sin, ctx)
+        h, residual = self.post_attention_layernorm.add_forward(h, residual)
+        return self.mlp(h), residual
 
 
 class DecoderModel(nn.Module):
@@ -46,9 +60,12 @@ class DecoderModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [T, hidden]
         cos, sin = self.rotary(positions, x.dtype)  # each [T, 1, D], gathered once for all layers
+        residual: torch.Tensor | None = None
         for layer in self.layers:
-            x = layer(x, cos, sin, ctx)
-        return self.norm(x)  # [T, hidden]
+            x, residual = layer(x, residual, cos, sin, ctx)
+        if residual is None:  # no layers
+            return self.norm(x)
+        return self.norm.add_forward(x, residual)[0]  # [T, hidden]
 
 
 class CausalLM(nn.Module):
@@ -83,14 +100,18 @@ class CausalLM(nn.Module):
             return self.packed_head(hidden).float()
         return linear(hidden, self.model.embed_tokens.weight).float()
 
-    def prepare(self, quantization: str = "none") -> None:
+    def prepare(self, quantization: str = "none", pack_tied_head: bool = True, native: bool = False) -> None:
         """Packs the loaded weights for the CPU kernels of ``quantization`` (see ``model/packed.py``).
 
         ``none`` packs fp32 weights for oneDNN when they are fp32 on the CPU and does nothing
-        otherwise. A tied head keeps using the embedding's dense weight under ``none`` (a packed
-        copy would add 113 MB to SmolLM2 for ~4 ms per batch-32 step); under ``fp16``/``int8``
-        it gets a packed copy (the embedding stays fp32 for the lookups). Call it once, after
-        loading; a second call with the same ``quantization`` does nothing.
+        otherwise. A tied head gets a packed copy of the embedding (which stays dense for the
+        lookups) under ``fp16``/``int8``, and under ``none`` when ``pack_tied_head``: the
+        vocabulary projection is the largest GEMM of a decode step, and packed it takes 9.5 ms
+        instead of 14.3 ms at batch 32 on SmolLM2 (bitwise the same logits), for 113 MB more
+        memory (a model's ``vocab x hidden x 4`` bytes). ``native`` runs the norms and the
+        rotary embedding on the native CPU kernels (``services/model_runner/native``) when they
+        build here. Call it once, after loading; a second call with the same ``quantization``
+        does nothing.
 
         Raises:
             ValueError: an unknown ``quantization``, another one than the model was prepared
@@ -107,6 +128,13 @@ class CausalLM(nn.Module):
         if quantization != "none" or all(PackedWeight.supported(m.weight, mode) for m in linears):
             for module in linears:
                 module.pack(mode)
-        if self.lm_head is None and quantization != "none":
-            self.packed_head = PackedWeight(self.model.embed_tokens.weight, None, mode)
+        embedding = self.model.embed_tokens.weight
+        pack_head = quantization != "none" or (pack_tied_head and PackedWeight.supported(embedding, mode))
+        if self.lm_head is None and pack_head:
+            self.packed_head = PackedWeight(embedding, None, mode)
+        kernels = load_kernels() if native else None
+        if kernels is not None:
+            for layer in self.modules():
+                if isinstance(layer, RMSNorm | Attention):
+                    layer.native = kernels
         self.prepared = quantization

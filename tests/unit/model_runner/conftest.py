@@ -18,7 +18,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
-from services.model_runner.attention.torch_backend import TorchAttentionBackend
+from services.model_runner.factory import make_backend
 from services.model_runner.input_batch import ScheduledRequest, prepare_inputs
 from services.model_runner.kv_pool import KVPool, bytes_per_block, kv_dtype_for
 from services.model_runner.loader import load_model
@@ -109,12 +109,13 @@ def hf_model() -> Callable[[Path], PreTrainedModel]:
 
 @pytest.fixture
 def make_runner(tmp_path: Path) -> Any:
-    """``make_runner(folder, num_blocks=64, kv_cache_dtype="auto", quantization="none")`` -> a runner on a
-    fresh shm pool."""
+    """``make_runner(folder, num_blocks=64, kv_cache_dtype="auto", quantization="none", backend="torch")`` ->
+    a runner on a fresh shm pool (``backend`` as in ``RunnerConfig.attention_backend``)."""
     runners: list[ModelRunnerCore] = []
 
     def make(
-        folder: Path, num_blocks: int = 64, kv_cache_dtype: str = "auto", quantization: str = "none"
+        folder: Path, num_blocks: int = 64, kv_cache_dtype: str = "auto", quantization: str = "none",
+        backend: str = "torch",
     ) -> ModelRunnerCore:
         model, config = load_model(folder)
         dtype = kv_dtype_for(kv_cache_dtype, torch.float32)
@@ -127,7 +128,8 @@ def make_runner(tmp_path: Path) -> Any:
             memory_bytes=num_blocks * per_block,
             dtype=dtype,
         )
-        runner = ModelRunnerCore(model, pool, TorchAttentionBackend(), model_id=folder.name, quantization=quantization)
+        runner = ModelRunnerCore(model, pool, make_backend(backend, torch.device("cpu")), model_id=folder.name,
+                                 quantization=quantization)
         runners.append(runner)
         return runner
 

@@ -26,15 +26,19 @@ def _prompt(seed: int, length: int, vocab: int = 320) -> list[int]:
     return torch.randint(2, vocab, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
+BACKENDS = ["torch", "cpu"]  # the reference, and decodes on the native paged kernel
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("name", [*ARCHS, "llama_linear"])
 def test_logits_match_transformers(
-    name: str, checkpoint: Any, hf_model: Any, make_runner: Any, all_logits: Any
+    name: str, backend: str, checkpoint: Any, hf_model: Any, make_runner: Any, all_logits: Any
 ) -> None:
     folder = checkpoint(name)
     tokens = _prompt(1, 37)
     with torch.inference_mode():
         expected = hf_model(folder)(torch.tensor([tokens])).logits[0]  # [37, V]
-    runner = make_runner(folder)
+    runner = make_runner(folder, backend=backend)
     assert runner.config.rope.rope_type == {"llama3": "llama3", "llama_linear": "linear"}.get(name, "default")
     one_pass = all_logits(runner, tokens)
     torch.testing.assert_close(one_pass, expected, atol=1e-4, rtol=0)
@@ -51,14 +55,15 @@ def _check_against_generate(runner: Any, sched: Any, folder: Path, hf_model: Any
     assert runner.request_ids == frozenset()
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize(("name", "chunk"), [("llama", 1 << 30), ("llama", 5), ("qwen2", 5), ("mistral", 3),
                                              ("llama3", 7)])  # fmt: skip
 def test_greedy_matches_generate_with_arrivals_and_chunks(
-    name: str, chunk: int, checkpoint: Any, hf_model: Any, make_runner: Any, mini_scheduler: Any,
+    name: str, chunk: int, backend: str, checkpoint: Any, hf_model: Any, make_runner: Any, mini_scheduler: Any,
     sim_request: Any, reference_greedy: Any,
 ) -> None:  # fmt: skip
     folder = checkpoint(name)
-    runner = make_runner(folder, num_blocks=96)
+    runner = make_runner(folder, num_blocks=96, backend=backend)
     sched = mini_scheduler(runner, chunk=chunk)
     sched.add(sim_request("a", _prompt(10, 11), max_new_tokens=12))
     sched.add(sim_request("b", _prompt(11, 7), max_new_tokens=8, arrival_step=4))  # A is decoding by then
@@ -73,11 +78,13 @@ def test_greedy_matches_generate_with_arrivals_and_chunks(
         assert c_chunks[: math.ceil(23 / chunk)] == [chunk] * (23 // chunk) + ([23 % chunk] if 23 % chunk else [])
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_prefix_blocks_filled_by_another_request(
-    checkpoint: Any, hf_model: Any, make_runner: Any, mini_scheduler: Any, sim_request: Any, reference_greedy: Any
-) -> None:
+    backend: str, checkpoint: Any, hf_model: Any, make_runner: Any, mini_scheduler: Any, sim_request: Any,
+    reference_greedy: Any,
+) -> None:  # fmt: skip
     folder = checkpoint("llama")
-    runner = make_runner(folder, num_blocks=96)
+    runner = make_runner(folder, num_blocks=96, backend=backend)
     sched = mini_scheduler(runner, chunk=6)
     shared = _prompt(20, 13)
     sched.add(sim_request("donor", shared + _prompt(21, 3), max_new_tokens=10))

@@ -7,6 +7,7 @@ from typing import Any
 import pytest
 import torch
 
+from services.model_runner.attention.torch_backend import TorchAttentionBackend
 from services.model_runner.config import RunnerConfig
 from services.model_runner.model.layers import Linear
 from services.model_runner.model.packed import PackedWeight, onednn_available
@@ -242,3 +243,25 @@ def test_fp32_weights_are_packed_once(runner: Any) -> None:
     runner.model.prepare("none")  # again: nothing to do
     with pytest.raises(ValueError, match="already prepared"):
         runner.model.prepare("int8")
+
+
+def test_tied_head_is_packed_with_the_same_logits(checkpoint: Any, all_logits: Any) -> None:
+    """qwen2's head is tied to the embedding: packed (default) or not, the logits are bitwise the same."""
+    from services.model_runner.kv_pool import KVPool, bytes_per_block
+    from services.model_runner.loader import load_model
+    from services.model_runner.runner import ModelRunnerCore
+
+    logits = {}
+    for pack in (True, False):
+        model, cfg = load_model(checkpoint("qwen2"))
+        per_block = bytes_per_block(cfg.num_layers, 4, cfg.num_kv_heads, cfg.head_dim, torch.float32)
+        pool = KVPool(num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+                      block_size=4, memory_bytes=32 * per_block, dtype=torch.float32)  # fmt: skip
+        runner = ModelRunnerCore(model, pool, TorchAttentionBackend(), model_id="q", pack_tied_head=pack)
+        try:
+            assert runner.model.lm_head is None
+            assert (runner.model.packed_head is not None) == (pack and onednn_available())
+            logits[pack] = all_logits(runner, PROMPT)
+        finally:
+            runner.close()
+    assert torch.equal(logits[True], logits[False])

@@ -1,0 +1,143 @@
+"""The ``cpu`` attention backend: decodes through a native kernel that reads the paged cache in
+place, everything else (prefill chunks, non-fp32 caches) through the torch reference.
+
+Decode attention is what a busy server spends its attention time on, and it is memory-bound: the
+torch reference must gather each sequence's blocks into a contiguous buffer before SDPA (no torch
+op reads a paged cache), which moves every K/V byte two to three times. The native kernel
+(``native/paged_decode.c``) reads each block once, in place, for all query heads of a KV head.
+It is not bitwise SDPA (another summation order and exp), so greedy outputs agree with the torch
+path and with transformers as any two fp32 implementations do: token for token except at
+near-ties of the top two logits (tested on the tiny models and SmolLM2, see docs/model_runner.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from services.model_runner.attention.base import AttentionMetadata
+from services.model_runner.attention.torch_backend import TorchAttentionBackend, _causal_chunk, _Chunk, make_chunks
+from services.model_runner.native import load_kernels
+
+
+@dataclass(frozen=True)
+class _NativePlan:
+    """One step's decode arrays (int32, contiguous) and its multi-row chunks, shared by all layers."""
+
+    rows: torch.Tensor  # [n] query row of each decode
+    seq_lens: torch.Tensor  # [n]
+    tables: torch.Tensor  # [n, W]
+    max_len: int
+    chunks: list[_Chunk]
+
+
+class CpuAttentionBackend(TorchAttentionBackend):
+    """:class:`TorchAttentionBackend` with decodes on the native paged kernel (fp32 caches on CPU)."""
+
+    name = "cpu"
+
+    def __init__(self, portable: bool = False) -> None:
+        """``portable``: use the plain-C build without the AVX-512 paths (tests)."""
+        super().__init__()
+        self._kernels = load_kernels(portable)
+        self._native_plan: tuple[AttentionMetadata, _NativePlan] | None = None
+
+    @property
+    def native(self) -> bool:
+        """Whether the kernel was built here (False: every call takes the torch path)."""
+        return self._kernels is not None
+
+    def write_kv(
+        self,
+        key: torch.Tensor,  # [T, KV, D]
+        value: torch.Tensor,  # [T, KV, D]
+        k_cache: torch.Tensor,  # [num_blocks, block_size, KV, D]
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,  # [T] int64, -1 = skip
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
+    ) -> None:
+        """Stores K/V at their slots with one native call (a decode step writes a few KB per layer:
+        less than the OpenMP fork of ``index_copy_``)."""
+        kernels = self._kernels
+        if (kernels is None or not _native_dtypes(key, k_cache) or value.dtype != torch.float32
+                or not _rows_contiguous(key) or not _rows_contiguous(value)
+                or not k_cache.is_contiguous() or not v_cache.is_contiguous() or slot_mapping.dtype != torch.int64
+                or not slot_mapping.is_contiguous()):
+            super().write_kv(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+            return
+        kernels.write_kv(
+            key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0),
+            k_cache.data_ptr(), v_cache.data_ptr(), slot_mapping.data_ptr(), key.shape[0],
+            key.shape[1] * key.shape[2], k_cache.shape[0] * k_cache.shape[1],
+        )  # fmt: skip
+
+    def forward(
+        self,
+        query: torch.Tensor,  # [T, H, D]
+        k_cache: torch.Tensor,  # [num_blocks, block_size, KV, D]
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        softmax_scale: float,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
+    ) -> torch.Tensor:  # [T, H, D]
+        """Causal varlen attention; decodes in place on the paged cache."""
+        kernels = self._kernels
+        if (kernels is None or not _native_dtypes(query, k_cache) or not k_cache.is_contiguous()
+                or not v_cache.is_contiguous()):
+            return super().forward(query, k_cache, v_cache, meta, softmax_scale, k_scale, v_scale)
+        plan = self._plan_native(meta, k_cache.shape[1])
+        if not _rows_contiguous(query):
+            query = query.contiguous()
+        num_heads, head_dim = query.shape[1], query.shape[2]
+        out = torch.empty(query.shape, dtype=query.dtype)
+        n = plan.rows.shape[0]
+        if n:
+            status = kernels.paged_decode(
+                query.data_ptr(), query.stride(0),
+                k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0),
+                plan.tables.data_ptr(), plan.tables.stride(0),
+                plan.seq_lens.data_ptr(), plan.rows.data_ptr(), n,
+                out.data_ptr(), out.stride(0),
+                num_heads, k_cache.shape[2], head_dim, k_cache.shape[1],
+                plan.max_len, softmax_scale,
+            )  # fmt: skip
+            if status != 0:
+                raise RuntimeError(f"native paged decode failed with status {status}")
+        for chunk in plan.chunks:
+            k = self._gather(k_cache, chunk.block_ids, chunk.seq_len, query.dtype, k_scale, 0)[0]
+            v = self._gather(v_cache, chunk.block_ids, chunk.seq_len, query.dtype, v_scale, 1)[0]
+            out[chunk.start : chunk.end] = _causal_chunk(query[chunk.start : chunk.end], k, v, softmax_scale)
+        return out
+
+    def _plan_native(self, meta: AttentionMetadata, block_size: int) -> _NativePlan:
+        cached = self._native_plan
+        if cached is not None and cached[0] is meta:
+            return cached[1]
+        starts: list[int] = meta.query_start_loc.tolist()
+        seq_lens: list[int] = meta.seq_lens.tolist()
+        decodes = [i for i in range(len(seq_lens)) if starts[i + 1] - starts[i] == 1]
+        tables = meta.block_tables.to(torch.int32)
+        if len(decodes) != len(seq_lens):
+            tables = tables[torch.tensor(decodes, dtype=torch.long)]
+        plan = _NativePlan(
+            rows=torch.tensor([starts[i] for i in decodes], dtype=torch.int32),
+            seq_lens=torch.tensor([seq_lens[i] for i in decodes], dtype=torch.int32),
+            tables=tables.contiguous(),
+            max_len=max((seq_lens[i] for i in decodes), default=0),
+            chunks=make_chunks(meta, starts, seq_lens, block_size),
+        )
+        self._native_plan = (meta, plan)
+        return plan
+
+
+def _native_dtypes(x: torch.Tensor, cache: torch.Tensor) -> bool:
+    """The kernels take fp32 activations and an fp32 cache, on the CPU."""
+    return x.device.type == "cpu" and x.dtype == torch.float32 and cache.dtype == torch.float32
+
+
+def _rows_contiguous(x: torch.Tensor) -> bool:
+    """``x`` ``[T, heads, D]`` has each row's ``heads * D`` values contiguous (any row stride)."""
+    return x.stride(2) == 1 and x.stride(1) == x.shape[2]

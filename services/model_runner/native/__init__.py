@@ -1,0 +1,163 @@
+"""Native (C/OpenMP) CPU kernels, compiled on first use with the machine's C compiler.
+
+What is here, and why torch alone was not enough (figures in docs/model_runner.md):
+
+* ``paged_decode.c`` — decode attention reading the paged KV cache in place (torch has no op that
+  reads a paged cache, so the torch backend gathers K/V into contiguous buffers first), and the
+  K/V slot writes;
+* ``norm_rope.c`` — fused residual-add + RMSNorm and rotary embedding: at decode batch sizes
+  torch runs each as several tiny ops with an OpenMP fork each.
+
+The sources are built together into one shared object in a cache folder
+(``$KVMESH_NATIVE_CACHE``, else ``$KVMESH_CACHE_DIR/native``, else ``~/.cache/kvmesh/native``),
+named by a hash of the sources, the flags, the compiler and the CPU's feature flags, so a changed
+source or another machine never loads a stale build. ``-march=native`` is right because the build
+happens on the machine that runs it. The build takes ~2 s once; a missing compiler or a failed
+build only logs a warning and :func:`load_kernels` returns None, and callers keep the torch path.
+The object links the ``libgomp`` torch already loaded (same soname), so ``torch.set_num_threads``
+governs its threads too.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+SOURCES = tuple(sorted(Path(__file__).parent.glob("*.c")))
+# NOTE: no -ffast-math: a shared object built with it turns on flush-to-zero for the whole
+# process when it is loaded.
+CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11", "-Wall", "-Werror")
+# The portable C loops only (what a CPU without AVX-512 runs); the tests check both variants.
+PORTABLE_CFLAGS = ("-mno-avx512f",)
+_I64 = ctypes.c_int64
+_PTR = ctypes.c_void_p
+_F32 = ctypes.c_float
+
+
+def cache_dir() -> Path:
+    """Where built objects go."""
+    explicit = os.environ.get("KVMESH_NATIVE_CACHE")
+    if explicit:
+        return Path(explicit).expanduser()
+    base = os.environ.get("KVMESH_CACHE_DIR") or str(Path.home() / ".cache" / "kvmesh")
+    return Path(base).expanduser() / "native"
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def build(sources: tuple[Path, ...] = SOURCES, extra_cflags: tuple[str, ...] = ()) -> Path:
+    """Compiles ``sources`` into one shared object unless an identical build is cached.
+
+    Returns:
+        The shared object's path.
+
+    Raises:
+        RuntimeError: no C compiler, or the compiler failed (its output is in the message).
+    """
+    cc = _compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler (cc/gcc) on PATH")
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
+    except OSError as exc:
+        raise RuntimeError(f"cannot run the C compiler {cc}: {exc}") from exc
+    flags = (*CFLAGS, *extra_cflags)
+    parts = [*(f"{s.name}\0{s.read_text()}" for s in sources), " ".join(flags), version, platform.machine(),
+             _cpu_flags()]  # fmt: skip
+    key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
+    target = cache_dir() / f"kvmesh_cpu-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+    os.close(fd)
+    try:
+        done = subprocess.run([cc, *flags, "-o", tmp, *map(str, sources), "-lm"], capture_output=True, text=True,
+                              check=False)  # fmt: skip
+        if done.returncode != 0:
+            raise RuntimeError(f"{cc} failed:\n{done.stderr.strip()}")
+        os.replace(tmp, target)  # atomic: a concurrent build of the same key writes the same bytes
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+@dataclass(frozen=True)
+class NativeKernels:
+    """The entry points (ctypes functions; tensors are passed as raw pointers and strides)."""
+
+    paged_decode: Any  # kvmesh_paged_decode_f32
+    write_kv: Any  # kvmesh_write_kv_f32
+    add_rms_norm: Any  # kvmesh_add_rms_norm_f32
+    rope: Any  # kvmesh_rope_f32
+
+
+def _bind(lib: ctypes.CDLL, name: str, restype: Any, argtypes: list[Any]) -> Any:
+    fn = getattr(lib, name)
+    fn.restype = restype
+    fn.argtypes = argtypes
+    return fn
+
+
+@functools.cache
+def load_kernels(portable: bool = False) -> NativeKernels | None:
+    """The built kernels, or None when they cannot be built here (logged once).
+
+    Args:
+        portable: the plain-C variant without the AVX-512 paths (for tests).
+    """
+    import torch  # noqa: F401  (torch's libgomp must be loaded first, so the kernels share its threads)
+
+    try:
+        lib = ctypes.CDLL(str(build(extra_cflags=PORTABLE_CFLAGS if portable else ())))
+    except (OSError, RuntimeError) as exc:
+        log.warning("native CPU kernels unavailable, using the torch path: %s", exc)
+        return None
+    return NativeKernels(
+        paged_decode=_bind(lib, "kvmesh_paged_decode_f32", ctypes.c_int, [
+            _PTR, _I64,  # q, q_row_stride
+            _PTR, _PTR, _I64,  # k_cache, v_cache, block_stride
+            _PTR, _I64,  # tables, table_stride
+            _PTR, _PTR, _I64,  # seq_lens, rows, num_seqs
+            _PTR, _I64,  # out, out_row_stride
+            _I64, _I64, _I64, _I64,  # num_heads, num_kv_heads, head_dim, block_size
+            _I64, _F32,  # max_seq_len, scale
+        ]),
+        write_kv=_bind(lib, "kvmesh_write_kv_f32", _I64, [
+            _PTR, _I64, _PTR, _I64,  # key, key_row_stride, value, value_row_stride
+            _PTR, _PTR, _PTR, _I64, _I64, _I64,  # k_cache, v_cache, slots, num_tokens, kv_elems, num_slots
+        ]),
+        add_rms_norm=_bind(lib, "kvmesh_add_rms_norm_f32", None, [
+            _PTR, _PTR, _I64, _PTR,  # residual (or NULL), x, x_stride, weight
+            _PTR, _I64, _I64, _F32,  # out, rows, hidden, eps
+        ]),
+        rope=_bind(lib, "kvmesh_rope_f32", None, [
+            _PTR, _I64, _PTR, _PTR, _I64,  # x, x_stride, cos, sin, cs_stride
+            _PTR, _I64, _I64, _I64,  # out, tokens, heads, dim
+        ]),
+    )  # fmt: skip

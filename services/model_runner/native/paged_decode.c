@@ -1,0 +1,456 @@
+/*
+ * Paged decode attention for the CPU, reading K/V in place from the block pool.
+ *
+ * Why it exists: torch has no op that reads a paged cache, so the torch backend gathers every
+ * sequence's blocks into a contiguous buffer before scaled_dot_product_attention, moving each K/V
+ * byte two to three times. Here each (sequence, KV head) pair walks its block table once: the G
+ * query heads that share the KV head score every key while it is in registers (K read once for
+ * G heads), then a softmax, then one pass over V.
+ *
+ * Layouts (elements, fp32):
+ *   q, out       [num_rows, H, D]          rows of one query token each; head stride D
+ *   k/v cache    [num_blocks, bs, KV, D]   one layer's half of the pool; token stride KV * D
+ *   tables       [num_seqs, width] int32   block ids (0 = null block, never read past seq_len)
+ *
+ * Threads: one OpenMP loop over (sequence, KV head) pairs. The library is linked against the
+ * libgomp that torch already loaded (same soname), so torch.set_num_threads governs it too and
+ * there is one thread pool, not two.
+ *
+ * Numerics: scores and the softmax in fp32, exp by range reduction (2^n * e^r, |r| <= ln2/2,
+ * 7th-order Taylor, relative error < 1e-7): not bitwise equal to SDPA, equal within fp32 rounding.
+ * Built without -ffast-math on purpose: a -ffast-math shared object sets flush-to-zero for the
+ * whole process when it is loaded.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+static inline float exp_neg(float x) {
+    /* e^x for x <= 0 (scores minus their max). */
+    if (x < -87.0f) x = -87.0f;
+    const float t = x * 1.44269504088896341f;
+    const int n = (int)(t - 0.5f);      /* t <= 0: truncation rounds toward 0, so this is round() */
+    const float r = (t - (float)n) * 0.69314718055994531f;   /* |r| <= ln2 / 2 */
+    float p = 1.0f / 5040.0f;
+    p = p * r + 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    union { int32_t i; float f; } scale;
+    scale.i = (n + 127) << 23;
+    return p * scale.f;
+}
+
+#define MAX_GROUP 16
+#define MAX_HEAD_DIM 256
+#define MAX_HEADS 128
+#ifndef PREFETCH_AHEAD
+#define PREFETCH_AHEAD 1
+#endif
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+/* e^x for x <= 0, 16 lanes: 2^n * e^r with the same polynomial as exp_neg. */
+static inline __m512 exp512_neg(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 r = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.69314718055994531f));
+    __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* Two vectors of partial sums -> one holding, per 128-bit lane, [a0+a2, b0+b2, a1+a3, b1+b3]. */
+static inline __m512 pair_sum(__m512 a, __m512 b) {
+    return _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+}
+
+/* 16 vectors of 16 partial sums -> one vector whose lane t is the full sum of part[t]
+ * (a transposing reduction: 15 combine steps instead of 16 horizontal reductions). */
+static inline __m512 transpose_sum16(const __m512 part[16]) {
+    __m512 l1[8], l2[4], l3[2];
+    for (int i = 0; i < 8; i++) l1[i] = pair_sum(part[2 * i], part[2 * i + 1]);
+    for (int i = 0; i < 4; i++)  /* per 128-bit lane: [t0, t1, t2, t3] of its quarter */
+        l2[i] = _mm512_add_ps(_mm512_shuffle_ps(l1[2 * i], l1[2 * i + 1], 0x44),
+                              _mm512_shuffle_ps(l1[2 * i], l1[2 * i + 1], 0xEE));
+    for (int i = 0; i < 2; i++)  /* quarters 0+1 and 2+3 of two groups of 4 tokens */
+        l3[i] = _mm512_add_ps(_mm512_shuffle_f32x4(l2[2 * i], l2[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                              _mm512_shuffle_f32x4(l2[2 * i], l2[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(l3[0], l3[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(l3[0], l3[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+/* One (sequence, KV head): G query heads of nd * 16 dims. Inlined with constant nd (4, 8) so
+ * the query and accumulator vectors stay in registers. */
+static inline __attribute__((always_inline)) void attend_avx512(
+    const float *qs, float *os, const float *k_cache, const float *v_cache, int64_t block_stride,
+    const int32_t *table, int64_t len, int64_t group, const int nd, int64_t token_stride,
+    int64_t block_size, int64_t kv_offset, float scale, float *scores)
+{
+    __m512 qv[MAX_GROUP][MAX_HEAD_DIM / 16];
+    for (int64_t g = 0; g < group; g++)
+        for (int j = 0; j < nd; j++)
+            qv[g][j] = _mm512_mul_ps(_mm512_loadu_ps(qs + g * nd * 16 + j * 16), _mm512_set1_ps(scale));
+    __m512 vmax[MAX_GROUP];
+    for (int64_t g = 0; g < group; g++) vmax[g] = _mm512_set1_ps(-3.0e38f);
+
+    /* 1. scores, 16 tokens at a time (never across a block boundary) */
+    for (int64_t t0 = 0; t0 < len; t0 += block_size) {
+        const float *kb = k_cache + (int64_t)table[t0 / block_size] * block_stride + kv_offset;
+        const int64_t nblk = len - t0 < block_size ? len - t0 : block_size;
+        for (int64_t c0 = 0; c0 < nblk; c0 += 16) {
+            const int n = (int)(nblk - c0 < 16 ? nblk - c0 : 16);
+            const __mmask16 live = (__mmask16)((1u << n) - 1u);
+            for (int64_t g = 0; g < group; g++) {
+                __m512 part[16];
+                for (int t = 0; t < 16; t++) {
+                    if (t < n) {
+                        const float *k = kb + (c0 + t) * token_stride;
+                        __m512 acc = _mm512_mul_ps(qv[g][0], _mm512_loadu_ps(k));
+                        for (int j = 1; j < nd; j++) acc = _mm512_fmadd_ps(qv[g][j], _mm512_loadu_ps(k + j * 16), acc);
+                        part[t] = acc;
+                    } else {
+                        part[t] = _mm512_setzero_ps();
+                    }
+                }
+                const __m512 s = transpose_sum16(part);
+                _mm512_mask_storeu_ps(scores + g * len + t0 + c0, live, s);
+                vmax[g] = _mm512_mask_max_ps(vmax[g], live, vmax[g], s);
+            }
+        }
+    }
+    /* 2. softmax numerators in place; their sums */
+    float inv_sum[MAX_GROUP];
+    for (int64_t g = 0; g < group; g++) {
+        float *sg = scores + g * len;
+        const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(vmax[g]));
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t t = 0; t < len; t += 16) {
+            const __mmask16 live = len - t >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (len - t)) - 1u);
+            const __m512 e = exp512_neg(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, sg + t), m));
+            _mm512_mask_storeu_ps(sg + t, live, e);
+            sum = _mm512_mask_add_ps(sum, live, sum, e);
+        }
+        inv_sum[g] = 1.0f / _mm512_reduce_add_ps(sum);
+    }
+    /* 3. out_g = sum_t p_gt v_t / sum_g */
+    __m512 acc[MAX_GROUP][MAX_HEAD_DIM / 16];
+    for (int64_t g = 0; g < group; g++)
+        for (int j = 0; j < nd; j++) acc[g][j] = _mm512_setzero_ps();
+    for (int64_t t0 = 0; t0 < len; t0 += block_size) {
+        const float *vb = v_cache + (int64_t)table[t0 / block_size] * block_stride + kv_offset;
+        const int64_t nblk = len - t0 < block_size ? len - t0 : block_size;
+        for (int64_t o = 0; o < nblk; o++) {
+            const float *v = vb + o * token_stride;
+            for (int64_t g = 0; g < group; g++) {
+                const __m512 p = _mm512_set1_ps(scores[g * len + t0 + o]);
+                for (int j = 0; j < nd; j++) acc[g][j] = _mm512_fmadd_ps(p, _mm512_loadu_ps(v + j * 16), acc[g][j]);
+            }
+        }
+    }
+    for (int64_t g = 0; g < group; g++) {
+        const __m512 inv = _mm512_set1_ps(inv_sum[g]);
+        for (int j = 0; j < nd; j++) _mm512_storeu_ps(os + g * nd * 16 + j * 16, _mm512_mul_ps(acc[g][j], inv));
+    }
+}
+
+/* Prefetches a block's bytes [base, base + bytes) into the caches, one line at a time. */
+static inline void prefetch_block(const float *base, int64_t bytes) {
+    const char *p = (const char *)base;
+    for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
+}
+
+/* A whole sequence, every head: each block (all KV heads: block_size * token_stride floats,
+ * contiguous) is read from memory once, the next one prefetched while this one is used, since
+ * block tables are scattered and the hardware prefetcher stops at page boundaries.
+ * Scratch: scores [num_heads][len], acc [num_heads][nd * 16]. */
+static inline __attribute__((always_inline)) void attend_seq_avx512(
+    const float *q_row, float *o_row, const float *k_cache, const float *v_cache, int64_t block_stride,
+    const int32_t *table, int64_t len, int64_t num_heads, int64_t group, const int nd, int64_t token_stride,
+    int64_t block_size, float scale, float *scores, float *qbuf, float *acc)
+{
+    const int64_t head_dim = (int64_t)nd * 16, num_kv = num_heads / group;
+    const int64_t block_bytes = block_size * token_stride * (int64_t)sizeof(float);
+    const int64_t num_blocks = (len + block_size - 1) / block_size;
+    const __m512 vscale = _mm512_set1_ps(scale);
+    for (int64_t i = 0; i < num_heads * head_dim; i += 16)
+        _mm512_storeu_ps(qbuf + i, _mm512_mul_ps(_mm512_loadu_ps(q_row + i), vscale));
+    float maxv[MAX_HEADS];
+    for (int64_t h = 0; h < num_heads; h++) maxv[h] = -3.0e38f;
+
+    /* 1. scores */
+    for (int64_t b = 0; b < PREFETCH_AHEAD && b < num_blocks; b++)
+        prefetch_block(k_cache + (int64_t)table[b] * block_stride, block_bytes);
+    for (int64_t b = 0; b < num_blocks; b++) {
+        const int64_t t0 = b * block_size;
+        const float *kb = k_cache + (int64_t)table[b] * block_stride;
+        if (b + PREFETCH_AHEAD < num_blocks)
+            prefetch_block(k_cache + (int64_t)table[b + PREFETCH_AHEAD] * block_stride, block_bytes);
+        const int64_t nblk = len - t0 < block_size ? len - t0 : block_size;
+        for (int64_t c0 = 0; c0 < nblk; c0 += 16) {
+            const int n = (int)(nblk - c0 < 16 ? nblk - c0 : 16);
+            const __mmask16 live = (__mmask16)((1u << n) - 1u);
+            for (int64_t h = 0; h < num_heads; h++) {
+                const float *qh = qbuf + h * head_dim;
+                const float *kh = kb + c0 * token_stride + (h / group) * head_dim;
+                __m512 qv[MAX_HEAD_DIM / 16];
+                for (int j = 0; j < nd; j++) qv[j] = _mm512_loadu_ps(qh + j * 16);
+                __m512 part[16];
+                for (int t = 0; t < 16; t++) {
+                    if (t < n) {
+                        const float *k = kh + t * token_stride;
+                        __m512 a = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k));
+                        for (int j = 1; j < nd; j++) a = _mm512_fmadd_ps(qv[j], _mm512_loadu_ps(k + j * 16), a);
+                        part[t] = a;
+                    } else {
+                        part[t] = _mm512_setzero_ps();
+                    }
+                }
+                const __m512 sc = transpose_sum16(part);
+                _mm512_mask_storeu_ps(scores + h * len + t0 + c0, live, sc);
+                const float m = _mm512_mask_reduce_max_ps(live, sc);
+                if (m > maxv[h]) maxv[h] = m;
+            }
+        }
+    }
+    /* 2. softmax numerators in place */
+    float inv_sum[MAX_HEADS];
+    for (int64_t h = 0; h < num_heads; h++) {
+        float *sh = scores + h * len;
+        const __m512 m = _mm512_set1_ps(maxv[h]);
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t t = 0; t < len; t += 16) {
+            const __mmask16 live = len - t >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (len - t)) - 1u);
+            const __m512 e = exp512_neg(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, sh + t), m));
+            _mm512_mask_storeu_ps(sh + t, live, e);
+            sum = _mm512_mask_add_ps(sum, live, sum, e);
+        }
+        inv_sum[h] = 1.0f / _mm512_reduce_add_ps(sum);
+    }
+    /* 3. weighted V: per block and KV head, that head group's accumulators live in registers */
+    for (int64_t i = 0; i < num_heads * head_dim; i += 16) _mm512_storeu_ps(acc + i, _mm512_setzero_ps());
+    for (int64_t b = 0; b < PREFETCH_AHEAD && b < num_blocks; b++)
+        prefetch_block(v_cache + (int64_t)table[b] * block_stride, block_bytes);
+    for (int64_t b = 0; b < num_blocks; b++) {
+        const int64_t t0 = b * block_size;
+        const float *vb = v_cache + (int64_t)table[b] * block_stride;
+        if (b + PREFETCH_AHEAD < num_blocks)
+            prefetch_block(v_cache + (int64_t)table[b + PREFETCH_AHEAD] * block_stride, block_bytes);
+        const int64_t nblk = len - t0 < block_size ? len - t0 : block_size;
+        for (int64_t kvh = 0; kvh < num_kv; kvh++) {
+            __m512 a[MAX_GROUP][MAX_HEAD_DIM / 16];
+            float *ah = acc + kvh * group * head_dim;
+            for (int64_t g = 0; g < group; g++)
+                for (int j = 0; j < nd; j++) a[g][j] = _mm512_loadu_ps(ah + g * head_dim + j * 16);
+            const float *sk = scores + kvh * group * len + t0;
+            for (int64_t o = 0; o < nblk; o++) {
+                const float *v = vb + o * token_stride + kvh * head_dim;
+                __m512 vv[MAX_HEAD_DIM / 16];
+                for (int j = 0; j < nd; j++) vv[j] = _mm512_loadu_ps(v + j * 16);
+                for (int64_t g = 0; g < group; g++) {
+                    const __m512 p = _mm512_set1_ps(sk[g * len + o]);
+                    for (int j = 0; j < nd; j++) a[g][j] = _mm512_fmadd_ps(p, vv[j], a[g][j]);
+                }
+            }
+            for (int64_t g = 0; g < group; g++)
+                for (int j = 0; j < nd; j++) _mm512_storeu_ps(ah + g * head_dim + j * 16, a[g][j]);
+        }
+    }
+    for (int64_t h = 0; h < num_heads; h++) {
+        const __m512 inv = _mm512_set1_ps(inv_sum[h]);
+        for (int j = 0; j < nd; j++)
+            _mm512_storeu_ps(o_row + h * head_dim + j * 16, _mm512_mul_ps(_mm512_loadu_ps(acc + h * head_dim + j * 16), inv));
+    }
+}
+#endif
+
+/* One (sequence, KV head), portable C: the fallback without AVX-512 or for odd head sizes. */
+static void attend_portable(
+    const float *qs, float *os, const float *k_cache, const float *v_cache, int64_t block_stride,
+    const int32_t *table, int64_t len, int64_t group, int64_t head_dim, int64_t token_stride,
+    int64_t block_size, int64_t kv_offset, float scale, float *scores)
+{
+    float qv[MAX_GROUP][MAX_HEAD_DIM];
+    for (int64_t g = 0; g < group; g++)
+        for (int64_t d = 0; d < head_dim; d++) qv[g][d] = qs[g * head_dim + d] * scale;
+    float maxv[MAX_GROUP];
+    for (int64_t g = 0; g < group; g++) maxv[g] = -3.0e38f;
+    for (int64_t t0 = 0; t0 < len; t0 += block_size) {
+        const float *kb = k_cache + (int64_t)table[t0 / block_size] * block_stride + kv_offset;
+        const int64_t n = len - t0 < block_size ? len - t0 : block_size;
+        for (int64_t o = 0; o < n; o++) {
+            const float *k = kb + o * token_stride;
+            for (int64_t g = 0; g < group; g++) {
+                float acc = 0.0f;
+                #pragma omp simd reduction(+:acc)
+                for (int64_t d = 0; d < head_dim; d++) acc += qv[g][d] * k[d];
+                scores[g * len + t0 + o] = acc;
+                if (acc > maxv[g]) maxv[g] = acc;
+            }
+        }
+    }
+    float inv_sum[MAX_GROUP];
+    for (int64_t g = 0; g < group; g++) {
+        float *sg = scores + g * len;
+        const float m = maxv[g];
+        float sum = 0.0f;
+        #pragma omp simd reduction(+:sum)
+        for (int64_t t = 0; t < len; t++) {
+            const float e = exp_neg(sg[t] - m);
+            sg[t] = e;
+            sum += e;
+        }
+        inv_sum[g] = 1.0f / sum;
+    }
+    float acc[MAX_GROUP][MAX_HEAD_DIM];
+    for (int64_t g = 0; g < group; g++)
+        for (int64_t d = 0; d < head_dim; d++) acc[g][d] = 0.0f;
+    for (int64_t t0 = 0; t0 < len; t0 += block_size) {
+        const float *vb = v_cache + (int64_t)table[t0 / block_size] * block_stride + kv_offset;
+        const int64_t n = len - t0 < block_size ? len - t0 : block_size;
+        for (int64_t o = 0; o < n; o++) {
+            const float *v = vb + o * token_stride;
+            for (int64_t g = 0; g < group; g++) {
+                const float p = scores[g * len + t0 + o];
+                #pragma omp simd
+                for (int64_t d = 0; d < head_dim; d++) acc[g][d] += p * v[d];
+            }
+        }
+    }
+    for (int64_t g = 0; g < group; g++)
+        for (int64_t d = 0; d < head_dim; d++) os[g * head_dim + d] = acc[g][d] * inv_sum[g];
+}
+
+/* Returns 0, -1 for an unsupported shape (too many query heads per KV head, head_dim > 256),
+ * -2 when a thread could not allocate its score buffer. */
+int kvmesh_paged_decode_f32(
+    const float *q, int64_t q_row_stride,
+    const float *k_cache, const float *v_cache, int64_t block_stride,
+    const int32_t *tables, int64_t table_stride,
+    const int32_t *seq_lens, const int32_t *rows, int64_t num_seqs,
+    float *out, int64_t out_row_stride,
+    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+    int64_t max_seq_len, float scale)
+{
+    if (num_kv_heads <= 0 || num_heads % num_kv_heads) return -1;
+    const int64_t group = num_heads / num_kv_heads;
+    if (group > MAX_GROUP || head_dim > MAX_HEAD_DIM) return -1;
+    const int64_t token_stride = num_kv_heads * head_dim;
+    int failed = 0;
+#if defined(__AVX512F__) && !defined(KVMESH_ITEM_PER_KV)
+    if (head_dim % 16 == 0 && num_heads <= MAX_HEADS) {
+        #pragma omp parallel
+        {
+            const size_t heads = (size_t)num_heads, dim = (size_t)head_dim;
+            float *scores = (float *)malloc(sizeof(float) * (heads * (size_t)(max_seq_len > 0 ? max_seq_len : 1) + 16));
+            float *qbuf = (float *)malloc(sizeof(float) * heads * dim);
+            float *acc = (float *)malloc(sizeof(float) * heads * dim);
+            if (scores == NULL || qbuf == NULL || acc == NULL) {
+                #pragma omp atomic write
+                failed = 1;
+            }
+            #pragma omp for schedule(dynamic, 1)
+            for (int64_t s = 0; s < num_seqs; s++) {
+                if (scores == NULL || qbuf == NULL || acc == NULL) continue;
+                const int64_t len = seq_lens[s];
+                const float *qs = q + (int64_t)rows[s] * q_row_stride;
+                float *os = out + (int64_t)rows[s] * out_row_stride;
+                if (len <= 0) {
+                    for (int64_t i = 0; i < num_heads * head_dim; i++) os[i] = 0.0f;
+                    continue;
+                }
+                const int32_t *table = tables + s * table_stride;
+                if (head_dim == 64)
+                    attend_seq_avx512(qs, os, k_cache, v_cache, block_stride, table, len, num_heads, group, 4,
+                                      token_stride, block_size, scale, scores, qbuf, acc);
+                else if (head_dim == 128)
+                    attend_seq_avx512(qs, os, k_cache, v_cache, block_stride, table, len, num_heads, group, 8,
+                                      token_stride, block_size, scale, scores, qbuf, acc);
+                else
+                    attend_seq_avx512(qs, os, k_cache, v_cache, block_stride, table, len, num_heads, group,
+                                      (int)(head_dim / 16), token_stride, block_size, scale, scores, qbuf, acc);
+            }
+            free(scores);
+            free(qbuf);
+            free(acc);
+        }
+        return failed ? -2 : 0;
+    }
+#endif
+    const int64_t items = num_seqs * num_kv_heads;
+
+    #pragma omp parallel
+    {
+        /* +16: the vector path stores whole 16-lane groups under a mask, never past len */
+        float *scores = (float *)malloc(sizeof(float) * (size_t)(group * (max_seq_len > 0 ? max_seq_len : 1) + 16));
+        if (scores == NULL) {
+            #pragma omp atomic write
+            failed = 1;
+        }
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < items; item++) {
+            if (scores == NULL) continue;
+            const int64_t s = item / num_kv_heads, kvh = item % num_kv_heads;
+            const int64_t len = seq_lens[s];
+            const float *qs = q + (int64_t)rows[s] * q_row_stride + kvh * group * head_dim;
+            float *os = out + (int64_t)rows[s] * out_row_stride + kvh * group * head_dim;
+            if (len <= 0) {
+                for (int64_t i = 0; i < group * head_dim; i++) os[i] = 0.0f;
+                continue;
+            }
+            const int32_t *table = tables + s * table_stride;
+            const int64_t kv_offset = kvh * head_dim;
+#if defined(__AVX512F__)
+            if (head_dim == 64) {
+                attend_avx512(qs, os, k_cache, v_cache, block_stride, table, len, group, 4, token_stride,
+                              block_size, kv_offset, scale, scores);
+                continue;
+            }
+            if (head_dim == 128) {
+                attend_avx512(qs, os, k_cache, v_cache, block_stride, table, len, group, 8, token_stride,
+                              block_size, kv_offset, scale, scores);
+                continue;
+            }
+            if (head_dim % 16 == 0) {
+                attend_avx512(qs, os, k_cache, v_cache, block_stride, table, len, group, (int)(head_dim / 16),
+                              token_stride, block_size, kv_offset, scale, scores);
+                continue;
+            }
+#endif
+            attend_portable(qs, os, k_cache, v_cache, block_stride, table, len, group, head_dim, token_stride,
+                            block_size, kv_offset, scale, scores);
+        }
+        free(scores);
+    }
+    return failed ? -2 : 0;
+}
+
+/* Stores T tokens' K and V rows (each kv_elems contiguous floats, rows row_stride apart) at their
+ * pool slots; slot -1 (batch padding) is skipped. Single-threaded on purpose: a decode step writes
+ * a few KB per layer, less than an OpenMP fork costs. Returns the number of rows written. */
+int64_t kvmesh_write_kv_f32(
+    const float *key, int64_t key_row_stride, const float *value, int64_t value_row_stride,
+    float *k_cache, float *v_cache, const int64_t *slots, int64_t num_tokens, int64_t kv_elems,
+    int64_t num_slots)
+{
+    int64_t written = 0;
+    for (int64_t i = 0; i < num_tokens; i++) {
+        const int64_t slot = slots[i];
+        if (slot < 0 || slot >= num_slots) continue;
+        memcpy(k_cache + slot * kv_elems, key + i * key_row_stride, sizeof(float) * (size_t)kv_elems);
+        memcpy(v_cache + slot * kv_elems, value + i * value_row_stride, sizeof(float) * (size_t)kv_elems);
+        written++;
+    }
+    return written;
+}
