@@ -225,8 +225,16 @@ class MLP(nn.Module):
         self.intermediate_size = size
         self.gate_up_proj = Linear(config.hidden_size, 2 * size, bias=config.mlp_bias, shard_sizes=(size, size))
         self.down_proj = Linear(size, config.hidden_size, bias=config.mlp_bias)
+        self.native: NativeKernels | None = None  # SwiGLU on the native kernel (CausalLM.prepare)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden]
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)  # each [T, I]
+        gate_up = self.gate_up_proj(x)  # [T, 2I]
+        native = self.native
+        if native is not None and gate_up.dtype == torch.float32 and gate_up.device.type == "cpu" \
+                and gate_up.stride(1) == 1:  # fmt: skip
+            act = torch.empty(gate_up.shape[0], self.intermediate_size, dtype=torch.float32)
+            native.silu_mul(gate_up.data_ptr(), gate_up.stride(0), act.data_ptr(), act.shape[0], act.shape[1])
+            return self.down_proj(act)
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)  # each [T, I]
         # NOTE: in place into the (temporary) gate_up output: two fewer [T, I] allocations, same values.
         return self.down_proj(F.silu(gate, inplace=True).mul_(up))

@@ -108,8 +108,8 @@ class CausalLM(nn.Module):
         lookups) under ``fp16``/``int8``, and under ``none`` when ``pack_tied_head``: the
         vocabulary projection is the largest GEMM of a decode step, and packed it takes 9.5 ms
         instead of 14.3 ms at batch 32 on SmolLM2 (bitwise the same logits), for 113 MB more
-        memory (a model's ``vocab x hidden x 4`` bytes). ``native`` runs the norms and the
-        rotary embedding on the native CPU kernels (``services/model_runner/native``) when they
+        memory (a model's ``vocab x hidden x 4`` bytes). ``native`` runs the norms, the rotary
+        embedding and SwiGLU on the native CPU kernels (``services/model_runner/native``) when they
         build here. Call it once, after loading; a second call with the same ``quantization``
         does nothing.
 
@@ -135,6 +135,6 @@ class CausalLM(nn.Module):
         kernels = load_kernels() if native else None
         if kernels is not None:
             for layer in self.modules():
-                if isinstance(layer, RMSNorm | Attention):
+                if isinstance(layer, RMSNorm | Attention | MLP):
                     layer.native = kernels
         self.prepared = quantization

@@ -5,8 +5,9 @@ What is here, and why torch alone was not enough (figures in docs/model_runner.m
 * ``paged_decode.c`` — decode attention reading the paged KV cache in place (torch has no op that
   reads a paged cache, so the torch backend gathers K/V into contiguous buffers first), and the
   K/V slot writes;
-* ``norm_rope.c`` — fused residual-add + RMSNorm and rotary embedding: at decode batch sizes
-  torch runs each as several tiny ops with an OpenMP fork each.
+* ``layer_ops.c`` — fused residual-add + RMSNorm, rotary embedding and SwiGLU: at decode batch
+  sizes torch runs each as several tiny ops with an OpenMP fork each;
+* ``exp_math.h`` — the exponential both use.
 
 The sources are built together into one shared object in a cache folder
 (``$KVMESH_NATIVE_CACHE``, else ``$KVMESH_CACHE_DIR/native``, else ``~/.cache/kvmesh/native``),
@@ -36,6 +37,7 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 SOURCES = tuple(sorted(Path(__file__).parent.glob("*.c")))
+HEADERS = tuple(sorted(Path(__file__).parent.glob("*.h")))
 # NOTE: no -ffast-math: a shared object built with it turns on flush-to-zero for the whole
 # process when it is loaded.
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11", "-Wall", "-Werror")
@@ -86,8 +88,8 @@ def build(sources: tuple[Path, ...] = SOURCES, extra_cflags: tuple[str, ...] = (
     except OSError as exc:
         raise RuntimeError(f"cannot run the C compiler {cc}: {exc}") from exc
     flags = (*CFLAGS, *extra_cflags)
-    parts = [*(f"{s.name}\0{s.read_text()}" for s in sources), " ".join(flags), version, platform.machine(),
-             _cpu_flags()]  # fmt: skip
+    parts = [*(f"{s.name}\0{s.read_text()}" for s in (*sources, *HEADERS)), " ".join(flags), version,
+             platform.machine(), _cpu_flags()]  # fmt: skip
     key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
     target = cache_dir() / f"kvmesh_cpu-{key}.so"
     if target.exists():
@@ -115,6 +117,7 @@ class NativeKernels:
     write_kv: Any  # kvmesh_write_kv_f32
     add_rms_norm: Any  # kvmesh_add_rms_norm_f32
     rope: Any  # kvmesh_rope_f32
+    silu_mul: Any  # kvmesh_silu_mul_f32
 
 
 def _bind(lib: ctypes.CDLL, name: str, restype: Any, argtypes: list[Any]) -> Any:
@@ -159,5 +162,8 @@ def load_kernels(portable: bool = False) -> NativeKernels | None:
         rope=_bind(lib, "kvmesh_rope_f32", None, [
             _PTR, _I64, _PTR, _PTR, _I64,  # x, x_stride, cos, sin, cs_stride
             _PTR, _I64, _I64, _I64,  # out, tokens, heads, dim
+        ]),
+        silu_mul=_bind(lib, "kvmesh_silu_mul_f32", None, [
+            _PTR, _I64, _PTR, _I64, _I64,  # gate_up, stride, out, tokens, size
         ]),
     )  # fmt: skip

@@ -1,20 +1,28 @@
 /*
- * Paged decode attention for the CPU, reading K/V in place from the block pool.
+ * Paged decode attention for the CPU, reading K/V in place from the block pool; K/V slot writes.
  *
  * Why it exists: torch has no op that reads a paged cache, so the torch backend gathers every
  * sequence's blocks into a contiguous buffer before scaled_dot_product_attention, moving each K/V
- * byte two to three times. Here each (sequence, KV head) pair walks its block table once: the G
- * query heads that share the KV head score every key while it is in registers (K read once for
- * G heads), then a softmax, then one pass over V.
+ * byte two to three times. Here each sequence walks its block table once per pass: scores of all
+ * heads for 16 keys at a time (each key block read from memory once, then from L1 for the other
+ * query heads of its KV head), a softmax, then one pass over V.
  *
  * Layouts (elements, fp32):
  *   q, out       [num_rows, H, D]          rows of one query token each; head stride D
  *   k/v cache    [num_blocks, bs, KV, D]   one layer's half of the pool; token stride KV * D
  *   tables       [num_seqs, width] int32   block ids (0 = null block, never read past seq_len)
  *
- * Threads: one OpenMP loop over (sequence, KV head) pairs. The library is linked against the
- * libgomp that torch already loaded (same soname), so torch.set_num_threads governs it too and
- * there is one thread pool, not two.
+ * Memory: decode attention is memory-bound, and block tables are scattered, so the hardware
+ * prefetcher (which stops at 4 KB pages) restarts at every block. The next block's lines are
+ * prefetched in software, a few per unit of work, spread over the current block: issuing a whole
+ * block's prefetches at once measured no better than none (they queue behind each other), spread
+ * out they cut a batch-32 SmolLM2 decode step by 15-20% (docs/model_runner.md).
+ *
+ * Threads: one OpenMP loop over sequences. The library is linked against the libgomp that torch
+ * already loaded (same soname), so torch.set_num_threads governs it too: one thread pool, not two.
+ *
+ * Paths: AVX-512 for head_dim a multiple of 16 (specialised for 64 and 128); portable C loops
+ * (per sequence and KV head) otherwise, and on CPUs without AVX-512.
  *
  * Numerics: scores and the softmax in fp32, exp by range reduction (2^n * e^r, |r| <= ln2/2,
  * 7th-order Taylor, relative error < 1e-7): not bitwise equal to SDPA, equal within fp32 rounding.
@@ -25,51 +33,13 @@
 #include <stdlib.h>
 #include <string.h>
 
-static inline float exp_neg(float x) {
-    /* e^x for x <= 0 (scores minus their max). */
-    if (x < -87.0f) x = -87.0f;
-    const float t = x * 1.44269504088896341f;
-    const int n = (int)(t - 0.5f);      /* t <= 0: truncation rounds toward 0, so this is round() */
-    const float r = (t - (float)n) * 0.69314718055994531f;   /* |r| <= ln2 / 2 */
-    float p = 1.0f / 5040.0f;
-    p = p * r + 1.0f / 720.0f;
-    p = p * r + 1.0f / 120.0f;
-    p = p * r + 1.0f / 24.0f;
-    p = p * r + 1.0f / 6.0f;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    union { int32_t i; float f; } scale;
-    scale.i = (n + 127) << 23;
-    return p * scale.f;
-}
+#include "exp_math.h"
 
 #define MAX_GROUP 16
 #define MAX_HEAD_DIM 256
 #define MAX_HEADS 128
-#ifndef PREFETCH_AHEAD
-#define PREFETCH_AHEAD 1
-#endif
 
 #if defined(__AVX512F__)
-#include <immintrin.h>
-
-/* e^x for x <= 0, 16 lanes: 2^n * e^r with the same polynomial as exp_neg. */
-static inline __m512 exp512_neg(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
-    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 r = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.69314718055994531f));
-    __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
-}
 
 /* Two vectors of partial sums -> one holding, per 128-bit lane, [a0+a2, b0+b2, a1+a3, b1+b3]. */
 static inline __m512 pair_sum(__m512 a, __m512 b) {
@@ -91,89 +61,33 @@ static inline __m512 transpose_sum16(const __m512 part[16]) {
                          _mm512_shuffle_f32x4(l3[0], l3[1], _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-/* One (sequence, KV head): G query heads of nd * 16 dims. Inlined with constant nd (4, 8) so
- * the query and accumulator vectors stay in registers. */
-static inline __attribute__((always_inline)) void attend_avx512(
-    const float *qs, float *os, const float *k_cache, const float *v_cache, int64_t block_stride,
-    const int32_t *table, int64_t len, int64_t group, const int nd, int64_t token_stride,
-    int64_t block_size, int64_t kv_offset, float scale, float *scores)
-{
-    __m512 qv[MAX_GROUP][MAX_HEAD_DIM / 16];
-    for (int64_t g = 0; g < group; g++)
-        for (int j = 0; j < nd; j++)
-            qv[g][j] = _mm512_mul_ps(_mm512_loadu_ps(qs + g * nd * 16 + j * 16), _mm512_set1_ps(scale));
-    __m512 vmax[MAX_GROUP];
-    for (int64_t g = 0; g < group; g++) vmax[g] = _mm512_set1_ps(-3.0e38f);
+/* Spreads the prefetch of one block's cache lines over `steps` units of work on the block before
+ * it: `prefetch_step` issues the next share each time it is called. */
+typedef struct {
+    const char *next;  /* the block to prefetch, or NULL */
+    int64_t line, lines, per;
+} Prefetcher;
 
-    /* 1. scores, 16 tokens at a time (never across a block boundary) */
-    for (int64_t t0 = 0; t0 < len; t0 += block_size) {
-        const float *kb = k_cache + (int64_t)table[t0 / block_size] * block_stride + kv_offset;
-        const int64_t nblk = len - t0 < block_size ? len - t0 : block_size;
-        for (int64_t c0 = 0; c0 < nblk; c0 += 16) {
-            const int n = (int)(nblk - c0 < 16 ? nblk - c0 : 16);
-            const __mmask16 live = (__mmask16)((1u << n) - 1u);
-            for (int64_t g = 0; g < group; g++) {
-                __m512 part[16];
-                for (int t = 0; t < 16; t++) {
-                    if (t < n) {
-                        const float *k = kb + (c0 + t) * token_stride;
-                        __m512 acc = _mm512_mul_ps(qv[g][0], _mm512_loadu_ps(k));
-                        for (int j = 1; j < nd; j++) acc = _mm512_fmadd_ps(qv[g][j], _mm512_loadu_ps(k + j * 16), acc);
-                        part[t] = acc;
-                    } else {
-                        part[t] = _mm512_setzero_ps();
-                    }
-                }
-                const __m512 s = transpose_sum16(part);
-                _mm512_mask_storeu_ps(scores + g * len + t0 + c0, live, s);
-                vmax[g] = _mm512_mask_max_ps(vmax[g], live, vmax[g], s);
-            }
-        }
-    }
-    /* 2. softmax numerators in place; their sums */
-    float inv_sum[MAX_GROUP];
-    for (int64_t g = 0; g < group; g++) {
-        float *sg = scores + g * len;
-        const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(vmax[g]));
-        __m512 sum = _mm512_setzero_ps();
-        for (int64_t t = 0; t < len; t += 16) {
-            const __mmask16 live = len - t >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (len - t)) - 1u);
-            const __m512 e = exp512_neg(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, sg + t), m));
-            _mm512_mask_storeu_ps(sg + t, live, e);
-            sum = _mm512_mask_add_ps(sum, live, sum, e);
-        }
-        inv_sum[g] = 1.0f / _mm512_reduce_add_ps(sum);
-    }
-    /* 3. out_g = sum_t p_gt v_t / sum_g */
-    __m512 acc[MAX_GROUP][MAX_HEAD_DIM / 16];
-    for (int64_t g = 0; g < group; g++)
-        for (int j = 0; j < nd; j++) acc[g][j] = _mm512_setzero_ps();
-    for (int64_t t0 = 0; t0 < len; t0 += block_size) {
-        const float *vb = v_cache + (int64_t)table[t0 / block_size] * block_stride + kv_offset;
-        const int64_t nblk = len - t0 < block_size ? len - t0 : block_size;
-        for (int64_t o = 0; o < nblk; o++) {
-            const float *v = vb + o * token_stride;
-            for (int64_t g = 0; g < group; g++) {
-                const __m512 p = _mm512_set1_ps(scores[g * len + t0 + o]);
-                for (int j = 0; j < nd; j++) acc[g][j] = _mm512_fmadd_ps(p, _mm512_loadu_ps(v + j * 16), acc[g][j]);
-            }
-        }
-    }
-    for (int64_t g = 0; g < group; g++) {
-        const __m512 inv = _mm512_set1_ps(inv_sum[g]);
-        for (int j = 0; j < nd; j++) _mm512_storeu_ps(os + g * nd * 16 + j * 16, _mm512_mul_ps(acc[g][j], inv));
-    }
+static inline Prefetcher prefetcher(const float *next, int64_t bytes, int64_t steps) {
+    const int64_t lines = bytes / 64;
+    Prefetcher p = {(const char *)next, 0, lines, (lines + steps - 1) / steps};
+    return p;
 }
 
-/* Prefetches a block's bytes [base, base + bytes) into the caches, one line at a time. */
+/* The first block of a pass has nothing before it to hide behind: all its lines at once. */
 static inline void prefetch_block(const float *base, int64_t bytes) {
     const char *p = (const char *)base;
     for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
 }
 
+static inline void prefetch_step(Prefetcher *p) {
+    if (p->next == NULL) return;
+    for (int64_t i = 0; i < p->per && p->line < p->lines; i++, p->line++)
+        _mm_prefetch(p->next + p->line * 64, _MM_HINT_T0);
+}
+
 /* A whole sequence, every head: each block (all KV heads: block_size * token_stride floats,
- * contiguous) is read from memory once, the next one prefetched while this one is used, since
- * block tables are scattered and the hardware prefetcher stops at page boundaries.
+ * contiguous) is read from memory once, the next one prefetched while this one is used.
  * Scratch: scores [num_heads][len], acc [num_heads][nd * 16]. */
 static inline __attribute__((always_inline)) void attend_seq_avx512(
     const float *q_row, float *o_row, const float *k_cache, const float *v_cache, int64_t block_stride,
@@ -190,18 +104,18 @@ static inline __attribute__((always_inline)) void attend_seq_avx512(
     for (int64_t h = 0; h < num_heads; h++) maxv[h] = -3.0e38f;
 
     /* 1. scores */
-    for (int64_t b = 0; b < PREFETCH_AHEAD && b < num_blocks; b++)
-        prefetch_block(k_cache + (int64_t)table[b] * block_stride, block_bytes);
+    prefetch_block(k_cache + (int64_t)table[0] * block_stride, block_bytes);
     for (int64_t b = 0; b < num_blocks; b++) {
         const int64_t t0 = b * block_size;
         const float *kb = k_cache + (int64_t)table[b] * block_stride;
-        if (b + PREFETCH_AHEAD < num_blocks)
-            prefetch_block(k_cache + (int64_t)table[b + PREFETCH_AHEAD] * block_stride, block_bytes);
         const int64_t nblk = len - t0 < block_size ? len - t0 : block_size;
+        Prefetcher pf = prefetcher(b + 1 < num_blocks ? k_cache + (int64_t)table[b + 1] * block_stride : NULL,
+                                   block_bytes, ((nblk + 15) / 16) * num_heads);
         for (int64_t c0 = 0; c0 < nblk; c0 += 16) {
             const int n = (int)(nblk - c0 < 16 ? nblk - c0 : 16);
             const __mmask16 live = (__mmask16)((1u << n) - 1u);
             for (int64_t h = 0; h < num_heads; h++) {
+                prefetch_step(&pf);
                 const float *qh = qbuf + h * head_dim;
                 const float *kh = kb + c0 * token_stride + (h / group) * head_dim;
                 __m512 qv[MAX_HEAD_DIM / 16];
@@ -240,14 +154,13 @@ static inline __attribute__((always_inline)) void attend_seq_avx512(
     }
     /* 3. weighted V: per block and KV head, that head group's accumulators live in registers */
     for (int64_t i = 0; i < num_heads * head_dim; i += 16) _mm512_storeu_ps(acc + i, _mm512_setzero_ps());
-    for (int64_t b = 0; b < PREFETCH_AHEAD && b < num_blocks; b++)
-        prefetch_block(v_cache + (int64_t)table[b] * block_stride, block_bytes);
+    prefetch_block(v_cache + (int64_t)table[0] * block_stride, block_bytes);
     for (int64_t b = 0; b < num_blocks; b++) {
         const int64_t t0 = b * block_size;
         const float *vb = v_cache + (int64_t)table[b] * block_stride;
-        if (b + PREFETCH_AHEAD < num_blocks)
-            prefetch_block(v_cache + (int64_t)table[b + PREFETCH_AHEAD] * block_stride, block_bytes);
         const int64_t nblk = len - t0 < block_size ? len - t0 : block_size;
+        Prefetcher pf = prefetcher(b + 1 < num_blocks ? v_cache + (int64_t)table[b + 1] * block_stride : NULL,
+                                   block_bytes, num_kv * nblk);
         for (int64_t kvh = 0; kvh < num_kv; kvh++) {
             __m512 a[MAX_GROUP][MAX_HEAD_DIM / 16];
             float *ah = acc + kvh * group * head_dim;
@@ -255,6 +168,7 @@ static inline __attribute__((always_inline)) void attend_seq_avx512(
                 for (int j = 0; j < nd; j++) a[g][j] = _mm512_loadu_ps(ah + g * head_dim + j * 16);
             const float *sk = scores + kvh * group * len + t0;
             for (int64_t o = 0; o < nblk; o++) {
+                prefetch_step(&pf);
                 const float *v = vb + o * token_stride + kvh * head_dim;
                 __m512 vv[MAX_HEAD_DIM / 16];
                 for (int j = 0; j < nd; j++) vv[j] = _mm512_loadu_ps(v + j * 16);
@@ -348,11 +262,12 @@ int kvmesh_paged_decode_f32(
     if (group > MAX_GROUP || head_dim > MAX_HEAD_DIM) return -1;
     const int64_t token_stride = num_kv_heads * head_dim;
     int failed = 0;
-#if defined(__AVX512F__) && !defined(KVMESH_ITEM_PER_KV)
+#if defined(__AVX512F__)
     if (head_dim % 16 == 0 && num_heads <= MAX_HEADS) {
         #pragma omp parallel
         {
             const size_t heads = (size_t)num_heads, dim = (size_t)head_dim;
+            /* +16: masked 16-lane stores never write past len, but keep the buffer a lane group longer */
             float *scores = (float *)malloc(sizeof(float) * (heads * (size_t)(max_seq_len > 0 ? max_seq_len : 1) + 16));
             float *qbuf = (float *)malloc(sizeof(float) * heads * dim);
             float *acc = (float *)malloc(sizeof(float) * heads * dim);
@@ -392,8 +307,7 @@ int kvmesh_paged_decode_f32(
 
     #pragma omp parallel
     {
-        /* +16: the vector path stores whole 16-lane groups under a mask, never past len */
-        float *scores = (float *)malloc(sizeof(float) * (size_t)(group * (max_seq_len > 0 ? max_seq_len : 1) + 16));
+        float *scores = (float *)malloc(sizeof(float) * (size_t)(group * (max_seq_len > 0 ? max_seq_len : 1)));
         if (scores == NULL) {
             #pragma omp atomic write
             failed = 1;
@@ -411,23 +325,6 @@ int kvmesh_paged_decode_f32(
             }
             const int32_t *table = tables + s * table_stride;
             const int64_t kv_offset = kvh * head_dim;
-#if defined(__AVX512F__)
-            if (head_dim == 64) {
-                attend_avx512(qs, os, k_cache, v_cache, block_stride, table, len, group, 4, token_stride,
-                              block_size, kv_offset, scale, scores);
-                continue;
-            }
-            if (head_dim == 128) {
-                attend_avx512(qs, os, k_cache, v_cache, block_stride, table, len, group, 8, token_stride,
-                              block_size, kv_offset, scale, scores);
-                continue;
-            }
-            if (head_dim % 16 == 0) {
-                attend_avx512(qs, os, k_cache, v_cache, block_stride, table, len, group, (int)(head_dim / 16),
-                              token_stride, block_size, kv_offset, scale, scores);
-                continue;
-            }
-#endif
             attend_portable(qs, os, k_cache, v_cache, block_stride, table, len, group, head_dim, token_stride,
                             block_size, kv_offset, scale, scores);
         }

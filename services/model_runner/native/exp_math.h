@@ -1,0 +1,52 @@
+/*
+ * e^x for x <= 0, scalar and (with AVX-512) 16 lanes at a time, shared by the kernels.
+ *
+ * Range reduction: e^x = 2^n * e^r with n = round(x / ln2), |r| <= ln2 / 2, and a 7th-order
+ * Taylor polynomial for e^r (relative error < 1e-7, about an fp32 ulp). Inputs below -87 are
+ * clamped (e^-87 is already below fp32's smallest normal number).
+ */
+#ifndef KVMESH_EXP_MATH_H
+#define KVMESH_EXP_MATH_H
+
+#include <stdint.h>
+
+static inline float exp_neg(float x) {
+    if (x < -87.0f) x = -87.0f;
+    const float t = x * 1.44269504088896341f;
+    const int n = (int)(t - 0.5f);      /* t <= 0: truncation rounds toward 0, so this is round() */
+    const float r = (t - (float)n) * 0.69314718055994531f;   /* |r| <= ln2 / 2 */
+    float p = 1.0f / 5040.0f;
+    p = p * r + 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    union { int32_t i; float f; } scale;
+    scale.i = (n + 127) << 23;
+    return p * scale.f;
+}
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+/* e^x for x <= 0, 16 lanes: 2^n * e^r with the same polynomial as exp_neg. */
+static inline __m512 exp512_neg(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 r = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.69314718055994531f));
+    __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+#endif
+
+#endif
