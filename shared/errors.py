@@ -44,6 +44,12 @@ class ResourceExhausted(KVMeshError):
     status = "RESOURCE_EXHAUSTED"
 
 
+class DeadlineExceeded(KVMeshError):
+    """The request's deadline passed before it finished; it was aborted and its resources freed."""
+
+    status = "DEADLINE_EXCEEDED"
+
+
 class Unavailable(KVMeshError):
     """A dependency cannot be reached right now."""
 

@@ -27,7 +27,7 @@ from services.scheduler.offload import OffloadBackend, OffloadConnector
 from services.scheduler.request import FinishReason, Request, RequestSpec
 from services.scheduler.scheduler import ScheduledStep, Scheduler
 from services.scheduler.tracing import record_queue_span, step_span
-from shared.errors import InvalidArgument, KVMeshError, ResourceExhausted, Unavailable
+from shared.errors import DeadlineExceeded, InvalidArgument, KVMeshError, ResourceExhausted, Unavailable
 from shared.hashing import hash_seed
 from shared.metrics import SchedulerMetrics
 
@@ -162,7 +162,9 @@ class Engine:
     def _expire(self) -> None:
         for req in self.scheduler.expire(time.monotonic()):
             self._on_dequeued(req)
-            self._emit_final(req)
+            # NOTE: an error, not an ABORT final chunk: the stream then ends with DEADLINE_EXCEEDED
+            # whether the server's expiry or the client's own timer fires first.
+            self._emit_final(req, DeadlineExceeded("deadline exceeded"))
 
     def _flush_frees(self) -> None:
         frees, rollbacks = self.scheduler.take_pending_frees()

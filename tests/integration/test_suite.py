@@ -132,9 +132,16 @@ def test_cancel_mid_stream_frees_blocks(suite: Suite) -> None:
 
 
 def test_deadline_aborts_and_frees(suite: Suite) -> None:
+    prompt = _prompts()[2]
+    received = []
+    # NOTE: 125 tokens (what the pool allows next to this prompt) take the suite well over 0.15 s:
+    # each step is three RPCs. Whether the server's expiry or the client's timer fires first, the
+    # status is DEADLINE_EXCEEDED and no final chunk was sent.
     with KVMeshClient(suite.address) as client, pytest.raises(grpc.RpcError) as info:
-        list(client.generate(_prompts()[2], 120, ignore_eos=True, timeout=0.3))
+        for chunk in client.generate(prompt, 125, ignore_eos=True, timeout=0.15):
+            received.append(chunk)
     assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert not any(c.HasField("final") for c in received)
     stats = _wait_all_free(suite)
     assert stats.num_requests == 0 and stats.num_free_blocks == stats.num_blocks
 

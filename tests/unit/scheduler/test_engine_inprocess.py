@@ -119,3 +119,26 @@ def test_cancel_frees_blocks(tiny_llama_dir: Path) -> None:
         suite.manager.check_integrity()
     finally:
         suite.close()
+
+
+def test_deadline_ends_the_stream_with_deadline_exceeded_and_frees_blocks(tiny_llama_dir: Path) -> None:
+    """The engine's own expiry (not only the client's timer) ends the stream with the
+    DEADLINE_EXCEEDED error, never with an ordinary final chunk."""
+    import time
+
+    from shared.errors import DeadlineExceeded
+
+    suite = _suite(tiny_llama_dir, True, 64 * 2048)
+    try:
+        spec = build_spec(suite.engine, _prompts(1)[0], SamplingParams(ignore_eos=True), 200, request_id="d",
+                          deadline=time.monotonic() + 0.05)  # fmt: skip
+        received: list[Chunk] = []
+        with pytest.raises(DeadlineExceeded):
+            for chunk in OutputStream(suite.engine, spec, suite.tokenizer):
+                received.append(chunk)
+        assert all(c.final is None for c in received)
+        _wait_idle(suite)
+        assert suite.manager.stats().num_requests == 0
+        suite.manager.check_integrity()
+    finally:
+        suite.close()
