@@ -32,6 +32,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <omp.h>
 
 #include "exp_math.h"
 
@@ -92,7 +93,7 @@ static inline void prefetch_step(Prefetcher *p) {
 static inline __attribute__((always_inline)) void attend_seq_avx512(
     const float *q_row, float *o_row, const float *k_cache, const float *v_cache, int64_t block_stride,
     const int32_t *table, int64_t len, int64_t num_heads, int64_t group, const int nd, int64_t token_stride,
-    int64_t block_size, float scale, float *scores, float *qbuf, float *acc)
+    int64_t block_size, float scale, float *scores, float *qbuf, float *acc, const float *next_k)
 {
     const int64_t head_dim = (int64_t)nd * 16, num_kv = num_heads / group;
     const int64_t block_bytes = block_size * token_stride * (int64_t)sizeof(float);
@@ -160,7 +161,8 @@ static inline __attribute__((always_inline)) void attend_seq_avx512(
         const int64_t t0 = b * block_size;
         const float *vb = v_cache + (int64_t)table[b] * block_stride;
         const int64_t nblk = len - t0 < block_size ? len - t0 : block_size;
-        Prefetcher pf = prefetcher(b + 1 < num_blocks ? v_cache + (int64_t)table[b + 1] * block_stride : NULL,
+        /* the last V block prefetches the first K block of this thread's next sequence */
+        Prefetcher pf = prefetcher(b + 1 < num_blocks ? v_cache + (int64_t)table[b + 1] * block_stride : next_k,
                                    block_bytes, num_kv * nblk);
         for (int64_t kvh = 0; kvh < num_kv; kvh++) {
             __m512 a[MAX_GROUP][MAX_HEAD_DIM / 16];
@@ -276,9 +278,15 @@ int kvmesh_paged_decode_f32(
                 #pragma omp atomic write
                 failed = 1;
             }
-            #pragma omp for schedule(dynamic, 1)
+            /* static round-robin, so a thread knows its next sequence (and prefetches its first
+             * block): decode batches have similar lengths, so little balance is lost */
+            const int64_t stride = omp_get_num_threads();
+            #pragma omp for schedule(static, 1)
             for (int64_t s = 0; s < num_seqs; s++) {
                 if (scores == NULL || qbuf == NULL || acc == NULL) continue;
+                const int64_t ns = s + stride;
+                const float *next_k = ns < num_seqs && seq_lens[ns] > 0
+                    ? k_cache + (int64_t)tables[ns * table_stride] * block_stride : NULL;
                 const int64_t len = seq_lens[s];
                 const float *qs = q + (int64_t)rows[s] * q_row_stride;
                 float *os = out + (int64_t)rows[s] * out_row_stride;
@@ -289,13 +297,13 @@ int kvmesh_paged_decode_f32(
                 const int32_t *table = tables + s * table_stride;
                 if (head_dim == 64)
                     attend_seq_avx512(qs, os, k_cache, v_cache, block_stride, table, len, num_heads, group, 4,
-                                      token_stride, block_size, scale, scores, qbuf, acc);
+                                      token_stride, block_size, scale, scores, qbuf, acc, next_k);
                 else if (head_dim == 128)
                     attend_seq_avx512(qs, os, k_cache, v_cache, block_stride, table, len, num_heads, group, 8,
-                                      token_stride, block_size, scale, scores, qbuf, acc);
+                                      token_stride, block_size, scale, scores, qbuf, acc, next_k);
                 else
                     attend_seq_avx512(qs, os, k_cache, v_cache, block_stride, table, len, num_heads, group,
-                                      (int)(head_dim / 16), token_stride, block_size, scale, scores, qbuf, acc);
+                                      (int)(head_dim / 16), token_stride, block_size, scale, scores, qbuf, acc, next_k);
             }
             free(scores);
             free(qbuf);
