@@ -145,6 +145,7 @@ def _compare(ns: argparse.Namespace) -> int:
         run_prefix=not ns.no_prefix,
         kv_cache_memory_bytes=ns.kv_cache_memory_mib << 20,
         progress=not ns.no_progress,
+        attention_backend=ns.attention_backend,
     )
     result = compare.run_compare(cfg)
     if ns.note:
@@ -171,6 +172,8 @@ def add_compare_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefix-requests", type=int, default=4, help="measured requests per prefix run")
     p.add_argument("--no-prefix", action="store_true", help="skip the prefix-caching workload")
     p.add_argument("--kv-cache-memory-mib", type=int, default=512, help="KV pool of the kvmesh systems")
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cpu"],
+                   help="the kvmesh systems' model-runner attention backend (cpu: the native kernels)")
     p.add_argument("--write-docs", default="", help="replace the generated section of this Markdown file")
     p.add_argument("--save-result", default="", help="write every figure as JSON")
     p.add_argument("--note", action="append", help="a line quoted under the generated tables (repeatable)")

@@ -51,6 +51,7 @@ class CompareConfig:
     run_prefix: bool = True
     kv_cache_memory_bytes: int = DEFAULT_KV_CACHE_BYTES
     progress: bool = True
+    attention_backend: str = "auto"  # the kvmesh systems' RunnerConfig.attention_backend
 
     def __post_init__(self) -> None:
         unknown = set(self.systems) - set(SYSTEMS)
@@ -188,7 +189,8 @@ def run_compare(cfg: CompareConfig) -> CompareResult:
         for name in cfg.systems:
             t = time.perf_counter()
             _say(f"starting {name} ...")
-            opened[name] = open_system(name, cfg.model_dir, cfg.kv_cache_memory_bytes, cfg.progress)
+            opened[name] = open_system(name, cfg.model_dir, cfg.kv_cache_memory_bytes, cfg.progress,
+                                       cfg.attention_backend)
             opened[name].measure(warm, 2)  # first-call costs (allocations, lazy init) out of the figures
             _say(f"{name} ready in {time.perf_counter() - t:.1f}s")
         runs = _measure_all(opened, cfg, prompts, memories.append)

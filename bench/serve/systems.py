@@ -106,7 +106,8 @@ class PeerSystem:
         del self.peer
 
 
-def open_system(name: str, model_dir: str, kv_cache_memory_bytes: int, progress: bool) -> DrivenSystem | PeerSystem:
+def open_system(name: str, model_dir: str, kv_cache_memory_bytes: int, progress: bool,
+                attention_backend: str = "auto") -> DrivenSystem | PeerSystem:
     """Starts one system (loads its model; the suite starts its processes)."""
     if name == "suite":
         from services.suite import Suite, SuiteConfig
@@ -118,6 +119,7 @@ def open_system(name: str, model_dir: str, kv_cache_memory_bytes: int, progress:
                 with_offload=False,
                 extra_env={
                     "KVMESH_RUNNER_KV_CACHE_MEMORY_BYTES": str(kv_cache_memory_bytes),
+                    "KVMESH_RUNNER_ATTENTION_BACKEND": attention_backend,
                 },
             )
         )
@@ -129,7 +131,7 @@ def open_system(name: str, model_dir: str, kv_cache_memory_bytes: int, progress:
 
         return DrivenSystem(grpc_transport, progress, close_suite)
     if name == "inprocess":
-        engine = open_inprocess(model_dir, kv_cache_memory_bytes)
+        engine = open_inprocess(model_dir, kv_cache_memory_bytes, attention_backend)
         return DrivenSystem(InProcessTransport(engine), progress, engine.close, inprocess=engine)
     if name == "hf-static":
         return PeerSystem(StaticGeneratePeer(model_dir))
@@ -138,14 +140,15 @@ def open_system(name: str, model_dir: str, kv_cache_memory_bytes: int, progress:
     raise ValueError(f"unknown system {name!r}; choose from {', '.join(SYSTEMS)}")
 
 
-def open_inprocess(model_dir: str, kv_cache_memory_bytes: int) -> Any:
+def open_inprocess(model_dir: str, kv_cache_memory_bytes: int, attention_backend: str = "auto") -> Any:
     """An in-process engine with the suite's defaults (same pool size, same scheduler limits)."""
     from services.model_runner.config import RunnerConfig
     from services.scheduler.config import SchedulerConfig
     from services.scheduler.inprocess import build_inprocess
 
     return build_inprocess(
-        RunnerConfig(model_dir=model_dir, kv_cache_memory_bytes=kv_cache_memory_bytes),
+        RunnerConfig(model_dir=model_dir, kv_cache_memory_bytes=kv_cache_memory_bytes,
+                     attention_backend=attention_backend),
         SchedulerConfig(),
         with_tokenizer=False,
     )
