@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import torch
 
 from services.model_runner.attention.base import AttentionMetadata
-from services.model_runner.attention.torch_backend import TorchAttentionBackend, _causal_chunk, _Chunk, make_chunks
+from services.model_runner.attention.torch_backend import TorchAttentionBackend, _Chunk, make_chunks
+from services.model_runner.model.packed import is_cpu_fp32
 from services.model_runner.native import load_kernels
 
 
@@ -61,7 +62,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
         """Stores K/V at their slots with one native call (a decode step writes a few KB per layer:
         less than the OpenMP fork of ``index_copy_``)."""
         kernels = self._kernels
-        if (kernels is None or not _native_dtypes(key, k_cache) or value.dtype != torch.float32
+        if (kernels is None or not (is_cpu_fp32(key) and is_cpu_fp32(value) and is_cpu_fp32(k_cache))
                 or not _rows_contiguous(key) or not _rows_contiguous(value)
                 or not k_cache.is_contiguous() or not v_cache.is_contiguous() or slot_mapping.dtype != torch.int64
                 or not slot_mapping.is_contiguous()):
@@ -85,7 +86,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
     ) -> torch.Tensor:  # [T, H, D]
         """Causal varlen attention; decodes in place on the paged cache."""
         kernels = self._kernels
-        if (kernels is None or not _native_dtypes(query, k_cache) or not k_cache.is_contiguous()
+        if (kernels is None or not (is_cpu_fp32(query) and is_cpu_fp32(k_cache)) or not k_cache.is_contiguous()
                 or not v_cache.is_contiguous()):
             return super().forward(query, k_cache, v_cache, meta, softmax_scale, k_scale, v_scale)
         plan = self._plan_native(meta, k_cache.shape[1])
@@ -106,10 +107,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
             )  # fmt: skip
             if status != 0:
                 raise RuntimeError(f"native paged decode failed with status {status}")
-        for chunk in plan.chunks:
-            k = self._gather(k_cache, chunk.block_ids, chunk.seq_len, query.dtype, k_scale, 0)[0]
-            v = self._gather(v_cache, chunk.block_ids, chunk.seq_len, query.dtype, v_scale, 1)[0]
-            out[chunk.start : chunk.end] = _causal_chunk(query[chunk.start : chunk.end], k, v, softmax_scale)
+        self._attend_chunks(query, k_cache, v_cache, plan.chunks, out, softmax_scale, k_scale, v_scale)
         return out
 
     def _plan_native(self, meta: AttentionMetadata, block_size: int) -> _NativePlan:
@@ -131,11 +129,6 @@ class CpuAttentionBackend(TorchAttentionBackend):
         )
         self._native_plan = (meta, plan)
         return plan
-
-
-def _native_dtypes(x: torch.Tensor, cache: torch.Tensor) -> bool:
-    """The kernels take fp32 activations and an fp32 cache, on the CPU."""
-    return x.device.type == "cpu" and x.dtype == torch.float32 and cache.dtype == torch.float32
 
 
 def _rows_contiguous(x: torch.Tensor) -> bool:

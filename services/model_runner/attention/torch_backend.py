@@ -105,11 +105,25 @@ class TorchAttentionBackend:
                 scale=softmax_scale,
                 enable_gqa=True,
             ).squeeze(2)  # [n, H, D]
-        for chunk in plan.chunks:
+        self._attend_chunks(query, k_cache, v_cache, plan.chunks, out, softmax_scale, k_scale, v_scale)
+        return out
+
+    def _attend_chunks(
+        self,
+        query: torch.Tensor,  # [T, H, D]
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        chunks: list[_Chunk],
+        out: torch.Tensor,  # [T, H, D], written at each chunk's rows
+        softmax_scale: float,
+        k_scale: float,
+        v_scale: float,
+    ) -> None:
+        """The multi-row sequences (prefill chunks), one gather and one SDPA call each."""
+        for chunk in chunks:
             k = self._gather(k_cache, chunk.block_ids, chunk.seq_len, query.dtype, k_scale, 0)[0]  # [S, KV, D]
             v = self._gather(v_cache, chunk.block_ids, chunk.seq_len, query.dtype, v_scale, 1)[0]  # [S, KV, D]
             out[chunk.start : chunk.end] = _causal_chunk(query[chunk.start : chunk.end], k, v, softmax_scale)
-        return out
 
     def _plan_for(self, meta: AttentionMetadata, k_cache: torch.Tensor) -> _Plan:
         cached = self._plan

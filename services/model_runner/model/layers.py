@@ -16,7 +16,7 @@ from torch import nn
 
 from services.model_runner.model.config import ModelConfig, RopeConfig
 from services.model_runner.model.context import ForwardContext
-from services.model_runner.model.packed import PackedWeight, linear
+from services.model_runner.model.packed import PackedWeight, is_cpu_fp32, linear
 from services.model_runner.native import NativeKernels
 
 
@@ -89,14 +89,14 @@ class RMSNorm(nn.Module):
         The pre-norm block's residual add fused with the next norm, as one native pass when the
         native kernels are on (fp32, CPU).
         """
-        if self._native_ok(x) and residual.is_contiguous() and residual.dtype == torch.float32:
+        if self._native_ok(x) and residual.is_contiguous() and is_cpu_fp32(residual):
             return self._native(x, residual), residual
         residual.add_(x)
         return self.forward(residual), residual
 
     def _native_ok(self, x: torch.Tensor) -> bool:
-        return (self.native is not None and x.dtype == torch.float32 and x.device.type == "cpu"
-                and x.dim() == 2 and x.stride(1) == 1 and self.weight.dtype == torch.float32)  # fmt: skip
+        return (self.native is not None and is_cpu_fp32(x) and is_cpu_fp32(self.weight)
+                and x.dim() == 2 and x.stride(1) == 1)  # fmt: skip
 
     def _native(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         assert self.native is not None
@@ -165,9 +165,8 @@ def apply_rotary(
     ``sin`` of :class:`RotaryEmbedding`: ``roll(x, D/2) == cat(x2, x1)``. Same roundings, 4 ops,
     or one pass of the native kernel (fp32 on the CPU; bitwise the same result).
     """
-    if (native is not None and x.dtype == torch.float32 and x.device.type == "cpu" and x.stride(2) == 1
-            and x.stride(1) == x.shape[2] and cos.is_contiguous() and sin.is_contiguous()
-            and cos.dtype == torch.float32):  # fmt: skip
+    if (native is not None and is_cpu_fp32(x) and is_cpu_fp32(cos) and x.stride(2) == 1
+            and x.stride(1) == x.shape[2] and cos.is_contiguous() and sin.is_contiguous()):  # fmt: skip
         out = torch.empty(x.shape, dtype=torch.float32)
         native.rope(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), cos.shape[-1], out.data_ptr(),
                     x.shape[0], x.shape[1], x.shape[2])  # fmt: skip
@@ -230,8 +229,7 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden]
         gate_up = self.gate_up_proj(x)  # [T, 2I]
         native = self.native
-        if native is not None and gate_up.dtype == torch.float32 and gate_up.device.type == "cpu" \
-                and gate_up.stride(1) == 1:  # fmt: skip
+        if native is not None and is_cpu_fp32(gate_up) and gate_up.stride(1) == 1:
             act = torch.empty(gate_up.shape[0], self.intermediate_size, dtype=torch.float32)
             native.silu_mul(gate_up.data_ptr(), gate_up.stride(0), act.data_ptr(), act.shape[0], act.shape[1])
             return self.down_proj(act)

@@ -46,13 +46,13 @@ def onednn_available() -> bool:
 _ONEDNN = onednn_available()
 
 
-def _is_cpu_fp32(t: torch.Tensor) -> bool:
+def is_cpu_fp32(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and t.dtype == torch.float32
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear`` on a dense weight; through oneDNN for fp32 on the CPU (see the module NOTE)."""
-    if _ONEDNN and _is_cpu_fp32(x) and _is_cpu_fp32(weight):
+    if _ONEDNN and is_cpu_fp32(x) and is_cpu_fp32(weight):
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
 
@@ -75,7 +75,7 @@ class PackedWeight:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, mode: str):
         if mode not in ("fp32", "fp16", "int8"):
             raise ValueError(f"mode must be fp32, fp16 or int8, got {mode!r}")
-        if not _is_cpu_fp32(weight):
+        if not is_cpu_fp32(weight):
             raise ValueError(f"packed weights need fp32 weights on the CPU, not {weight.dtype} ({weight.device})")
         if mode == "fp32" and not _ONEDNN:
             raise ValueError("this torch build has no oneDNN linear ops")
@@ -98,7 +98,7 @@ class PackedWeight:
     @staticmethod
     def supported(weight: torch.Tensor, mode: str) -> bool:
         """Whether ``weight`` can be packed for ``mode`` in this build."""
-        return _is_cpu_fp32(weight) and (mode != "fp32" or _ONEDNN)
+        return is_cpu_fp32(weight) and (mode != "fp32" or _ONEDNN)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] fp32 -> [T, out] fp32
         if self.mode == "fp32":
