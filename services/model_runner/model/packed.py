@@ -3,6 +3,8 @@
 ``RunnerConfig.quantization`` picks the kernel (benchmarks: docs/model_runner.md)::
 
     none   fp32 weights in oneDNN's blocked layout, oneDNN's fp32 inner product   (default, exact fp32)
+           or, with the native CPU kernels (``attention_backend=cpu``), fp32 weights
+           in column panels for ``native/gemm.c`` (mode ``native``, exact fp32)
     fp16   fp16 weights packed for fbgemm, fp32 arithmetic                          (opt-in)
     int8   int8 weights (per output channel) for fbgemm, activations quantized      (opt-in)
            per call, per tensor ("dynamic quantization")
@@ -27,6 +29,8 @@ import warnings
 
 import torch
 import torch.nn.functional as F
+
+from services.model_runner.native import NativeKernels, load_kernels
 
 QUANTIZATIONS = ("none", "fp16", "int8")
 PACK_BATCH = 32  # the batch oneDNN's layout is tuned for; any batch runs (as fast at 1 and 8, measured)
@@ -63,7 +67,8 @@ class PackedWeight:
     Args:
         weight: the dense weight, fp32 on the CPU (it is copied; the caller may free it).
         bias: ``[out]`` or None.
-        mode: ``fp32`` (oneDNN), ``fp16`` or ``int8`` (fbgemm), see the module docstring.
+        mode: ``fp32`` (oneDNN), ``native`` (``native/gemm.c``), ``fp16`` or ``int8`` (fbgemm),
+            see the module docstring.
 
     NOTE: ``int8`` quantizes activations per call and per tensor with torch's x86 ``reduce_range``
     (7-bit), so a row's result depends a little on the other rows of the batch. The fbgemm ops
@@ -73,17 +78,25 @@ class PackedWeight:
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, mode: str):
-        if mode not in ("fp32", "fp16", "int8"):
-            raise ValueError(f"mode must be fp32, fp16 or int8, got {mode!r}")
+        if mode not in ("fp32", "native", "fp16", "int8"):
+            raise ValueError(f"mode must be fp32, native, fp16 or int8, got {mode!r}")
         if not is_cpu_fp32(weight):
             raise ValueError(f"packed weights need fp32 weights on the CPU, not {weight.dtype} ({weight.device})")
         if mode == "fp32" and not _ONEDNN:
             raise ValueError("this torch build has no oneDNN linear ops")
+        self.kernels: NativeKernels | None = None
+        if mode == "native":
+            self.kernels = load_kernels()
+            if self.kernels is None:
+                raise ValueError("the native CPU kernels could not be built here")
         self.mode = mode
         weight = weight.detach().contiguous()
         self.bias = None if bias is None else bias.detach().float().contiguous()
+        self.out_features, self.in_features = weight.shape
         self.packed: object
-        if mode == "fp32":
+        if self.kernels is not None:
+            self.packed = pack_panels(weight, self.kernels.panel_width)
+        elif mode == "fp32":
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_BATCH)
         elif mode == "fp16":
             self.packed = torch.ops.quantized.linear_prepack_fp16(weight, self.bias)
@@ -98,11 +111,40 @@ class PackedWeight:
     @staticmethod
     def supported(weight: torch.Tensor, mode: str) -> bool:
         """Whether ``weight`` can be packed for ``mode`` in this build."""
+        if mode == "native":
+            return is_cpu_fp32(weight) and load_kernels() is not None
         return is_cpu_fp32(weight) and (mode != "fp32" or _ONEDNN)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] fp32 -> [T, out] fp32
+        if self.kernels is not None:
+            return self._native(self.kernels, x)
         if self.mode == "fp32":
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         if self.mode == "fp16":
             return torch.ops.quantized.linear_dynamic_fp16(x, self.packed)
         return torch.ops.quantized.linear_dynamic(x, self.packed, True)
+
+    def _native(self, kernels: NativeKernels, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 2 or x.shape[1] != self.in_features or not is_cpu_fp32(x):
+            raise ValueError(f"expected fp32 [T, {self.in_features}] on the CPU, got {x.dtype} {tuple(x.shape)}")
+        if x.stride(1) != 1:
+            x = x.contiguous()
+        out = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
+        if x.shape[0]:
+            packed = self.packed
+            assert isinstance(packed, torch.Tensor)
+            kernels.linear(
+                x.data_ptr(), x.stride(0), x.shape[0], self.in_features, packed.data_ptr(), self.out_features,
+                None if self.bias is None else self.bias.data_ptr(), out.data_ptr(), out.stride(0),
+            )  # fmt: skip
+        return out
+
+
+def pack_panels(weight: torch.Tensor, width: int) -> torch.Tensor:
+    """``[out, in]`` -> ``[ceil(out / width), in, width]``: per panel of ``width`` output columns,
+    its weights row by row over ``in`` (``native/gemm.c``'s layout; columns past ``out`` are 0)."""
+    out_features, in_features = weight.shape
+    panels = -(-out_features // width)
+    padded = weight.new_zeros(panels * width, in_features)
+    padded[:out_features] = weight
+    return padded.view(panels, width, in_features).transpose(1, 2).contiguous()

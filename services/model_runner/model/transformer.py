@@ -110,7 +110,8 @@ class CausalLM(nn.Module):
         instead of 14.3 ms at batch 32 on SmolLM2 (bitwise the same logits), for 113 MB more
         memory (a model's ``vocab x hidden x 4`` bytes). ``native`` runs the norms, the rotary
         embedding and SwiGLU on the native CPU kernels (``services/model_runner/native``) when they
-        build here. Call it once, after loading; a second call with the same ``quantization``
+        build here, and under ``none`` packs the fp32 weights for their GEMM (``gemm.c``) instead of
+        oneDNN's. Call it once, after loading; a second call with the same ``quantization``
         does nothing.
 
         Raises:
@@ -123,7 +124,8 @@ class CausalLM(nn.Module):
             if self.prepared != quantization:
                 raise ValueError(f"the model is already prepared for quantization {self.prepared!r}")
             return
-        mode = "fp32" if quantization == "none" else quantization
+        kernels = load_kernels() if native else None
+        mode = quantization if quantization != "none" else "native" if kernels is not None else "fp32"
         linears = [m for m in self.modules() if isinstance(m, Linear)]
         if quantization != "none" or all(PackedWeight.supported(m.weight, mode) for m in linears):
             for module in linears:
@@ -132,7 +134,6 @@ class CausalLM(nn.Module):
         pack_head = quantization != "none" or (pack_tied_head and PackedWeight.supported(embedding, mode))
         if self.lm_head is None and pack_head:
             self.packed_head = PackedWeight(embedding, None, mode)
-        kernels = load_kernels() if native else None
         if kernels is not None:
             for layer in self.modules():
                 if isinstance(layer, RMSNorm | Attention | MLP):

@@ -7,6 +7,9 @@ What is here, and why torch alone was not enough (figures in docs/model_runner.m
   K/V slot writes;
 * ``layer_ops.c`` — fused residual-add + RMSNorm, rotary embedding and SwiGLU: at decode batch
   sizes torch runs each as several tiny ops with an OpenMP fork each;
+* ``gemm.c`` — fp32 linear layers on weights packed into column panels, with the next panel
+  prefetched while the current one is computed: a decode step's skinny GEMMs are as much a memory
+  stream as FLOPs, and oneDNN's inner product does the two one after the other;
 * ``exp_math.h`` — the exponential both use.
 
 The sources are built together into one shared object in a cache folder
@@ -119,6 +122,8 @@ class NativeKernels:
     add_rms_norm: Any  # kvmesh_add_rms_norm_f32
     rope: Any  # kvmesh_rope_f32
     silu_mul: Any  # kvmesh_silu_mul_f32
+    linear: Any  # kvmesh_linear_f32
+    panel_width: int  # kvmesh_linear_panel_width(): output columns per packed weight panel
 
 
 def _bind(lib: ctypes.CDLL, name: str, restype: Any, argtypes: list[Any]) -> Any:
@@ -167,4 +172,10 @@ def load_kernels(portable: bool = False) -> NativeKernels | None:
         silu_mul=_bind(lib, "kvmesh_silu_mul_f32", None, [
             _PTR, _I64, _PTR, _I64, _I64,  # gate_up, stride, out, tokens, size
         ]),
+        linear=_bind(lib, "kvmesh_linear_f32", None, [
+            _PTR, _I64, _I64, _I64,  # x, x_stride, m, k
+            _PTR, _I64, _PTR,  # packed, n, bias (or NULL)
+            _PTR, _I64,  # out, out_stride
+        ]),
+        panel_width=int(_bind(lib, "kvmesh_linear_panel_width", _I64, [])()),
     )  # fmt: skip

@@ -245,6 +245,21 @@ def test_fp32_weights_are_packed_once(runner: Any) -> None:
         runner.model.prepare("int8")
 
 
+def test_cpu_backend_runs_every_linear_on_the_native_gemm(
+    checkpoint: Any, make_runner: Any, all_logits: Any
+) -> None:
+    """``attention_backend=cpu`` packs all linears and the tied head for ``native/gemm.c``; its
+    logits equal the oneDNN runner's within fp32 summation-order noise."""
+    folder = checkpoint("qwen2")  # tied head, qkv biases
+    native, reference = make_runner(folder, backend="cpu"), make_runner(folder)
+    linears = [m for m in native.model.modules() if isinstance(m, Linear)]
+    assert linears and all(m.packed is not None and m.packed.mode == "native" for m in linears)
+    assert native.model.packed_head is not None and native.model.packed_head.mode == "native"
+    assert native.model.prepared == "none"
+    prompt = list(range(3, 40))
+    torch.testing.assert_close(all_logits(native, prompt), all_logits(reference, prompt), atol=2e-4, rtol=1e-4)
+
+
 def test_tied_head_is_packed_with_the_same_logits(checkpoint: Any, all_logits: Any) -> None:
     """qwen2's head is tied to the embedding: packed (default) or not, the logits are bitwise the same."""
     from services.model_runner.kv_pool import KVPool, bytes_per_block

@@ -1,0 +1,88 @@
+"""The native fp32 GEMM (``services/model_runner/native/gemm.c``) and its packed layout.
+
+Both builds: the AVX-512 one (8-row tiles, software prefetch of the next panel) and the portable
+C loops. Shapes straddle every edge the kernel has: output columns not a multiple of the 48-wide
+panel, fewer panels than threads, row counts that leave a partial 8-row tile, and more rows than
+one 256-row chunk.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.model_runner import native
+from services.model_runner.model.packed import PackedWeight, pack_panels
+
+VARIANTS = ["native", "portable"]
+
+
+def _kernels(variant: str) -> native.NativeKernels:
+    kernels = native.load_kernels(portable=variant == "portable")
+    assert kernels is not None, "the native kernels did not build on this machine"
+    return kernels
+
+
+def _linear(kernels: native.NativeKernels, x: torch.Tensor, weight: torch.Tensor,
+            bias: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
+    packed = pack_panels(weight, kernels.panel_width)
+    out = torch.full((x.shape[0], weight.shape[0]), float("nan"))
+    kernels.linear(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], packed.data_ptr(), weight.shape[0],
+                   None if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0))  # fmt: skip
+    return out
+
+
+def test_panel_layout() -> None:
+    """Panel p holds columns [48p, 48p + 48) as k rows of 48, zero past the last column."""
+    weight = torch.arange(100 * 3, dtype=torch.float32).view(100, 3)  # w[c, k] = 3c + k
+    packed = pack_panels(weight, 48)
+    assert packed.shape == (3, 3, 48) and packed.is_contiguous()
+    assert packed[0, 2, 5].item() == 3 * 5 + 2
+    assert packed[2, 1, 3].item() == 3 * 99 + 1  # column 99 = panel 2, lane 3
+    assert torch.equal(packed[2, :, 4:], torch.zeros(3, 44))
+    assert _kernels("native").panel_width == 48
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize(("rows", "out_features", "in_features"), [
+    (1, 960, 576), (5, 77, 33), (8, 48, 16), (32, 3072, 576), (17, 576, 1536), (300, 130, 64), (3, 1, 7),
+])  # fmt: skip
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_matches_float64(variant: str, rows: int, out_features: int, in_features: int,
+                                with_bias: bool) -> None:  # fmt: skip
+    gen = torch.Generator().manual_seed(rows * 1000 + out_features)
+    x = torch.randn(rows, in_features, generator=gen)
+    weight = torch.randn(out_features, in_features, generator=gen)
+    bias = torch.randn(out_features, generator=gen) if with_bias else None
+    out = _linear(_kernels(variant), x, weight, bias)
+    expected = torch.nn.functional.linear(x.double(), weight.double(), None if bias is None else bias.double())
+    # fp32 sums of in_features products: error grows like sqrt(k) ulps of the terms
+    torch.testing.assert_close(out.double(), expected, atol=2e-5 * in_features**0.5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_strided_rows_in_and_out(variant: str) -> None:
+    """x may be a column slice of a wider tensor (row stride > k); out rows may be wider too,
+    and nothing past each row's n columns is written."""
+    kernels = _kernels(variant)
+    wide = torch.randn(11, 70)
+    x = wide[:, 3:53]  # k = 50, row stride 70
+    weight = torch.randn(60, 50)
+    packed = pack_panels(weight, kernels.panel_width)
+    out = torch.full((11, 64), -7.0)
+    kernels.linear(x.data_ptr(), x.stride(0), 11, 50, packed.data_ptr(), 60, None, out.data_ptr(), 64)
+    torch.testing.assert_close(out[:, :60], x @ weight.T, atol=1e-4, rtol=1e-5)
+    assert torch.equal(out[:, 60:], torch.full((11, 4), -7.0))
+
+
+def test_packed_weight_native_mode() -> None:
+    """The model's entry point: any row count (none included), non-contiguous x, wrong widths refused."""
+    weight, bias = torch.randn(100, 40), torch.randn(100)
+    packed = PackedWeight(weight, bias, "native")
+    assert packed.mode == "native" and PackedWeight.supported(weight, "native")
+    assert not PackedWeight.supported(weight.half(), "native")
+    x = torch.randn(40, 9).T  # [9, 40], column stride 9
+    torch.testing.assert_close(packed(x), torch.nn.functional.linear(x, weight, bias), atol=1e-4, rtol=1e-5)
+    assert packed(torch.empty(0, 40)).shape == (0, 100)
+    with pytest.raises(ValueError, match=r"\[T, 40\]"):
+        packed(torch.randn(3, 41))
