@@ -110,6 +110,17 @@ class CpuAttentionBackend(TorchAttentionBackend):
         self._attend_chunks(query, k_cache, v_cache, plan.chunks, out, softmax_scale, k_scale, v_scale)
         return out
 
+    def decode_only_plan(self, meta: AttentionMetadata, block_size: int, num_tokens: int) -> _NativePlan | None:
+        """The step's native decode plan when the kernels are built and every one of the
+        ``num_tokens`` rows is a decode (no prefill chunk, no padding row); else None.
+
+        The native decode stack (``model/native_stack.py``) runs a whole layer stack from it.
+        """
+        if self._kernels is None or meta.max_query_len != 1:
+            return None
+        plan = self._plan_native(meta, block_size)
+        return plan if not plan.chunks and plan.rows.shape[0] == num_tokens else None
+
     def _plan_native(self, meta: AttentionMetadata, block_size: int) -> _NativePlan:
         cached = self._native_plan
         if cached is not None and cached[0] is meta:

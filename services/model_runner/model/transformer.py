@@ -13,6 +13,7 @@ from torch import nn
 from services.model_runner.model.config import ModelConfig
 from services.model_runner.model.context import ForwardContext
 from services.model_runner.model.layers import MLP, Attention, Embedding, Linear, RMSNorm, RotaryEmbedding
+from services.model_runner.model.native_stack import NativeDecodeStack
 from services.model_runner.model.packed import QUANTIZATIONS, PackedWeight, linear
 from services.model_runner.native import load_kernels
 
@@ -56,10 +57,15 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config.rope, config.head_dim, config.max_position_embeddings)
+        self.native_stack: NativeDecodeStack | None = None  # decode-only steps in one call (prepare)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [T, hidden]
         cos, sin = self.rotary(positions, x.dtype)  # each [T, 1, D], gathered once for all layers
+        if self.native_stack is not None:
+            done = self.native_stack.run(x, cos, sin, ctx)
+            if done is not None:
+                return self.norm.add_forward(*done)[0]
         residual: torch.Tensor | None = None
         for layer in self.layers:
             x, residual = layer(x, residual, cos, sin, ctx)
@@ -111,7 +117,8 @@ class CausalLM(nn.Module):
         memory (a model's ``vocab x hidden x 4`` bytes). ``native`` runs the norms, the rotary
         embedding and SwiGLU on the native CPU kernels (``services/model_runner/native``) when they
         build here, and under ``none`` packs the fp32 weights for their GEMM (``gemm.c``) instead of
-        oneDNN's. Call it once, after loading; a second call with the same ``quantization``
+        oneDNN's and runs decode-only steps' layer stack in one native call (``native_stack.py``).
+        Call it once, after loading; a second call with the same ``quantization``
         does nothing.
 
         Raises:
@@ -138,4 +145,5 @@ class CausalLM(nn.Module):
             for layer in self.modules():
                 if isinstance(layer, RMSNorm | Attention | MLP):
                     layer.native = kernels
+            self.model.native_stack = NativeDecodeStack.build(self.model, kernels)
         self.prepared = quantization

@@ -10,7 +10,9 @@ What is here, and why torch alone was not enough (figures in docs/model_runner.m
 * ``gemm.c`` — fp32 linear layers on weights packed into column panels, with the next panel
   prefetched while the current one is computed: a decode step's skinny GEMMs are as much a memory
   stream as FLOPs, and oneDNN's inner product does the two one after the other;
-* ``exp_math.h`` — the exponential both use.
+* ``decode_stack.c`` — a decode-only step's whole layer stack in one call: the kernels above in
+  the per-layer order, without the Python between them (``model/native_stack.py``);
+* ``exp_math.h`` — the exponential they use; ``kernels.h`` — the entry points' declarations.
 
 The sources are built together into one shared object in a cache folder
 (``$KVMESH_NATIVE_CACHE``, else ``$KVMESH_CACHE_DIR/native``, else ``~/.cache/kvmesh/native``),
@@ -124,6 +126,7 @@ class NativeKernels:
     silu_mul: Any  # kvmesh_silu_mul_f32
     linear: Any  # kvmesh_linear_f32
     panel_width: int  # kvmesh_linear_panel_width(): output columns per packed weight panel
+    decode_stack: Any  # kvmesh_decode_stack_f32
 
 
 def _bind(lib: ctypes.CDLL, name: str, restype: Any, argtypes: list[Any]) -> Any:
@@ -178,4 +181,7 @@ def load_kernels(portable: bool = False) -> NativeKernels | None:
             _PTR, _I64,  # out, out_stride
         ]),
         panel_width=int(_bind(lib, "kvmesh_linear_panel_width", _I64, [])()),
+        decode_stack=_bind(lib, "kvmesh_decode_stack_f32", ctypes.c_int, [
+            _PTR, _I64, _PTR, _PTR,  # layers (KvmLayer[]), num_layers, shape, step
+        ]),
     )  # fmt: skip

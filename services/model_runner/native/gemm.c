@@ -30,6 +30,8 @@
 #include <stddef.h>
 #include <omp.h>
 
+#include "kernels.h"
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif

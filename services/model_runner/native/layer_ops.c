@@ -16,6 +16,7 @@
 #include <stdint.h>
 
 #include "exp_math.h"
+#include "kernels.h"
 
 /* Rows of at least this many elements in total are split across threads. */
 #define PARALLEL_ELEMS (1 << 16)

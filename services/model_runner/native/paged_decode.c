@@ -35,6 +35,7 @@
 #include <omp.h>
 
 #include "exp_math.h"
+#include "kernels.h"
 
 #define MAX_GROUP 16
 #define MAX_HEAD_DIM 256

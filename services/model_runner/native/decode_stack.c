@@ -1,0 +1,85 @@
+/*
+ * A whole decoder-layer stack for a decode-only step, in one call from Python.
+ *
+ * Why: at decode batch sizes the kernels of one layer take a few milliseconds together, and the
+ * Python between them (module calls, checks, tensor allocations, a ctypes call per kernel with
+ * up to 18 arguments) cost ~10% of a SmolLM2 batch-32 step, run by one thread while the other
+ * waits. Here the same kernels run in the same order on the same arguments as the per-layer
+ * Python path does with the native kernels on, so the result is bitwise that path's
+ * (tests/unit/model_runner/test_native_stack.py); only the interpreter is gone.
+ *
+ * Per layer (Llama/Mistral/Qwen2 pre-norm block, SwiGLU MLP):
+ *   h = norm(residual += x)          (layer 0: residual = x, h = norm(x))
+ *   qkv = h Wqkv^T + b;  q|k rotated; k, v stored at the step's slots
+ *   attn = paged decode attention (q, the layer's cache)
+ *   h = norm(residual += attn Wo^T + b)
+ *   x = down(silu(gate) * up)
+ * The caller adds the last x to the residual with the final norm, and computes the logits.
+ */
+#include <stdint.h>
+#include <string.h>
+
+#include "kernels.h"
+
+/* One layer's parameters: norms dense, projections packed by gemm.c (biases may be NULL), and
+ * the layer's K and V halves of the pool. Mirrored by ctypes in model/native_stack.py. */
+typedef struct {
+    const float *input_norm, *post_norm;
+    const float *qkv, *qkv_bias, *o, *o_bias, *gate_up, *gate_up_bias, *down, *down_bias;
+    float *k_cache, *v_cache;
+} KvmLayer;
+
+typedef struct {
+    int64_t hidden, num_heads, num_kv_heads, head_dim, intermediate;
+    int64_t block_size, block_stride, num_slots;  /* block_stride: floats from one block to the next */
+    float eps, scale;
+} KvmStackShape;
+
+/* One step: `tokens` decode rows, one per sequence (row i is sequence i). */
+typedef struct {
+    int64_t tokens;
+    const float *cos, *sin;  /* [tokens, head_dim], sin signed (RotaryEmbedding) */
+    const int64_t *slots;    /* [tokens] */
+    const int32_t *tables, *seq_lens, *rows;
+    int64_t table_stride, max_seq_len;
+    float *x;         /* [tokens, hidden]: in, the embeddings; out, the last layer's MLP output */
+    float *residual;  /* [tokens, hidden]: out, the residual stream x has not been added to */
+    /* scratch: [tokens, hidden], [tokens, (H + 2 KV) D], [tokens, (H + KV) D], [tokens, H D],
+     * [tokens, 2 I], [tokens, I] */
+    float *h, *qkv, *qk, *attn, *gate_up, *act;
+} KvmDecodeStep;
+
+/* Returns 0, or the failing paged-attention status (see kvmesh_paged_decode_f32). */
+int kvmesh_decode_stack_f32(const KvmLayer *layers, int64_t num_layers, const KvmStackShape *shape,
+                            const KvmDecodeStep *step)
+{
+    const int64_t t = step->tokens, hidden = shape->hidden, d = shape->head_dim;
+    const int64_t q_size = shape->num_heads * d, kv_size = shape->num_kv_heads * d;
+    const int64_t qkv_size = q_size + 2 * kv_size, qk_size = q_size + kv_size, inter = shape->intermediate;
+    for (int64_t l = 0; l < num_layers; l++) {
+        const KvmLayer *w = &layers[l];
+        if (l == 0) {
+            memcpy(step->residual, step->x, sizeof(float) * (size_t)(t * hidden));
+            kvmesh_add_rms_norm_f32(NULL, step->x, hidden, w->input_norm, step->h, t, hidden, shape->eps);
+        } else {
+            kvmesh_add_rms_norm_f32(step->residual, step->x, hidden, w->input_norm, step->h, t, hidden, shape->eps);
+        }
+        kvmesh_linear_f32(step->h, hidden, t, hidden, w->qkv, qkv_size, w->qkv_bias, step->qkv, qkv_size);
+        kvmesh_rope_f32(step->qkv, qkv_size, step->cos, step->sin, d, step->qk, t,
+                        shape->num_heads + shape->num_kv_heads, d);
+        kvmesh_write_kv_f32(step->qk + q_size, qk_size, step->qkv + qk_size, qkv_size, w->k_cache, w->v_cache,
+                            step->slots, t, kv_size, shape->num_slots);
+        const int status = kvmesh_paged_decode_f32(
+            step->qk, qk_size, w->k_cache, w->v_cache, shape->block_stride, step->tables, step->table_stride,
+            step->seq_lens, step->rows, t, step->attn, q_size, shape->num_heads, shape->num_kv_heads, d,
+            shape->block_size, step->max_seq_len, shape->scale);
+        if (status != 0) return status;
+        kvmesh_linear_f32(step->attn, q_size, t, q_size, w->o, hidden, w->o_bias, step->x, hidden);
+        kvmesh_add_rms_norm_f32(step->residual, step->x, hidden, w->post_norm, step->h, t, hidden, shape->eps);
+        kvmesh_linear_f32(step->h, hidden, t, hidden, w->gate_up, 2 * inter, w->gate_up_bias, step->gate_up,
+                          2 * inter);
+        kvmesh_silu_mul_f32(step->gate_up, 2 * inter, step->act, t, inter);
+        kvmesh_linear_f32(step->act, inter, t, inter, w->down, hidden, w->down_bias, step->x, hidden);
+    }
+    return 0;
+}

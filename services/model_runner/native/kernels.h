@@ -1,0 +1,26 @@
+/*
+ * The entry points of the native CPU kernels, for the C code that calls them (decode_stack.c);
+ * Python binds the same functions with ctypes (__init__.py). Argument meanings: each definition.
+ */
+#ifndef KVMESH_KERNELS_H
+#define KVMESH_KERNELS_H
+
+#include <stdint.h>
+
+int kvmesh_paged_decode_f32(
+    const float *q, int64_t q_row_stride, const float *k_cache, const float *v_cache, int64_t block_stride,
+    const int32_t *tables, int64_t table_stride, const int32_t *seq_lens, const int32_t *rows, int64_t num_seqs,
+    float *out, int64_t out_row_stride, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+    int64_t block_size, int64_t max_seq_len, float scale);
+int64_t kvmesh_write_kv_f32(
+    const float *key, int64_t key_row_stride, const float *value, int64_t value_row_stride, float *k_cache,
+    float *v_cache, const int64_t *slots, int64_t num_tokens, int64_t kv_elems, int64_t num_slots);
+void kvmesh_add_rms_norm_f32(float *residual, const float *x, int64_t x_stride, const float *weight, float *out,
+                             int64_t rows, int64_t hidden, float eps);
+void kvmesh_rope_f32(const float *x, int64_t x_stride, const float *cos_t, const float *sin_t, int64_t cs_stride,
+                     float *out, int64_t tokens, int64_t heads, int64_t dim);
+void kvmesh_silu_mul_f32(const float *gate_up, int64_t stride, float *out, int64_t tokens, int64_t size);
+void kvmesh_linear_f32(const float *x, int64_t x_stride, int64_t m, int64_t k, const float *packed, int64_t n,
+                       const float *bias, float *out, int64_t out_stride);
+
+#endif

@@ -1,0 +1,105 @@
+"""The native decode stack (``model/native_stack.py`` + ``native/decode_stack.c``) against the
+per-layer path it replaces: decode-only steps must give bitwise the same hidden states and K/V,
+every other step must not take it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from services.model_runner.input_batch import ScheduledRequest, prepare_inputs
+from services.model_runner.model.context import ForwardContext
+from services.model_runner.runner import ModelRunnerCore
+
+PROMPTS = {"a": list(range(3, 8)), "b": list(range(40, 57)), "c": list(range(100, 130))}
+
+
+def _forward(runner: ModelRunnerCore, reqs: list[ScheduledRequest], stack: bool) -> torch.Tensor:
+    """The model's hidden states for one step, with the native stack on or off."""
+    model = runner.model.model
+    saved = model.native_stack
+    if not stack:
+        model.native_stack = None
+    try:
+        batch = prepare_inputs(reqs, runner.geometry)
+        ctx = ForwardContext(runner.pool.tensor, runner.pool.layer_scales(), batch.meta, runner.backend)
+        with torch.inference_mode():
+            return runner.model(batch.input_ids, batch.positions, ctx)
+    finally:
+        model.native_stack = saved
+
+
+def _prefilled(runner: ModelRunnerCore) -> dict[str, list[int]]:
+    """Prefills the three prompts (blocks interleaved in the pool); returns each one's blocks."""
+    bs = runner.pool.block_size
+    tables: dict[str, list[int]] = {}
+    next_block = 1
+    for rid, prompt in PROMPTS.items():
+        n = -(-(len(prompt) + 2) // bs)
+        tables[rid] = list(range(next_block, next_block + 2 * n, 2))  # every other block
+        next_block += 1 if rid == "a" else 2 * n
+        _forward(runner, [ScheduledRequest(rid, prompt, tables[rid], 0, len(prompt))], stack=True)
+    return tables
+
+
+def _decodes(tables: dict[str, list[int]], step: int) -> list[ScheduledRequest]:
+    return [ScheduledRequest(rid, [*p, *range(200, 200 + step + 1)], tables[rid], len(p) + step, 1)
+            for rid, p in PROMPTS.items()]  # fmt: skip
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "mistral", "llama3"])
+def test_decode_steps_are_bitwise_the_per_layer_path(
+    checkpoint: Any, make_runner: Any, name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    runner = make_runner(checkpoint(name), backend="cpu")
+    stack = runner.model.model.native_stack
+    assert stack is not None
+    ran: list[bool] = []
+    run = stack.run
+
+    def spy(*args: Any) -> Any:
+        result = run(*args)
+        ran.append(result is not None)
+        return result
+
+    monkeypatch.setattr(stack, "run", spy)
+    tables = _prefilled(runner)
+    assert ran == [False, False, False]  # prefills
+    bs = runner.pool.block_size
+    for step in range(2):
+        reqs = _decodes(tables, step)
+        fused = _forward(runner, reqs, stack=True)
+        assert ran[-1] is True
+        pool_after_fused = runner.pool.tensor.clone()
+        for slot in prepare_inputs(reqs, runner.geometry).meta.slot_mapping.tolist():
+            runner.pool.tensor[:, :, slot // bs, slot % bs] = 0.0  # the per-layer path must write them again
+        reference = _forward(runner, reqs, stack=False)
+        assert torch.equal(fused, reference)
+        assert torch.equal(runner.pool.tensor, pool_after_fused)
+
+
+def test_only_decode_only_steps_take_the_stack(checkpoint: Any, make_runner: Any) -> None:
+    runner = make_runner(checkpoint("llama"), backend="cpu")
+    stack = runner.model.model.native_stack
+    tables = _prefilled(runner)
+
+    def runs(reqs: list[ScheduledRequest]) -> bool:
+        batch = prepare_inputs(reqs, runner.geometry)
+        ctx = ForwardContext(runner.pool.tensor, runner.pool.layer_scales(), batch.meta, runner.backend)
+        x = runner.model.model.embed_tokens(batch.input_ids)
+        cos, sin = runner.model.model.rotary(batch.positions, x.dtype)
+        with torch.inference_mode():
+            return stack.run(x, cos, sin, ctx) is not None
+
+    assert runs(_decodes(tables, 0))
+    extra = ScheduledRequest("d", list(range(9, 15)), [60, 61], 0, 6)
+    assert not runs([*_decodes(tables, 1)[:2], extra])  # a prefill chunk in the step
+    chunk = ScheduledRequest("c2", PROMPTS["c"], tables["c"], 28, 2)
+    assert not runs([chunk])  # a 2-token chunk of a running request
+
+
+def test_other_backends_and_quantizations_build_no_stack(checkpoint: Any, make_runner: Any) -> None:
+    assert make_runner(checkpoint("llama")).model.model.native_stack is None  # torch backend: oneDNN
+    assert make_runner(checkpoint("llama"), backend="cpu", quantization="int8").model.model.native_stack is None
