@@ -189,9 +189,14 @@ def test_admission_control_rejects_when_queue_full(suite: Suite) -> None:
     """More than max_waiting_requests (32) at once: the excess gets RESOURCE_EXHAUSTED at once."""
     codes: list[grpc.StatusCode] = []
     lock = threading.Lock()
+    # all 48 connected before any sends: on a loaded machine, connecting one by one could let the
+    # server finish requests as fast as they arrive, and the queue would never overflow
+    ready = threading.Barrier(48)
 
     def one() -> None:
         with KVMeshClient(suite.address) as client:
+            grpc.channel_ready_future(client.channel).result(timeout=60)
+            ready.wait(60)
             try:
                 client.complete([5] * 60, 40, ignore_eos=True)
                 code = grpc.StatusCode.OK
