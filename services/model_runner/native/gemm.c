@@ -23,8 +23,8 @@
  * Numerics: each output is sum_k x[k] * w[k] in k order with FMA, plus the bias: IEEE fp32 in
  * another order than oneDNN's (results differ in the last bits, as any two GEMMs do).
  *
- * Threads: a static split of the panels into one contiguous run per thread (so a thread knows
- * its next panel); the OpenMP runtime is torch's (see paged_decode.c).
+ * Threads: pairs of threads share a contiguous run of panels, one from each end (run_panels);
+ * the OpenMP runtime is torch's (see paged_decode.c).
  */
 #include <stdint.h>
 #include <stddef.h>
@@ -124,41 +124,61 @@ static void tile_dispatch(const float *x, int64_t x_stride, int64_t k, const flo
 
 #endif
 
+/* Panels [lo, hi) shared by at most two threads, one taking them from each end (`backward`):
+ * each knows its next panel (to prefetch it), and neither waits for the other at the end when
+ * one core runs slower (another tenant, an interrupt): a static half each left one core idle for
+ * ~15% of a batch-32 step. `claimed` counts the panels taken so far. */
+static void run_panels(const float *x, int64_t x_stride, int64_t r0, int64_t rows, int64_t k, const float *packed,
+                       int64_t n, const float *bias, float *out, int64_t out_stride, int64_t lo, int64_t hi,
+                       int backward, int64_t *claimed)
+{
+    const int64_t panel_size = k * PANEL, tiles = (rows + ROW_TILE - 1) / ROW_TILE;
+    for (int64_t taken = 0;; taken++) {
+        if (__atomic_fetch_add(claimed, 1, __ATOMIC_RELAXED) >= hi - lo) break;
+        const int64_t p = backward ? hi - 1 - taken : lo + taken;
+        const float *panel = packed + p * panel_size;
+        const int64_t cols = n - p * PANEL < PANEL ? n - p * PANEL : PANEL;
+        const float *bp = bias != NULL ? bias + p * PANEL : NULL;
+#if defined(__AVX512F__)
+        /* this thread's next panel, if the other end has not taken it by then */
+        const int64_t next = backward ? p - 1 : p + 1;
+        const int64_t lines = panel_size * (int64_t)sizeof(float) / 64, steps = tiles * k;
+        PanelPrefetch pf = {next >= lo && next < hi ? (const char *)(packed + next * panel_size) : NULL, 0, lines,
+                            (lines + steps - 1) / steps};
+        PanelPrefetch *pfp = &pf;
+#else
+        void *pfp = NULL;
+#endif
+        for (int64_t t = 0; t < tiles; t++) {
+            const int64_t row = r0 + t * ROW_TILE;
+            const int mr = (int)(r0 + rows - row < ROW_TILE ? r0 + rows - row : ROW_TILE);
+            tile_dispatch(x + row * x_stride, x_stride, k, panel, bp, out + row * out_stride + p * PANEL, out_stride,
+                          mr, cols, pfp);
+        }
+    }
+}
+
+#define MAX_PAIRS 64
+
 /* out[m, n] (rows out_stride apart) = x[m, k] (rows x_stride apart) W^T + bias (NULL: none),
  * with W packed as described above. */
 void kvmesh_linear_f32(const float *x, int64_t x_stride, int64_t m, int64_t k, const float *packed, int64_t n,
                        const float *bias, float *out, int64_t out_stride)
 {
-    const int64_t panels = (n + PANEL - 1) / PANEL, panel_size = k * PANEL;
-    #pragma omp parallel if (panels > 1)
-    {
-        const int64_t threads = omp_get_num_threads(), me = omp_get_thread_num();
-        const int64_t lo = panels * me / threads, hi = panels * (me + 1) / threads;
-        for (int64_t r0 = 0; r0 < m; r0 += ROW_CHUNK) {
-            const int64_t rows = m - r0 < ROW_CHUNK ? m - r0 : ROW_CHUNK;
-            const int64_t tiles = (rows + ROW_TILE - 1) / ROW_TILE;
-            for (int64_t p = lo; p < hi; p++) {
-                const float *panel = packed + p * panel_size;
-                const int64_t cols = n - p * PANEL < PANEL ? n - p * PANEL : PANEL;
-                const float *bp = bias != NULL ? bias + p * PANEL : NULL;
-#if defined(__AVX512F__)
-                /* the next panel this thread computes: the following one, or its first for the
-                 * next row chunk */
-                const int64_t next = p + 1 < hi ? p + 1 : (r0 + ROW_CHUNK < m ? lo : -1);
-                const int64_t lines = panel_size * (int64_t)sizeof(float) / 64, steps = tiles * k;
-                PanelPrefetch pf = {next >= 0 ? (const char *)(packed + next * panel_size) : NULL, 0, lines,
-                                    (lines + steps - 1) / steps};
-                PanelPrefetch *pfp = &pf;
-#else
-                void *pfp = NULL;
-#endif
-                for (int64_t t = 0; t < tiles; t++) {
-                    const int64_t row = r0 + t * ROW_TILE;
-                    const int mr = (int)(m - row < ROW_TILE ? m - row : ROW_TILE);
-                    tile_dispatch(x + row * x_stride, x_stride, k, panel, bp, out + row * out_stride + p * PANEL,
-                                  out_stride, mr, cols, pfp);
-                }
-            }
+    const int64_t panels = (n + PANEL - 1) / PANEL;
+    for (int64_t r0 = 0; r0 < m; r0 += ROW_CHUNK) {
+        const int64_t rows = m - r0 < ROW_CHUNK ? m - r0 : ROW_CHUNK;
+        int64_t claimed[MAX_PAIRS] = {0};
+        #pragma omp parallel if (panels > 1)
+        {
+            const int64_t threads = omp_get_num_threads(), me = omp_get_thread_num();
+            /* threads 2i and 2i+1 share the i-th of `groups` runs of panels; past 2 * MAX_PAIRS
+             * threads, each thread has a run to itself */
+            const int paired = threads <= 2 * MAX_PAIRS;
+            const int64_t groups = paired ? (threads + 1) / 2 : threads, group = paired ? me / 2 : me;
+            int64_t solo = 0;
+            run_panels(x, x_stride, r0, rows, k, packed, n, bias, out, out_stride, panels * group / groups,
+                       panels * (group + 1) / groups, paired && (me & 1), paired ? &claimed[group] : &solo);
         }
     }
 }
