@@ -66,6 +66,21 @@ def test_mixed_batch_with_chunks_and_padding(backend: CpuAttentionBackend) -> No
     _assert_matches_torch(backend, batch)
 
 
+@pytest.mark.parametrize("threads", [1, 3, 4])
+def test_any_thread_count(backend: CpuAttentionBackend, threads: int) -> None:
+    """Threads take sequences in pairs from both ends of a run; an odd count leaves one thread a
+    run to itself: every sequence is attended to exactly once, whatever the count."""
+    seq_lens = [5, 40, 17, 9, 33, 100, 2]
+    batch = make_batch([1] * len(seq_lens), seq_lens, block_size=16, head_dim=64, queries_per_kv=3,
+                       num_kv_heads=3, seed=threads)  # fmt: skip
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        _assert_matches_torch(backend, batch)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_long_context_and_large_softmax_range(backend: CpuAttentionBackend) -> None:
     """2,000 keys and scores spread over ~100 units: the exp range reduction and the max shift."""
     batch = make_batch([1, 1], [2000, 1999], block_size=16, head_dim=64, queries_per_kv=3, num_kv_heads=1)

@@ -86,3 +86,20 @@ def test_packed_weight_native_mode() -> None:
     assert packed(torch.empty(0, 40)).shape == (0, 100)
     with pytest.raises(ValueError, match=r"\[T, 40\]"):
         packed(torch.randn(3, 41))
+
+
+@pytest.mark.parametrize("threads", [1, 3, 4])
+def test_any_thread_count(threads: int) -> None:
+    """Threads work in pairs from both ends of a run of panels; an odd count leaves one thread a
+    run to itself. Every panel must be computed exactly once whatever the count (this machine's
+    2 cores run 3 or 4 OpenMP threads too, just slower)."""
+    kernels = _kernels("native")
+    gen = torch.Generator().manual_seed(threads)
+    x, weight = torch.randn(9, 64, generator=gen), torch.randn(1000, 64, generator=gen)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = _linear(kernels, x, weight, None)
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(out, x @ weight.T, atol=1e-4, rtol=1e-5)
