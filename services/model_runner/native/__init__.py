@@ -12,7 +12,8 @@ What is here, and why torch alone was not enough (figures in docs/model_runner.m
   stream as FLOPs, and oneDNN's inner product does the two one after the other;
 * ``decode_stack.c`` — a decode-only step's whole layer stack in one call: the kernels above in
   the per-layer order, without the Python between them (``model/native_stack.py``);
-* ``exp_math.h`` — the exponential they use; ``kernels.h`` — the entry points' declarations.
+* ``exp_math.h`` — the exponential they use; ``kernels.h`` — the entry points' declarations;
+  ``pairs.h`` — how the GEMM and decode attention split work over threads.
 
 The sources are built together into one shared object in a cache folder
 (``$KVMESH_NATIVE_CACHE``, else ``$KVMESH_CACHE_DIR/native``, else ``~/.cache/kvmesh/native``),

@@ -23,14 +23,15 @@
  * Numerics: each output is sum_k x[k] * w[k] in k order with FMA, plus the bias: IEEE fp32 in
  * another order than oneDNN's (results differ in the last bits, as any two GEMMs do).
  *
- * Threads: pairs of threads share a contiguous run of panels, one from each end (run_panels);
- * the OpenMP runtime is torch's (see paged_decode.c).
+ * Threads: panels are split as pairs.h describes; the OpenMP runtime is torch's (see
+ * paged_decode.c).
  */
 #include <stdint.h>
 #include <stddef.h>
 #include <omp.h>
 
 #include "kernels.h"
+#include "pairs.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -124,26 +125,21 @@ static void tile_dispatch(const float *x, int64_t x_stride, int64_t k, const flo
 
 #endif
 
-/* Panels [lo, hi) shared by at most two threads, one taking them from each end (`backward`):
- * each knows its next panel (to prefetch it), and neither waits for the other at the end when
- * one core runs slower (another tenant, an interrupt): a static half each left one core idle for
- * ~15% of a batch-32 step. `claimed` counts the panels taken so far. */
+/* This thread's panels (pairs.h) for one chunk of rows. */
 static void run_panels(const float *x, int64_t x_stride, int64_t r0, int64_t rows, int64_t k, const float *packed,
-                       int64_t n, const float *bias, float *out, int64_t out_stride, int64_t lo, int64_t hi,
-                       int backward, int64_t *claimed)
+                       int64_t n, const float *bias, float *out, int64_t out_stride, PairedRun *run)
 {
     const int64_t panel_size = k * PANEL, tiles = (rows + ROW_TILE - 1) / ROW_TILE;
     for (int64_t taken = 0;; taken++) {
-        if (__atomic_fetch_add(claimed, 1, __ATOMIC_RELAXED) >= hi - lo) break;
-        const int64_t p = backward ? hi - 1 - taken : lo + taken;
+        const int64_t p = paired_run_take(run, taken);
+        if (p < 0) break;
         const float *panel = packed + p * panel_size;
         const int64_t cols = n - p * PANEL < PANEL ? n - p * PANEL : PANEL;
         const float *bp = bias != NULL ? bias + p * PANEL : NULL;
 #if defined(__AVX512F__)
-        /* this thread's next panel, if the other end has not taken it by then */
-        const int64_t next = backward ? p - 1 : p + 1;
+        const int64_t next = paired_run_after(run, p);
         const int64_t lines = panel_size * (int64_t)sizeof(float) / 64, steps = tiles * k;
-        PanelPrefetch pf = {next >= lo && next < hi ? (const char *)(packed + next * panel_size) : NULL, 0, lines,
+        PanelPrefetch pf = {next >= 0 ? (const char *)(packed + next * panel_size) : NULL, 0, lines,
                             (lines + steps - 1) / steps};
         PanelPrefetch *pfp = &pf;
 #else
@@ -158,8 +154,6 @@ static void run_panels(const float *x, int64_t x_stride, int64_t r0, int64_t row
     }
 }
 
-#define MAX_PAIRS 64
-
 /* out[m, n] (rows out_stride apart) = x[m, k] (rows x_stride apart) W^T + bias (NULL: none),
  * with W packed as described above. */
 void kvmesh_linear_f32(const float *x, int64_t x_stride, int64_t m, int64_t k, const float *packed, int64_t n,
@@ -171,14 +165,9 @@ void kvmesh_linear_f32(const float *x, int64_t x_stride, int64_t m, int64_t k, c
         int64_t claimed[MAX_PAIRS] = {0};
         #pragma omp parallel if (panels > 1)
         {
-            const int64_t threads = omp_get_num_threads(), me = omp_get_thread_num();
-            /* threads 2i and 2i+1 share the i-th of `groups` runs of panels; past 2 * MAX_PAIRS
-             * threads, each thread has a run to itself */
-            const int paired = threads <= 2 * MAX_PAIRS;
-            const int64_t groups = paired ? (threads + 1) / 2 : threads, group = paired ? me / 2 : me;
-            int64_t solo = 0;
-            run_panels(x, x_stride, r0, rows, k, packed, n, bias, out, out_stride, panels * group / groups,
-                       panels * (group + 1) / groups, paired && (me & 1), paired ? &claimed[group] : &solo);
+            PairedRun run;
+            paired_run_init(&run, panels, claimed);
+            run_panels(x, x_stride, r0, rows, k, packed, n, bias, out, out_stride, &run);
         }
     }
 }

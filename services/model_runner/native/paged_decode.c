@@ -18,9 +18,9 @@
  * block's prefetches at once measured no better than none (they queue behind each other), spread
  * out they cut a batch-32 SmolLM2 decode step by 15-20% (docs/model_runner.md).
  *
- * Threads: pairs of threads share a run of sequences, one taking them from each end. The library
- * is linked against the libgomp that torch already loaded (same soname), so torch.set_num_threads
- * governs it too: one thread pool, not two.
+ * Threads: sequences are split as pairs.h describes. The library is linked against the libgomp
+ * that torch already loaded (same soname), so torch.set_num_threads governs it too: one thread
+ * pool, not two.
  *
  * Paths: AVX-512 for head_dim a multiple of 16 (specialised for 64 and 128); portable C loops
  * (per sequence and KV head) otherwise, and on CPUs without AVX-512.
@@ -37,11 +37,11 @@
 
 #include "exp_math.h"
 #include "kernels.h"
+#include "pairs.h"
 
 #define MAX_GROUP 16
 #define MAX_HEAD_DIM 256
 #define MAX_HEADS 128
-#define MAX_PAIRS 64
 
 #if defined(__AVX512F__)
 
@@ -282,20 +282,16 @@ int kvmesh_paged_decode_f32(
                 #pragma omp atomic write
                 failed = 1;
             }
-            /* threads 2i and 2i+1 share a run of sequences, one from each end (as gemm.c's
-             * panels): each knows its next sequence (and prefetches its first K block), and a
-             * slower core does not leave the other waiting at the end */
-            const int64_t threads = omp_get_num_threads(), me = omp_get_thread_num();
-            const int paired = threads <= 2 * MAX_PAIRS;
-            const int64_t runs = paired ? (threads + 1) / 2 : threads, run = paired ? me / 2 : me;
-            const int64_t lo = num_seqs * run / runs, hi = num_seqs * (run + 1) / runs;
-            const int backward = paired && (me & 1);
-            int64_t solo = 0, *claim = paired ? &claimed[run] : &solo;
+            /* sequences split as pairs.h describes: each thread knows its next sequence (and
+             * prefetches its first K block) */
+            PairedRun run;
+            paired_run_init(&run, num_seqs, claimed);
             for (int64_t taken = 0;; taken++) {
-                if (__atomic_fetch_add(claim, 1, __ATOMIC_RELAXED) >= hi - lo) break;
+                const int64_t s = paired_run_take(&run, taken);
+                if (s < 0) break;
                 if (scores == NULL || qbuf == NULL || acc == NULL) continue;
-                const int64_t s = backward ? hi - 1 - taken : lo + taken, ns = backward ? s - 1 : s + 1;
-                const float *next_k = ns >= lo && ns < hi && seq_lens[ns] > 0
+                const int64_t ns = paired_run_after(&run, s);
+                const float *next_k = ns >= 0 && seq_lens[ns] > 0
                     ? k_cache + (int64_t)tables[ns * table_stride] * block_stride : NULL;
                 const int64_t len = seq_lens[s];
                 const float *qs = q + (int64_t)rows[s] * q_row_stride;
