@@ -127,10 +127,10 @@ class NativeDecodeStack:
         plan = backend.decode_only_plan(ctx.meta, cache.shape[3], tokens)
         if plan is None or tokens == 0:
             return None
-        self._bind_cache(cache)
         slots = ctx.meta.slot_mapping
         if slots.dtype != torch.int64 or not slots.is_contiguous():
             return None
+        self._bind_cache(cache)
         out, residual = x, torch.empty_like(x)  # x is this forward's own embedding: overwritten
         scratch = [torch.empty(tokens, n, dtype=torch.float32) for n in (
             self._hidden, self._q_size + 2 * self._kv_size, self._q_size + self._kv_size, self._q_size,
