@@ -195,6 +195,14 @@ static inline __attribute__((always_inline)) void attend_seq_avx512(
 }
 #endif
 
+/* Token t's row for one KV head in a paged cache half (portable path: the block of every token
+ * is looked up; the AVX-512 path walks block by block to prefetch). */
+static inline const float *token_row(const float *cache, const int32_t *table, int64_t t, int64_t block_size,
+                                     int64_t block_stride, int64_t token_stride, int64_t kv_offset)
+{
+    return cache + (int64_t)table[t / block_size] * block_stride + (t % block_size) * token_stride + kv_offset;
+}
+
 /* One (sequence, KV head), portable C: the fallback without AVX-512 or for odd head sizes. */
 static void attend_portable(
     const float *qs, float *os, const float *k_cache, const float *v_cache, int64_t block_stride,
@@ -206,18 +214,14 @@ static void attend_portable(
         for (int64_t d = 0; d < head_dim; d++) qv[g][d] = qs[g * head_dim + d] * scale;
     float maxv[MAX_GROUP];
     for (int64_t g = 0; g < group; g++) maxv[g] = -3.0e38f;
-    for (int64_t t0 = 0; t0 < len; t0 += block_size) {
-        const float *kb = k_cache + (int64_t)table[t0 / block_size] * block_stride + kv_offset;
-        const int64_t n = len - t0 < block_size ? len - t0 : block_size;
-        for (int64_t o = 0; o < n; o++) {
-            const float *k = kb + o * token_stride;
-            for (int64_t g = 0; g < group; g++) {
-                float acc = 0.0f;
-                #pragma omp simd reduction(+:acc)
-                for (int64_t d = 0; d < head_dim; d++) acc += qv[g][d] * k[d];
-                scores[g * len + t0 + o] = acc;
-                if (acc > maxv[g]) maxv[g] = acc;
-            }
+    for (int64_t t = 0; t < len; t++) {
+        const float *k = token_row(k_cache, table, t, block_size, block_stride, token_stride, kv_offset);
+        for (int64_t g = 0; g < group; g++) {
+            float acc = 0.0f;
+            #pragma omp simd reduction(+:acc)
+            for (int64_t d = 0; d < head_dim; d++) acc += qv[g][d] * k[d];
+            scores[g * len + t] = acc;
+            if (acc > maxv[g]) maxv[g] = acc;
         }
     }
     float inv_sum[MAX_GROUP];
@@ -236,16 +240,12 @@ static void attend_portable(
     float acc[MAX_GROUP][MAX_HEAD_DIM];
     for (int64_t g = 0; g < group; g++)
         for (int64_t d = 0; d < head_dim; d++) acc[g][d] = 0.0f;
-    for (int64_t t0 = 0; t0 < len; t0 += block_size) {
-        const float *vb = v_cache + (int64_t)table[t0 / block_size] * block_stride + kv_offset;
-        const int64_t n = len - t0 < block_size ? len - t0 : block_size;
-        for (int64_t o = 0; o < n; o++) {
-            const float *v = vb + o * token_stride;
-            for (int64_t g = 0; g < group; g++) {
-                const float p = scores[g * len + t0 + o];
-                #pragma omp simd
-                for (int64_t d = 0; d < head_dim; d++) acc[g][d] += p * v[d];
-            }
+    for (int64_t t = 0; t < len; t++) {
+        const float *v = token_row(v_cache, table, t, block_size, block_stride, token_stride, kv_offset);
+        for (int64_t g = 0; g < group; g++) {
+            const float p = scores[g * len + t];
+            #pragma omp simd
+            for (int64_t d = 0; d < head_dim; d++) acc[g][d] += p * v[d];
         }
     }
     for (int64_t g = 0; g < group; g++)
