@@ -198,10 +198,11 @@ def _sorted_prefix(
     """The rows' stable descending order, or only a prefix of it that holds every kept token.
 
     NOTE: a full sort of the vocabulary costs a large share of a decode step on the CPU
-    (docs/model_runner.md, "Why the code is shaped so"). When every row keeps at most its top ``candidates`` tokens (a top-k within it,
-    or a top-p reached within it), ``topk`` and a small sort give the same order for every token
-    that can be kept. Tokens tied with the last candidate are included, and ``limit`` (how many
-    tokens are >= that value) marks where the exact prefix ends.
+    (docs/model_runner.md, "Why the code is shaped so"). When every row keeps at most its top
+    ``candidates`` tokens (a top-k within it, or a top-p reached within it), ``topk`` and a small
+    sort give the same order for every token that can be kept. Tokens tied with the last
+    candidate are included, and ``limit`` (how many tokens are >= that value) marks where the
+    exact prefix ends.
 
     Returns:
         ``values [S, C]`` descending, ``order [S, C]`` their token ids, ``limit [S]``.
