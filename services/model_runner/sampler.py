@@ -17,8 +17,7 @@ uniform number from it per random step, whatever else shares the batch; the toke
 whose cumulative probability (in token-id order) exceeds it. So the same seed, prompt and logits
 give the same tokens in any batch composition or row order. One number per row rather than an
 exponential race's ``V`` (``argmax(probs / q)``, ``q ~ Exp(1)``): ``V`` exponentials per row cost
-a sizeable part of a step (docs/model_runner.md, "Why the code is shaped so") and buy no extra
-reproducibility.
+a sizeable part of a step (docs/model_runner.md) and buy no extra reproducibility.
 Unseeded rows draw from torch's default CPU generator (``torch.manual_seed`` fixes them).
 """
 
@@ -197,12 +196,11 @@ def _sorted_prefix(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The rows' stable descending order, or only a prefix of it that holds every kept token.
 
-    NOTE: a full sort of the vocabulary costs a large share of a decode step on the CPU
-    (docs/model_runner.md, "Why the code is shaped so"). When every row keeps at most its top
-    ``candidates`` tokens (a top-k within it, or a top-p reached within it), ``topk`` and a small
-    sort give the same order for every token that can be kept. Tokens tied with the last
-    candidate are included, and ``limit`` (how many tokens are >= that value) marks where the
-    exact prefix ends.
+    NOTE: a full vocabulary sort is a large share of a CPU decode step (docs/model_runner.md).
+    When every row keeps at most its top ``candidates`` tokens (a top-k within it, or a top-p
+    reached within it), ``topk`` and a small sort give the same order for every token that can
+    be kept. Tokens tied with the last candidate are included, and ``limit`` (how many tokens
+    are >= that value) marks where the exact prefix ends.
 
     Returns:
         ``values [S, C]`` descending, ``order [S, C]`` their token ids, ``limit [S]``.
