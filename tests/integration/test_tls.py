@@ -38,7 +38,7 @@ def _write_key(path: Path, key: ec.EllipticCurvePrivateKey) -> None:
 
 def _ca(folder: Path, cn: str) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate, Path]:
     key = ec.generate_private_key(ec.SECP256R1())
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     cert = (x509.CertificateBuilder().subject_name(_name(cn)).issuer_name(_name(cn)).public_key(key.public_key())
             .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
             .not_valid_after(now + datetime.timedelta(days=1))
@@ -52,7 +52,7 @@ def _ca(folder: Path, cn: str) -> tuple[ec.EllipticCurvePrivateKey, x509.Certifi
 def _leaf(folder: Path, cn: str, ca_key: ec.EllipticCurvePrivateKey, ca_cert: x509.Certificate) -> TLSFiles:
     """A certificate for ``cn`` usable as server (loopback names) and client, signed by the CA."""
     key = ec.generate_private_key(ec.SECP256R1())
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     cert = (x509.CertificateBuilder().subject_name(_name(cn)).issuer_name(ca_cert.subject)
             .public_key(key.public_key()).serial_number(x509.random_serial_number())
             .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
@@ -170,7 +170,7 @@ def test_suite_over_mutual_tls_is_token_identical(tls_suite: Suite, certs: Certs
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
     # Every internal service of the suite refuses a peer without a certificate.
     for name in ("kv-cache-manager", "model-runner", "offload-store"):
-        with open_channel(tls_suite.services[name].address, tls=certs.client(None)) as channel:
-            with pytest.raises(grpc.RpcError) as err:
-                health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+        with open_channel(tls_suite.services[name].address, tls=certs.client(None)) as channel, \
+                pytest.raises(grpc.RpcError) as err:
+            health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE, name
