@@ -1,10 +1,9 @@
 """Transport security over real processes: TLS on the public API, mutual TLS between services,
-a plaintext health-only port for probes (docs/security.md). Certificates are made here."""
+a plaintext health-only port for probes (docs/security.md). Certificates are made here
+(shared/devcerts.py)."""
 
 from __future__ import annotations
 
-import datetime
-import ipaddress
 import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -13,58 +12,15 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.suite import Suite, SuiteConfig
 from shared.channels import open_channel
 from shared.client import KVMeshClient
+from shared.devcerts import make_ca, make_cert
 from shared.launcher import ServiceProcess
 from shared.pb.kvmesh.v1 import kv_cache_manager_pb2, kv_cache_manager_pb2_grpc
 from shared.tls import TLSFiles
-
-
-def _name(cn: str) -> x509.Name:
-    return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
-
-
-def _write_key(path: Path, key: ec.EllipticCurvePrivateKey) -> None:
-    path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                       serialization.NoEncryption()))
-
-
-def _ca(folder: Path, cn: str) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate, Path]:
-    key = ec.generate_private_key(ec.SECP256R1())
-    now = datetime.datetime.now(datetime.UTC)
-    cert = (x509.CertificateBuilder().subject_name(_name(cn)).issuer_name(_name(cn)).public_key(key.public_key())
-            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-            .sign(key, hashes.SHA256()))
-    path = folder / f"{cn}.crt"
-    path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    return key, cert, path
-
-
-def _leaf(folder: Path, cn: str, ca_key: ec.EllipticCurvePrivateKey, ca_cert: x509.Certificate) -> TLSFiles:
-    """A certificate for ``cn`` usable as server (loopback names) and client, signed by the CA."""
-    key = ec.generate_private_key(ec.SECP256R1())
-    now = datetime.datetime.now(datetime.UTC)
-    cert = (x509.CertificateBuilder().subject_name(_name(cn)).issuer_name(ca_cert.subject)
-            .public_key(key.public_key()).serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.SubjectAlternativeName([
-                x509.DNSName(cn), x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-                critical=False)
-            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
-                           critical=False)
-            .sign(ca_key, hashes.SHA256()))
-    (folder / f"{cn}.crt").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    _write_key(folder / f"{cn}.key", key)
-    return TLSFiles(cert=str(folder / f"{cn}.crt"), key=str(folder / f"{cn}.key"))
 
 
 @dataclass(frozen=True)
@@ -84,13 +40,9 @@ class Certs:
 @pytest.fixture(scope="module")
 def certs(tmp_path_factory: pytest.TempPathFactory) -> Certs:
     folder = tmp_path_factory.mktemp("certs")
-    ca_key, ca_cert, ca_path = _ca(folder, "kvmesh-service-ca")
-    other_key, other_cert, _ = _ca(folder, "another-ca")
-    rogue_dir = folder / "rogue"
-    rogue_dir.mkdir()
-    return Certs(ca=str(ca_path), service=_leaf(folder, "scheduler", ca_key, ca_cert),
-                 intruder=_leaf(folder, "intruder", ca_key, ca_cert),
-                 rogue=_leaf(rogue_dir, "scheduler", other_key, other_cert))
+    ca, other = make_ca(folder, "kvmesh-service-ca"), make_ca(folder / "rogue", "another-ca")
+    return Certs(ca=str(ca.path), service=make_cert(folder, "scheduler", ca),
+                 intruder=make_cert(folder, "intruder", ca), rogue=make_cert(folder / "rogue", "scheduler", other))
 
 
 def _free_port() -> int:
