@@ -8,15 +8,34 @@ callers are checked by the same code. Health and reflection stay open (probes ca
 from __future__ import annotations
 
 import contextvars
+import logging
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
 
-from shared.auth import DEFAULT_TENANT, KeyStore, Tenant
+from shared.auth import DEFAULT_TENANT, AuthConfig, KeyStore, Tenant
 
+log = logging.getLogger(__name__)
+_LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
 _OPEN_PREFIXES = ("/grpc.health.v1.", "/grpc.reflection.")
 _current: contextvars.ContextVar[Tenant | None] = contextvars.ContextVar("kvmesh_tenant", default=None)
+
+
+def key_store_for(auth: AuthConfig, host: str) -> KeyStore | None:
+    """The keys to check, or None when auth is off: only on a loopback bind (or ``mode=off``), logged.
+
+    Raises SystemExit (one line) for a scheduler that would serve a network without keys.
+    """
+    if auth.mode == "on" or (auth.mode == "auto" and auth.keys_file):
+        if not auth.keys_file:
+            raise SystemExit("scheduler: KVMESH_AUTH_MODE=on needs KVMESH_AUTH_KEYS_FILE")
+        return KeyStore(auth.keys_file, auth.reload_seconds)
+    if auth.mode == "auto" and host not in _LOOPBACK:
+        raise SystemExit(f"scheduler: binding {host} needs API keys: set KVMESH_AUTH_KEYS_FILE "
+                         "(or KVMESH_AUTH_MODE=off to serve without authentication)")
+    log.warning("scheduler: authentication is OFF (host %s): every caller is tenant 'default'", host)
+    return None
 
 
 def current_tenant() -> Tenant:

@@ -10,7 +10,7 @@ import dataclasses
 import logging
 import os
 
-from services.scheduler.auth import AuthInterceptor
+from services.scheduler.auth import AuthInterceptor, key_store_for
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.engine import Engine
 from services.scheduler.offload import RemoteOffload
@@ -18,7 +18,7 @@ from services.scheduler.remote import RemoteKVCache, RemoteRunner, check_hash_se
 from services.scheduler.servicer import SchedulerServicer
 from services.scheduler.tokenizer import Tokenizer
 from shared import hashing
-from shared.auth import AuthConfig, KeyStore
+from shared.auth import AuthConfig
 from shared.channels import configure as configure_channels
 from shared.config import ServerConfig, from_env
 from shared.grpc_server import ServiceRegistration, serve_forever, start_server
@@ -29,20 +29,6 @@ from shared.telemetry import server_interceptors, setup_tracing
 from shared.tls import TLSFiles
 
 log = logging.getLogger(__name__)
-_LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
-
-
-def _key_store(auth: AuthConfig, host: str) -> KeyStore | None:
-    """The keys to check, or None when auth is off (only allowed, and logged, on a loopback bind)."""
-    if auth.mode == "on" or (auth.mode == "auto" and auth.keys_file):
-        if not auth.keys_file:
-            raise SystemExit("scheduler: KVMESH_AUTH_MODE=on needs KVMESH_AUTH_KEYS_FILE")
-        return KeyStore(auth.keys_file, auth.reload_seconds)
-    if auth.mode == "auto" and host not in _LOOPBACK:
-        raise SystemExit(f"scheduler: binding {host} needs API keys: set KVMESH_AUTH_KEYS_FILE "
-                         "(or KVMESH_AUTH_MODE=off to serve without authentication)")
-    log.warning("scheduler: authentication is OFF (host %s): every caller is tenant 'default'", host)
-    return None
 
 
 def main() -> int:
@@ -63,7 +49,7 @@ def main() -> int:
     configure_channels(from_env(TLSFiles, "KVMESH_TLS_"))  # our certificate when dialing the services
     if env.get("KVMESH_TEST_FORCE_HASH_COLLISIONS") == "1":  # test hook (shared/hashing.py)
         hashing.force_collisions()
-    keys = _key_store(from_env(AuthConfig, "KVMESH_AUTH_"), server_cfg.host)
+    keys = key_store_for(from_env(AuthConfig, "KVMESH_AUTH_"), server_cfg.host)
     for address in (config.kvm_address, config.runner_address):
         wait_healthy(address, timeout=float(env.get("KVMESH_DEPENDENCY_TIMEOUT", "300")))
     kv = RemoteKVCache(config.kvm_address, config.rpc_timeout_seconds)

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from services.scheduler.auth import bearer_key
-from shared.auth import KeyStore, Tenant, parse_keys, tenant_cache_salt
+from services.scheduler.auth import bearer_key, key_store_for
+from shared.auth import AuthConfig, KeyStore, Tenant, parse_keys, tenant_cache_salt
 
 KEY = "sk-0123456789abcdef"
 
@@ -89,3 +89,19 @@ def test_tenant_cache_salt_separates_tenants_and_narrows_with_the_client_salt() 
 ])
 def test_bearer_key(metadata: object, key: str | None) -> None:
     assert bearer_key(metadata) == key
+
+
+def test_auth_is_off_only_on_loopback_unless_keys_are_given(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level("WARNING"):
+        assert key_store_for(AuthConfig(), "127.0.0.1") is None
+    assert "authentication is OFF (host 127.0.0.1): every caller is tenant 'default'" in caplog.text
+    with pytest.raises(SystemExit) as err:
+        key_store_for(AuthConfig(), "0.0.0.0")
+    assert str(err.value).startswith("scheduler: binding 0.0.0.0 needs API keys")
+    with pytest.raises(SystemExit):
+        key_store_for(AuthConfig(mode="on"), "127.0.0.1")
+    assert key_store_for(AuthConfig(mode="off"), "0.0.0.0") is None
+    path = tmp_path / "keys"
+    path.write_text(f"{KEY} team-a\n")
+    store = key_store_for(AuthConfig(keys_file=str(path)), "0.0.0.0")
+    assert store is not None and store.authenticate(KEY) == Tenant("team-a")
