@@ -3,6 +3,7 @@ the priority floor and hot reload of the keys file (docs/security.md)."""
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -172,3 +173,19 @@ def test_keys_file_hot_reload(suite: Suite, keys_file: Path) -> None:
     while status(KEY_B) != grpc.StatusCode.OK and time.monotonic() < deadline:
         time.sleep(0.05)
     assert status(KEY_B) == grpc.StatusCode.OK
+
+
+def test_cli_sends_the_api_key_from_the_environment(suite: Suite) -> None:
+    import os
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "services.cli", "generate", "The capital of France is", "--max-tokens", "3",
+           "--address", suite.address]
+    env = {k: v for k, v in os.environ.items() if k != "KVMESH_API_KEY"}
+    ok = subprocess.run(cmd, env={**env, "KVMESH_API_KEY": KEY_A}, capture_output=True, text=True, timeout=60)
+    assert ok.returncode == 0, ok.stderr
+    assert re.search(r"\n\[[1-3] tokens, prompt 8 \(", ok.stdout), ok.stdout
+    refused = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
+    assert refused.returncode != 0
+    assert "UNAUTHENTICATED" in refused.stderr
