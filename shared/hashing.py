@@ -35,7 +35,7 @@ def force_collisions(on: bool = True) -> None:
 
     Lets a test prove that a hash hit is never trusted alone: the kv-cache-manager compares the
     block's token ids and must turn such a collision into a miss (never another prompt's KV).
-    Services turn it on with ``KVMESH_TEST_FORCE_HASH_COLLISIONS=1``; never in production.
+    Only tests call it (tests/unit/scheduler/test_hash_collision.py); no service reads a switch.
     """
     global _collide
     _collide = on

@@ -17,7 +17,6 @@ import os
 from services.kv_cache_manager.events import EventHub
 from services.kv_cache_manager.manager import KVCacheManager
 from services.kv_cache_manager.servicer import SERVICE_NAME, KVCacheManagerServicer
-from shared import hashing
 from shared.config import CacheConfig, ServerConfig, from_env
 from shared.grpc_server import ServiceRegistration, serve_forever, start_server
 from shared.metrics import KVCacheMetrics, new_registry, start_metrics_server
@@ -36,8 +35,6 @@ def main() -> int:
     if os.environ.get("KVMESH_DEPLOYMENT_KEY"):  # the key the scheduler reads too (one secret for both)
         cache_config = dataclasses.replace(cache_config, deployment_key=os.environ["KVMESH_DEPLOYMENT_KEY"])
     server_config = from_env(ServerConfig, "KVMESH_")
-    if os.environ.get("KVMESH_TEST_FORCE_HASH_COLLISIONS") == "1":  # test hook (shared/hashing.py)
-        hashing.force_collisions()
     hub = EventHub()
     # A quarter of the workers at most may be held by (endless) event streams.
     servicer = KVCacheManagerServicer(KVCacheManager(cache_config, hub), hub,

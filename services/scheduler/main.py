@@ -17,7 +17,6 @@ from services.scheduler.offload import RemoteOffload
 from services.scheduler.remote import RemoteKVCache, RemoteRunner, check_hash_seed
 from services.scheduler.servicer import SchedulerServicer
 from services.scheduler.tokenizer import Tokenizer
-from shared import hashing
 from shared.auth import AuthConfig
 from shared.channels import configure as configure_channels
 from shared.config import ServerConfig, from_env
@@ -47,8 +46,6 @@ def main() -> int:
     if "KVMESH_TLS_CLIENT_AUTH" not in env:  # the public port: clients present API keys, not certificates
         server_cfg = dataclasses.replace(server_cfg, tls_client_auth=False)
     configure_channels(from_env(TLSFiles, "KVMESH_TLS_"))  # our certificate when dialing the services
-    if env.get("KVMESH_TEST_FORCE_HASH_COLLISIONS") == "1":  # test hook (shared/hashing.py)
-        hashing.force_collisions()
     keys = key_store_for(from_env(AuthConfig, "KVMESH_AUTH_"), server_cfg.host)
     for address in (config.kvm_address, config.runner_address):
         wait_healthy(address, timeout=float(env.get("KVMESH_DEPENDENCY_TIMEOUT", "300")))
