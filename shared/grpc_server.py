@@ -21,6 +21,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from shared.channels import MAX_MESSAGE_BYTES
 from shared.config import ServerConfig
 from shared.errors import KVMeshError
 from shared.peer_auth import PeerIdentityInterceptor
@@ -33,8 +34,8 @@ log = logging.getLogger(__name__)
 # GOAWAY "too_many_pings"; the server pings idle connections every 60 s so a client that vanished
 # without a FIN ends its streams (and frees its blocks) instead of holding them forever.
 SERVER_OPTIONS: tuple[tuple[str, Any], ...] = (
-    ("grpc.max_receive_message_length", 64 << 20),
-    ("grpc.max_send_message_length", 64 << 20),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.keepalive_time_ms", 60_000),
     ("grpc.keepalive_timeout_ms", 20_000),
     ("grpc.http2.min_ping_interval_without_data_ms", 20_000),
