@@ -151,7 +151,9 @@ def start_server(
     """Creates, binds and starts a server with health, reflection and error mapping."""
     tls = TLSFiles(config.tls_cert, config.tls_key, config.tls_ca)
     if tls.enabled:  # every RPC but health must come over TLS (the health-only port is plaintext)
-        allowed = frozenset(n.strip() for n in config.tls_allowed_peers.split(",") if n.strip())
+        # Names are checked only where client certificates are required (not on the public port).
+        names = config.tls_allowed_peers.split(",") if config.tls_client_auth and config.tls_ca else []
+        allowed = frozenset(n.strip() for n in names if n.strip())
         interceptors = [PeerIdentityInterceptor(allowed), *interceptors]
     given = {key for key, _ in options}
     server = grpc.server(

@@ -5,31 +5,25 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Iterator
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.suite import Suite, SuiteConfig
 from shared.auth import tenant_cache_salt
+from shared.channels import open_channel
 from shared.client import KVMeshClient
 from shared.hashing import hash_blocks, hash_seed
 from shared.pb.kvmesh.v1 import offload_store_pb2, offload_store_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+from shared.tls import TLSFiles
 
-BLOCK = 4
-DEPLOYMENT_KEY = "tenants-test-deployment-key"
-KEY_A = "sk-team-a-000000000001"
-KEY_A2 = "sk-team-a-000000000002"  # a second key of the same tenant
-KEY_B = "sk-team-b-000000000001"
+if TYPE_CHECKING:
+    from conftest import SecureSuite
+
+KEY_A, KEY_A2, KEY_B = "sk-team-a-000000000001", "sk-team-a-000000000002", "sk-team-b-000000000001"
 KEY_C = "sk-team-c-000000000001"  # added by the hot-reload test
-KEYS = f"""# key  tenant  [min_priority]
-{KEY_A}   team-a
-{KEY_A2}  team-a
-{KEY_B}   team-b  -10
-"""
 
 
 def _prompt(seed: int, n: int) -> list[int]:
@@ -39,38 +33,8 @@ def _prompt(seed: int, n: int) -> list[int]:
 PROMPT = _prompt(11, 41)  # 10 full blocks of 4; at most 40 tokens can come from a cache
 
 
-def _write_keys(path: Path, text: str) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)  # a new inode, as a Kubernetes Secret update swaps its symlink
-
-
-@pytest.fixture(scope="module")
-def keys_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("keys") / "api-keys"
-    _write_keys(path, KEYS)
-    return path
-
-
-@pytest.fixture(scope="module")
-def suite(tiny_llama_dir: Path, keys_file: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Suite]:
-    env = {
-        "KVMESH_RUNNER_BLOCK_SIZE": str(BLOCK),
-        "KVMESH_RUNNER_KV_CACHE_MEMORY_BYTES": str(30 * 2048),  # 29 usable blocks
-        "KVMESH_RUNNER_WARMUP": "0",
-        "KVMESH_OFFLOAD_DRAM_BYTES": str(1 << 20),
-        "KVMESH_DEPLOYMENT_KEY": DEPLOYMENT_KEY,
-        "KVMESH_AUTH_KEYS_FILE": str(keys_file),
-        "KVMESH_AUTH_RELOAD_SECONDS": "0.1",
-    }
-    s = Suite(SuiteConfig(model_dir=str(tiny_llama_dir), scheduler_port=0, with_offload=True,
-                          log_dir=str(tmp_path_factory.mktemp("suite-tenants")), extra_env=env))
-    yield s
-    s.stop()
-
-
-def _complete(suite: Suite, key: str, prompt: list[int], **kwargs: object) -> tuple[list[int], int]:
-    with KVMeshClient(suite.address, api_key=key) as client:
+def _complete(suite: SecureSuite, key: str, prompt: list[int], **kwargs: object) -> tuple[list[int], int]:
+    with suite.client(key) as client:
         _, ids, final = client.complete(prompt, 4, ignore_eos=True, **kwargs)
     return ids, final.cached_tokens
 
@@ -81,7 +45,8 @@ def _code(fn: object) -> grpc.StatusCode:
     return err.value.code()
 
 
-def test_tenants_do_not_share_prefixes_and_offload_keys_differ(suite: Suite) -> None:
+def test_tenants_do_not_share_prefixes_and_offload_keys_differ(secure_suite: SecureSuite) -> None:
+    suite = secure_suite
     cold_a, cached_a = _complete(suite, KEY_A, PROMPT)
     cold_b, cached_b = _complete(suite, KEY_B, PROMPT)
     warm_a, cached_a2 = _complete(suite, KEY_A, PROMPT)
@@ -90,16 +55,16 @@ def test_tenants_do_not_share_prefixes_and_offload_keys_differ(suite: Suite) -> 
     # Push both tenants' blocks out of the pool: they are saved under each tenant's own keys.
     for seed in (101, 102):
         _complete(suite, KEY_A2, _prompt(seed, 100), cache_salt=f"filler-{seed}")
-    with KVMeshClient(suite.address, api_key=KEY_A) as client:
+    with suite.client(KEY_A) as client:
         model_id = client.model_info().model_id
-    seed = hash_seed(DEPLOYMENT_KEY.encode(), model_id)
+    seed = hash_seed(suite.deployment_key.encode(), model_id)
     chains = {
-        "team-a": hash_blocks(seed, PROMPT, BLOCK, tenant_cache_salt(DEPLOYMENT_KEY, "team-a")),
-        "team-b": hash_blocks(seed, PROMPT, BLOCK, tenant_cache_salt(DEPLOYMENT_KEY, "team-b")),
-        "client salt only": hash_blocks(seed, PROMPT, BLOCK),
+        "team-a": hash_blocks(seed, PROMPT, suite.block_size, tenant_cache_salt(suite.deployment_key, "team-a")),
+        "team-b": hash_blocks(seed, PROMPT, suite.block_size, tenant_cache_salt(suite.deployment_key, "team-b")),
+        "client salt only": hash_blocks(seed, PROMPT, suite.block_size),
     }
     assert not set(chains["team-a"]) & set(chains["team-b"])
-    store = offload_store_pb2_grpc.OffloadStoreStub(grpc.insecure_channel(suite.services["offload-store"].address))
+    store = offload_store_pb2_grpc.OffloadStoreStub(suite.internal_channel("offload-store"))
     found = store.Lookup(offload_store_pb2.LookupRequest(
         chains=[offload_store_pb2.HashChain(block_hashes=c) for c in chains.values()])).num_present
     assert list(found) == [10, 10, 0]
@@ -107,7 +72,8 @@ def test_tenants_do_not_share_prefixes_and_offload_keys_differ(suite: Suite) -> 
     assert reload_b == cold_a and cached_b2 == 40
 
 
-def test_sharing_within_a_tenant_is_unchanged(suite: Suite) -> None:
+def test_sharing_within_a_tenant_is_unchanged(secure_suite: SecureSuite) -> None:
+    suite = secure_suite
     prompt = _prompt(12, 41)
     first, cached = _complete(suite, KEY_A, prompt)
     again, cached_other_key = _complete(suite, KEY_A2, prompt)  # another key of team-a: shared
@@ -117,8 +83,9 @@ def test_sharing_within_a_tenant_is_unchanged(suite: Suite) -> None:
     assert first == again == salted == salted2
 
 
-def test_missing_or_invalid_key_is_unauthenticated(suite: Suite) -> None:
-    channel = grpc.insecure_channel(suite.address)
+def test_missing_or_invalid_key_is_unauthenticated(secure_suite: SecureSuite) -> None:
+    suite = secure_suite
+    channel = open_channel(suite.address, tls=TLSFiles(ca=suite.certs.ca))
     stub = scheduler_pb2_grpc.SchedulerStub(channel)
     req = KVMeshClient.request(PROMPT, 2)
     bad = (("authorization", "Bearer sk-not-a-key-0000000000"),)
@@ -135,8 +102,9 @@ def test_missing_or_invalid_key_is_unauthenticated(suite: Suite) -> None:
     channel.close()
 
 
-def test_priority_floor_per_tenant(suite: Suite) -> None:
-    with KVMeshClient(suite.address, api_key=KEY_A) as a, KVMeshClient(suite.address, api_key=KEY_B) as b:
+def test_priority_floor_per_tenant(secure_suite: SecureSuite) -> None:
+    suite = secure_suite
+    with suite.client(KEY_A) as a, suite.client(KEY_B) as b:
         with pytest.raises(grpc.RpcError) as err:
             a.complete(PROMPT, 2, priority=-1000)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -148,9 +116,10 @@ def test_priority_floor_per_tenant(suite: Suite) -> None:
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
-def test_keys_file_hot_reload(suite: Suite, keys_file: Path) -> None:
+def test_keys_file_hot_reload(secure_suite: SecureSuite) -> None:
+    suite = secure_suite
     def status(key: str) -> grpc.StatusCode:
-        with KVMeshClient(suite.address, api_key=key) as client:
+        with suite.client(key) as client:
             try:
                 client.model_info()
             except grpc.RpcError as exc:
@@ -159,29 +128,30 @@ def test_keys_file_hot_reload(suite: Suite, keys_file: Path) -> None:
 
     assert (status(KEY_B), status(KEY_C)) == (grpc.StatusCode.OK, grpc.StatusCode.UNAUTHENTICATED)
     try:
-        _write_keys(keys_file, KEYS.replace(KEY_B, KEY_C).replace("team-b  -10", "team-c"))
+        suite.write_keys(suite.keys_text.replace(KEY_B, KEY_C).replace("team-b  -10", "team-c"))
         deadline = time.monotonic() + 10
         while status(KEY_C) != grpc.StatusCode.OK and time.monotonic() < deadline:
             time.sleep(0.05)
         assert (status(KEY_B), status(KEY_C)) == (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.OK)
-        _write_keys(keys_file, "this line is not a key file\n")  # a broken update keeps the last good keys
+        suite.write_keys("this line is not a key file\n")  # a broken update keeps the last good keys
         time.sleep(0.5)
         assert (status(KEY_A), status(KEY_C)) == (grpc.StatusCode.OK, grpc.StatusCode.OK)
     finally:
-        _write_keys(keys_file, KEYS)
+        suite.write_keys(suite.keys_text)
     deadline = time.monotonic() + 10
     while status(KEY_B) != grpc.StatusCode.OK and time.monotonic() < deadline:
         time.sleep(0.05)
     assert status(KEY_B) == grpc.StatusCode.OK
 
 
-def test_cli_sends_the_api_key_from_the_environment(suite: Suite) -> None:
+def test_cli_sends_the_api_key_from_the_environment(secure_suite: SecureSuite) -> None:
+    suite = secure_suite
     import os
     import subprocess
     import sys
 
     cmd = [sys.executable, "-m", "services.cli", "generate", "The capital of France is", "--max-tokens", "3",
-           "--address", suite.address]
+           "--address", suite.address, "--tls-ca", suite.certs.ca]
     env = {k: v for k, v in os.environ.items() if k != "KVMESH_API_KEY"}
     ok = subprocess.run(cmd, env={**env, "KVMESH_API_KEY": KEY_A}, capture_output=True, text=True, timeout=60)
     assert ok.returncode == 0, ok.stderr

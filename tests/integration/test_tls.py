@@ -1,48 +1,31 @@
 """Transport security over real processes: TLS on the public API, mutual TLS between services,
-a plaintext health-only port for probes (docs/security.md). Certificates are made here
-(shared/devcerts.py)."""
+a plaintext health-only port for probes (docs/security.md). Certificates are made by the
+fixtures in conftest.py (shared/devcerts.py)."""
 
 from __future__ import annotations
 
 import socket
-from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.suite import Suite, SuiteConfig
 from shared.channels import open_channel
 from shared.client import KVMeshClient
-from shared.devcerts import make_ca, make_cert
 from shared.launcher import ServiceProcess
-from shared.pb.kvmesh.v1 import kv_cache_manager_pb2, kv_cache_manager_pb2_grpc
+from shared.pb.kvmesh.v1 import (
+    kv_cache_manager_pb2,
+    kv_cache_manager_pb2_grpc,
+    offload_store_pb2,
+    offload_store_pb2_grpc,
+)
 from shared.tls import TLSFiles
 
-
-@dataclass(frozen=True)
-class Certs:
-    ca: str
-    service: TLSFiles  # CN "scheduler", signed by the service CA
-    intruder: TLSFiles  # CN "intruder", signed by the service CA
-    rogue: TLSFiles  # CN "scheduler", signed by another CA
-
-    def env(self, files: TLSFiles) -> dict[str, str]:
-        return {"KVMESH_TLS_CERT": files.cert, "KVMESH_TLS_KEY": files.key, "KVMESH_TLS_CA": self.ca}
-
-    def client(self, files: TLSFiles | None) -> TLSFiles:
-        return TLSFiles(cert=files.cert, key=files.key, ca=self.ca) if files else TLSFiles(ca=self.ca)
-
-
-@pytest.fixture(scope="module")
-def certs(tmp_path_factory: pytest.TempPathFactory) -> Certs:
-    folder = tmp_path_factory.mktemp("certs")
-    ca, other = make_ca(folder, "kvmesh-service-ca"), make_ca(folder / "rogue", "another-ca")
-    return Certs(ca=str(ca.path), service=make_cert(folder, "scheduler", ca),
-                 intruder=make_cert(folder, "intruder", ca), rogue=make_cert(folder / "rogue", "scheduler", other))
+if TYPE_CHECKING:
+    from conftest import Certs, SecureSuite
 
 
 def _free_port() -> int:
@@ -90,34 +73,22 @@ def _prompts() -> list[list[int]]:
     return [system + torch.randint(3, 370, (3 + 4 * i,), generator=g).tolist() for i in range(3)]
 
 
-@pytest.fixture(scope="module")
-def tls_suite(tiny_llama_dir: Path, certs: Certs, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Suite]:
-    env = {
-        **certs.env(certs.service),
-        "KVMESH_RUNNER_BLOCK_SIZE": "4",
-        "KVMESH_RUNNER_KV_CACHE_MEMORY_BYTES": str(64 * 2048),
-        "KVMESH_RUNNER_WARMUP": "0",
-        "KVMESH_OFFLOAD_DRAM_BYTES": str(1 << 20),
-    }
-    s = Suite(SuiteConfig(model_dir=str(tiny_llama_dir), scheduler_port=0, with_offload=True,
-                          log_dir=str(tmp_path_factory.mktemp("suite-tls")), extra_env=env))
-    yield s
-    s.stop()
-
-
-def test_suite_over_mutual_tls_is_token_identical(tls_suite: Suite, certs: Certs, tiny_llama_dir: Path) -> None:
+def test_suite_over_mutual_tls_is_token_identical(secure_suite: SecureSuite, tiny_llama_dir: Path) -> None:
+    """The secure suite (tests/integration/conftest.py): every service on mutual TLS."""
     from transformers import AutoModelForCausalLM
 
+    tls_suite, certs = secure_suite.suite, secure_suite.certs
     model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
     model.generation_config.eos_token_id = None
-    with KVMeshClient(tls_suite.address, tls=TLSFiles(ca=certs.ca)) as client:  # TLS, no client certificate
+    with secure_suite.client("sk-team-a-000000000001") as client:  # TLS, no client certificate
         for prompt in _prompts():
             _, ids, final = client.complete(prompt, MAX_TOKENS, ignore_eos=True)
             expected = model.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, do_sample=False,
                                       pad_token_id=0)[0, len(prompt):].tolist()
             assert ids == expected
         assert final.cached_tokens == 24  # the shared system prompt, through the mTLS kv-cache-manager
-    with KVMeshClient(tls_suite.address) as plain, pytest.raises(grpc.RpcError) as err:
+    with KVMeshClient(tls_suite.address, api_key="sk-team-a-000000000001") as plain, \
+            pytest.raises(grpc.RpcError) as err:
         plain.model_info()
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
     # Every internal service of the suite refuses a peer without a certificate.
@@ -126,3 +97,21 @@ def test_suite_over_mutual_tls_is_token_identical(tls_suite: Suite, certs: Certs
                 pytest.raises(grpc.RpcError) as err:
             health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE, name
+
+
+def test_offload_store_refuses_saves_from_anyone_but_the_scheduler(secure_suite: SecureSuite) -> None:
+    """Issue 12 item 7: anyone reaching the store's port could overwrite another tenant's KV."""
+    address = secure_suite.suite.services["offload-store"].address
+    certs = secure_suite.certs
+    with secure_suite.internal_channel("offload-store") as channel:  # the scheduler's certificate
+        store = offload_store_pb2_grpc.OffloadStoreStub(channel)
+        before = store.GetStats(offload_store_pb2.GetOffloadStatsRequest(), timeout=5)
+        save = offload_store_pb2.SaveRequest(blocks=[offload_store_pb2.BlockRef(block_hash=b"\x01" * 32, block_id=1)])
+        for tls, code in ((certs.client(None), grpc.StatusCode.UNAVAILABLE),
+                          (certs.client(certs.rogue), grpc.StatusCode.UNAVAILABLE),
+                          (certs.client(certs.intruder), grpc.StatusCode.PERMISSION_DENIED)):
+            with open_channel(address, tls=tls) as other, pytest.raises(grpc.RpcError) as err:
+                offload_store_pb2_grpc.OffloadStoreStub(other).Save(save, timeout=5)
+            assert err.value.code() == code
+        after = store.GetStats(offload_store_pb2.GetOffloadStatsRequest(), timeout=5)
+    assert (after.saves, after.dram_blocks, after.disk_blocks) == (before.saves, before.dram_blocks, before.disk_blocks)
