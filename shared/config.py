@@ -26,6 +26,9 @@ class ServerConfig:
     max_workers: int = 16
     grace_seconds: float = 5.0
     port_file: str = ""  # when set, the bound port is written here once the server is up
+    # Largest request message accepted (internal services exchange whole steps; the scheduler,
+    # facing clients, sets a smaller bound in its main.py).
+    max_receive_message_bytes: int = 64 << 20
 
 
 @dataclass(frozen=True)
