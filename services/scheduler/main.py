@@ -38,7 +38,11 @@ def main() -> int:
     # exceed the admission bound; otherwise excess requests queue inside gRPC, invisible to
     # admission control, instead of getting RESOURCE_EXHAUSTED at once.
     workers = config.max_waiting_requests + config.max_num_seqs + 16
-    server_cfg = from_env(ServerConfig, "KVMESH_", max_workers=int(env.get("KVMESH_MAX_WORKERS", workers)))
+    # The public API takes smaller messages than the internal services: its longest legitimate
+    # request is a prompt bounded by max_model_len x max_bytes_per_token.
+    receive = int(env.get("KVMESH_MAX_RECEIVE_MESSAGE_BYTES", 8 << 20))
+    server_cfg = from_env(ServerConfig, "KVMESH_", max_workers=int(env.get("KVMESH_MAX_WORKERS", workers)),
+                          max_receive_message_bytes=receive)
     for address in (config.kvm_address, config.runner_address):
         wait_healthy(address, timeout=float(env.get("KVMESH_DEPENDENCY_TIMEOUT", "300")))
     kv = RemoteKVCache(config.kvm_address, config.rpc_timeout_seconds)
