@@ -224,7 +224,7 @@ class RunningServer:
             for name in ["", *self._names]:
                 self._health.set(name, status)
 
-    def stop(self, grace: float | None = None, drain: Callable[[float], None] | None = None) -> None:
+    def stop(self, grace: float | None = None, drain: Callable[[float], object] | None = None) -> None:
         """Stops in order: health NOT_SERVING, new calls refused (``UNAVAILABLE``), in-flight calls
         drained for ``grace`` seconds, then the server closed.
 
@@ -253,7 +253,7 @@ class RunningServer:
         self.server.wait_for_termination()
 
 
-def _check_port_free(host: str, port: int) -> None:
+def check_port_free(host: str, port: int) -> None:
     """Fails in one line when ``host:port`` is taken, before grpc logs its own bind error.
 
     A plain bind with ``SO_REUSEADDR`` (as grpc binds) and without ``SO_REUSEPORT`` fails exactly
@@ -311,7 +311,7 @@ def start_server(
         [*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server
     )
     if config.port:
-        _check_port_free(config.host, config.port)
+        check_port_free(config.host, config.port)
     try:
         port = server.add_insecure_port(f"{config.host}:{config.port}")
     except RuntimeError as exc:  # grpc >= 1.50 raises instead of returning 0
@@ -329,7 +329,7 @@ def start_server(
 
 
 def serve_forever(running: RunningServer, label: str, on_stop: Callable[[], None] | None = None,
-                  drain: Callable[[float], None] | None = None) -> None:
+                  drain: Callable[[float], object] | None = None) -> None:
     """Logs where the server listens and blocks until SIGTERM/SIGINT, then stops gracefully.
 
     Args:

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -23,13 +24,19 @@ class ServiceStartError(RuntimeError):
     """The service exited or did not become healthy in time; carries its log tail."""
 
 
-def wait_healthy(address: str, timeout: float, service: str = "") -> None:
-    """Polls ``grpc.health.v1`` at ``address`` until SERVING or ``timeout`` seconds pass."""
+def wait_healthy(address: str, timeout: float, service: str = "", cancel: threading.Event | None = None) -> None:
+    """Polls ``grpc.health.v1`` at ``address`` until SERVING or ``timeout`` seconds pass.
+
+    Raises:
+        ServiceStartError: ``cancel`` was set while waiting.
+    """
     deadline = time.monotonic() + timeout
     last: Exception | None = None
     with grpc.insecure_channel(address) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
+            if cancel is not None and cancel.is_set():
+                raise ServiceStartError(f"{address}: start-up cancelled")
             try:
                 resp = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=1.0)
                 if resp.status == health_pb2.HealthCheckResponse.SERVING:
@@ -38,6 +45,36 @@ def wait_healthy(address: str, timeout: float, service: str = "") -> None:
                 last = exc
             time.sleep(0.05)
     raise TimeoutError(f"{address} not healthy after {timeout}s: {last}")
+
+
+class HealthProbe:
+    """One ``grpc.health.v1`` check of ``address`` per call, on a channel kept open between calls.
+
+    NOTE: a short reconnect backoff, so a restarted peer is seen within about a second (grpc's
+    default backoff grows to two minutes while the peer is down).
+    """
+
+    _OPTIONS = (("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
+                ("grpc.max_reconnect_backoff_ms", 1000))
+
+    def __init__(self, address: str, timeout: float, service: str = "") -> None:
+        self.address = address
+        self.timeout = timeout
+        self._request = health_pb2.HealthCheckRequest(service=service)
+        self._channel = grpc.insecure_channel(address, options=list(self._OPTIONS))
+        self._stub = health_pb2_grpc.HealthStub(self._channel)
+
+    def __call__(self) -> bool:
+        """Whether the peer answered SERVING within the timeout."""
+        try:
+            resp = self._stub.Check(self._request, timeout=self.timeout)
+        except grpc.RpcError:
+            return False
+        return bool(resp.status == health_pb2.HealthCheckResponse.SERVING)
+
+    def close(self) -> None:
+        """Closes the channel."""
+        self._channel.close()
 
 
 class ServiceProcess:
@@ -49,12 +86,20 @@ class ServiceProcess:
         host: address to bind.
         port: port to bind; 0 picks a free one.
         startup_timeout: seconds to wait for the port file and a SERVING health answer.
+        log_dir: folder of the log and port files; the log is appended to (a restarted service
+            keeps its predecessor's lines).
+        cancel: set by another thread (e.g. a signal handler) to abandon the start-up: the child
+            is stopped and :class:`ServiceStartError` raised.
     """
 
     def __init__(self, name: str, env: Mapping[str, str] | None = None, host: str = "127.0.0.1",
-                 port: int = 0, startup_timeout: float = 60.0, log_dir: str | None = None) -> None:
+                 port: int = 0, startup_timeout: float = 60.0, log_dir: str | None = None,
+                 cancel: threading.Event | None = None) -> None:
         self.name = name
         self.host = host
+        self._cancel = cancel
+        self.env = dict(env or {})
+        self.started_at = time.monotonic()
         self._dir = Path(log_dir or tempfile.mkdtemp(prefix=f"kvmesh-{name}-"))
         self._dir.mkdir(parents=True, exist_ok=True)
         self.log_path = self._dir / f"{name}.log"
@@ -66,14 +111,14 @@ class ServiceProcess:
         child_env["KVMESH_PORT"] = str(port)
         child_env["KVMESH_PORT_FILE"] = str(port_file)
         child_env.setdefault("PYTHONUNBUFFERED", "1")
-        self._log = open(self.log_path, "wb")  # noqa: SIM115 - lives as long as the process
+        self._log = open(self.log_path, "ab")  # noqa: SIM115 - lives as long as the process
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "services.cli", "serve", name],
             env=child_env, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
         )
         try:
             self.port = self._wait_port(port_file, startup_timeout)
-            wait_healthy(self.address, startup_timeout)
+            wait_healthy(self.address, startup_timeout, cancel=cancel)
         except BaseException:
             self.stop(timeout=2.0)
             raise
@@ -91,6 +136,8 @@ class ServiceProcess:
     def _wait_port(self, port_file: Path, timeout: float) -> int:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
+            if self._cancel is not None and self._cancel.is_set():
+                raise ServiceStartError(f"{self.name}: start-up cancelled")
             if self.proc.poll() is not None:
                 raise ServiceStartError(f"{self.name} exited with {self.proc.returncode}:\n{self.log_tail()}")
             if port_file.exists():

@@ -13,12 +13,14 @@ import os
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.engine import Engine
 from services.scheduler.offload import RemoteOffload
+from services.scheduler.readiness import DependencyWatcher
 from services.scheduler.remote import RemoteKVCache, RemoteRunner, check_hash_seed
 from services.scheduler.servicer import SchedulerServicer
+from services.scheduler.shutdown import drain_engine
 from services.scheduler.tokenizer import Tokenizer
 from shared.config import ServerConfig, from_env
 from shared.grpc_server import ServiceRegistration, serve_forever, start_server
-from shared.launcher import wait_healthy
+from shared.launcher import HealthProbe, wait_healthy
 from shared.metrics import SchedulerMetrics, new_registry, start_metrics_server
 from shared.pb.kvmesh.v1 import scheduler_pb2_grpc
 from shared.telemetry import server_interceptors, setup_tracing
@@ -62,9 +64,17 @@ def main() -> int:
     running = start_server(server_cfg, [
         ServiceRegistration("kvmesh.v1.Scheduler", servicer, scheduler_pb2_grpc.add_SchedulerServicer_to_server),
     ], interceptors=server_interceptors())
+    deps = {"kv-cache-manager": config.kvm_address, "model-runner": config.runner_address}
+    if config.offload_address:
+        deps["offload-store"] = config.offload_address
+    probes = {name: HealthProbe(address, config.dependency_check_seconds) for name, address in deps.items()}
+    watcher = DependencyWatcher(probes, running.set_serving, config.dependency_check_seconds).start()
     try:
-        serve_forever(running, "scheduler")
+        serve_forever(running, "scheduler", drain=lambda grace: drain_engine(engine, grace))
     finally:
+        watcher.stop()
+        for probe in probes.values():
+            probe.close()
         engine.stop()
         kv.close()
         runner.close()

@@ -125,7 +125,7 @@ def test_a_port_in_use_is_an_error_at_start(server: RunningServer, monkeypatch: 
     with pytest.raises(PortInUseError, match=rf"^port {server.port} on 127.0.0.1 is already in use$"):
         start_server(ServerConfig(port=server.port), [reg])
     # Without the friendly pre-check, grpc's own bind must fail too (no SO_REUSEPORT sharing).
-    monkeypatch.setattr("shared.grpc_server._check_port_free", lambda host, port: None)
+    monkeypatch.setattr("shared.grpc_server.check_port_free", lambda host, port: None)
     with pytest.raises(PortInUseError, match="could not bind"):
         start_server(ServerConfig(port=server.port), [reg])
 
