@@ -302,7 +302,7 @@ class Engine:
     def _abort_with_error(self, reqs: list[Request], exc: Exception, component: str, what: str) -> None:
         # NOTE: the exception text names internal addresses and peers: it goes to the log with the
         # request ids; clients get a clean message with their own id only.
-        log.error("%s failed for requests %s: %s", what, [r.request_id for r in reqs], exc)
+        log.error("%s failed for requests %s: %s", what, [r.request_id for r in reqs], " ".join(str(exc).split()))
         for req in reqs:
             err = exc if isinstance(exc, KVMeshError) else Unavailable(
                 f"{component} unavailable; request {req.request_id} failed, retry")

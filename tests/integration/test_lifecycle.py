@@ -183,7 +183,18 @@ def test_a_dead_runner_makes_the_scheduler_unready_until_it_is_restarted(suite: 
     _wait_for(lambda: _health(address) == SERVING, 60, "a SERVING scheduler")
     runner = suite.services["model-runner"]
     restarts = suite.restarts["model-runner"]
-    runner.proc.kill()
+    # A stream in flight when the runner dies: a clean status, the details in the scheduler's log.
+    with KVMeshClient(address) as client:
+        stream = client.generate(list(range(10, 30)), 400, timeout=60, ignore_eos=True, request_id="victim-1")
+        next(stream)
+        runner.proc.kill()
+        with pytest.raises(grpc.RpcError) as info:
+            list(stream)
+    assert (info.value.code(), info.value.details()) == (
+        grpc.StatusCode.UNAVAILABLE, "model-runner unavailable; request victim-1 failed, retry")
+    (line,) = [ln for ln in suite.services["scheduler"].log_tail(50_000).splitlines() if "victim-1" in ln]
+    assert "model-runner step" in line and "failed for requests ['victim-1']" in line
+    assert "StatusCode.UNAVAILABLE" in line  # the exception itself, on one line
     took = _wait_for(lambda: _health(address) == NOT_SERVING, 5, "NOT_SERVING after the runner died")
     assert took < 5
     assert _health(address, LIVENESS_SERVICE) == SERVING  # unready, not dead: no restart of the scheduler
