@@ -39,7 +39,7 @@ ENV = {
     "KVMESH_RUNNER_KV_CACHE_MEMORY_BYTES": str(128 * 2048),
     "KVMESH_RUNNER_WARMUP": "0",
     "KVMESH_SCHED_MAX_NUM_BATCHED_TOKENS": "96",
-    "KVMESH_GRACE_SECONDS": "2",
+    "KVMESH_GRACE_SECONDS": "3",
     "KVMESH_SCHED_DEPENDENCY_CHECK_SECONDS": "0.5",
 }
 
@@ -49,15 +49,19 @@ def _up_cmd(model_dir: Path, port: int, log_dir: Path) -> list[str]:
             "--no-offload", "--log-dir", str(log_dir)]
 
 
-def _health(address: str, service: str = "") -> int | None:
+def _health(address: str, service: str = "", channel: grpc.Channel | None = None) -> int | None:
     """The health status at ``address``, or None when it does not answer."""
-    with grpc.insecure_channel(address) as channel:
-        try:
-            status: int = health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(service=service), timeout=1).status
-            return status
-        except grpc.RpcError:
-            return None
+    own = channel is None
+    channel = channel or grpc.insecure_channel(address)
+    try:
+        status: int = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service=service), timeout=2).status
+        return status
+    except grpc.RpcError:
+        return None
+    finally:
+        if own:
+            channel.close()
 
 
 def _wait_for(predicate: Any, timeout: float, what: str) -> float:
@@ -152,12 +156,15 @@ def test_sigterm_drains_the_scheduler_and_frees_everything(suite: Suite) -> None
         t.start()
     assert first_chunk[0].wait(60)
     assert _kv_stats(suite).num_requests > 0
+    channel = grpc.insecure_channel(address)  # connected before the signal: each check is quick
+    assert _health(address, channel=channel) == SERVING
     sched.proc.send_signal(signal.SIGTERM)
     # Health goes NOT_SERVING first (liveness too: the process is going), then new calls are refused.
-    _wait_for(lambda: _health(address) == NOT_SERVING, 2, "NOT_SERVING")
-    assert _health(address, LIVENESS_SERVICE) == NOT_SERVING
+    _wait_for(lambda: _health(address, channel=channel) == NOT_SERVING, 3, "NOT_SERVING")
+    assert _health(address, LIVENESS_SERVICE, channel=channel) == NOT_SERVING
     with KVMeshClient(address) as client, pytest.raises(grpc.RpcError) as info:
         client.complete([7, 8, 9], 2)
+    channel.close()
     assert (info.value.code(), info.value.details()) == (
         grpc.StatusCode.UNAVAILABLE, "server is shutting down; retry on another instance")
     assert sched.proc.wait(20) == 0
