@@ -149,9 +149,9 @@ class ErrorMappingInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]
                     code, msg = _status_of(exc)
                     context.abort(code, msg)
                 except Exception as exc:
-                    if isinstance(exc, grpc.RpcError) or _already_aborted(context):
+                    if _already_aborted(context):
                         raise
-                    _internal(method, context, exc)
+                    _internal(method, context, exc)  # a downstream RpcError too: it names the peer
 
             return grpc.unary_unary_rpc_method_handler(
                 unary_unary,
@@ -170,9 +170,9 @@ class ErrorMappingInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]
                     code, msg = _status_of(exc)
                     context.abort(code, msg)
                 except Exception as exc:
-                    if isinstance(exc, grpc.RpcError) or _already_aborted(context):
+                    if _already_aborted(context):
                         raise
-                    _internal(method, context, exc)
+                    _internal(method, context, exc)  # a downstream RpcError too: it names the peer
 
             return grpc.unary_stream_rpc_method_handler(
                 unary_stream,

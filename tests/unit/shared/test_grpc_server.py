@@ -28,6 +28,9 @@ class _Tokenizer(scheduler_pb2_grpc.SchedulerServicer):
             raise NotFound("no such thing")
         if request.text == "crash":
             raise RuntimeError("boom")
+        if request.text == "downstream":  # a failed call to another service: its error names the peer
+            health_pb2_grpc.HealthStub(grpc.insecure_channel("127.0.0.1:1")).Check(
+                health_pb2.HealthCheckRequest(), timeout=0.5)
         return scheduler_pb2.TokenizeResponse(token_ids=[len(request.text)])
 
     def Generate(self, request: Any, context: Any) -> Iterator[Any]:
@@ -64,6 +67,14 @@ def test_errors_map_to_status_codes(server: RunningServer, caplog: pytest.LogCap
     error_id = details.removeprefix("internal error (error id ").rstrip(")")
     (record,) = [r for r in caplog.records if error_id in r.getMessage()]
     assert record.exc_info is not None and "boom" in str(record.exc_info[1])
+
+
+def test_a_downstream_rpc_error_reaches_the_client_without_the_peer(server: RunningServer) -> None:
+    with pytest.raises(grpc.RpcError) as info:
+        _stub(server).Tokenize(scheduler_pb2.TokenizeRequest(text="downstream"))
+    assert info.value.code() == grpc.StatusCode.INTERNAL
+    details = str(info.value.details())
+    assert details.startswith("internal error (error id ") and "127.0.0.1" not in details
 
 
 def test_stream_errors_map_after_partial_output(server: RunningServer) -> None:
