@@ -242,11 +242,15 @@ class RunningServer:
                 self._health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         self._gate.close()
         grace = self._grace if grace is None else grace
-        if drain is not None:
-            drain(grace)
-            grace = 1.0
-        self.server.stop(grace).wait()
-        self._stopped.set()
+        try:
+            if drain is not None:
+                drain(grace)
+                grace = 1.0
+        except Exception:
+            log.exception("drain failed; closing the server")
+        finally:
+            self.server.stop(grace).wait()
+            self._stopped.set()
 
     def wait(self) -> None:
         """Blocks until the server has stopped."""
