@@ -126,6 +126,21 @@ def test_a_port_in_use_fails_at_start_in_one_line(suite: Suite, tiny_llama_dir: 
     assert _health(suite.address) == SERVING  # the running suite is untouched
 
 
+def test_malformed_bytes_get_invalid_argument_and_one_log_line(suite: Suite) -> None:
+    for name, method in [("scheduler", "/kvmesh.v1.Scheduler/Generate"),
+                         ("kv-cache-manager", "/kvmesh.v1.KVCacheManager/AllocateSlots")]:
+        proc = suite.services[name]
+        with grpc.insecure_channel(proc.address) as channel, pytest.raises(grpc.RpcError) as info:
+            if name == "scheduler":  # server-streaming
+                list(channel.unary_stream(method)(b"\xff\xff\xff", timeout=10))
+            else:
+                channel.unary_unary(method)(b"\xff\xff\xff", timeout=10)
+        assert (info.value.code(), info.value.details()) == (
+            grpc.StatusCode.INVALID_ARGUMENT, "request: not a valid protobuf message for this method"), name
+        lines = [ln for ln in proc.log_tail(50_000).splitlines() if method in ln or "Traceback" in ln]
+        assert len(lines) == 1 and "malformed request message (3 bytes)" in lines[0], (name, lines)
+
+
 def _kv_stats(suite: Suite) -> kv_cache_manager_pb2.KVCacheStats:
     channel = grpc.insecure_channel(suite.services["kv-cache-manager"].address)
     stub = kv_cache_manager_pb2_grpc.KVCacheManagerStub(channel)
