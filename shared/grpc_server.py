@@ -224,6 +224,13 @@ class RunningServer:
             for name in ["", *self._names]:
                 self._health.set(name, status)
 
+    def set_status(self, name: str, serving: bool) -> None:
+        """Health of an extra name (e.g. one dependency's state); ignored once stopping."""
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        with self._lock:
+            if not self._stopping.is_set():
+                self._health.set(name, status)
+
     def stop(self, grace: float | None = None, drain: Callable[[float], object] | None = None) -> None:
         """Stops in order: health NOT_SERVING, new calls refused (``UNAVAILABLE``), in-flight calls
         drained for ``grace`` seconds, then the server closed.

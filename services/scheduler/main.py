@@ -68,7 +68,8 @@ def main() -> int:
     if config.offload_address:
         deps["offload-store"] = config.offload_address
     probes = {name: HealthProbe(address, config.dependency_check_seconds) for name, address in deps.items()}
-    watcher = DependencyWatcher(probes, running.set_serving, config.dependency_check_seconds).start()
+    watcher = DependencyWatcher(probes, ("kv-cache-manager", "model-runner"), running.set_serving,
+                                running.set_status, config.dependency_check_seconds).start()
     try:
         serve_forever(running, "scheduler", drain=lambda grace: drain_engine(engine, grace))
     finally:

@@ -1,8 +1,8 @@
 """Readiness that tells the truth: the scheduler is SERVING only while its dependencies are.
 
-A request needs the kv-cache-manager and the model-runner (and the offload-store when one is
-configured) on every step, so while one of them is down every request fails within milliseconds;
-reporting SERVING then would keep load balancers sending traffic here. A watcher thread probes
+A request needs the kv-cache-manager and the model-runner on every step, so while one of them is
+down every request fails within milliseconds; reporting SERVING then would keep load balancers
+sending traffic here. A watcher thread probes
 each dependency and flips the scheduler's health both ways. See docs/lifecycle.md.
 """
 
@@ -10,24 +10,37 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 
 log = logging.getLogger(__name__)
+
+
+DEPENDENCY_HEALTH_PREFIX = "kvmesh.dependency."
 
 
 class DependencyWatcher:
     """Probes dependencies every ``interval`` seconds and reports readiness on change.
 
+    NOTE: only ``required`` dependencies decide readiness. Without the offload-store the scheduler
+    still answers correctly (it recomputes what it cannot load), so an offload-store outage must
+    not take it out of service; it shows under its own health name instead
+    (``kvmesh.dependency.<name>``, set for every dependency).
+
     Args:
         probes: dependency name -> a call returning whether it answers healthy (bounded in time).
+        required: the names whose outage makes the scheduler NOT_SERVING.
         set_serving: receives the new readiness (called once at start, then on every change).
+        set_status: receives ``(health name, serving)`` for each dependency's own health name.
         interval: seconds between rounds of probes.
     """
 
-    def __init__(self, probes: Mapping[str, Callable[[], bool]], set_serving: Callable[[bool], None],
+    def __init__(self, probes: Mapping[str, Callable[[], bool]], required: Collection[str],
+                 set_serving: Callable[[bool], None], set_status: Callable[[str, bool], None],
                  interval: float) -> None:
         self._probes = dict(probes)
+        self._required = frozenset(required)
         self._set_serving = set_serving
+        self._set_status = set_status
         self._interval = interval
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -48,12 +61,17 @@ class DependencyWatcher:
     def _report(self, down: tuple[str, ...], first: bool = False) -> None:
         if down == self.down and not first:
             return
-        if down:
+        for name in self._probes:
+            self._set_status(DEPENDENCY_HEALTH_PREFIX + name, name not in down)
+        required_down = [n for n in down if n in self._required]
+        if required_down:
             log.warning("dependencies down: %s; health NOT_SERVING", ", ".join(down))
+        elif down:
+            log.warning("dependencies down: %s; still SERVING without them", ", ".join(down))
         elif not first:
             log.warning("dependencies back; health SERVING")
         self.down = down
-        self._set_serving(not down)
+        self._set_serving(not required_down)
 
     def start(self) -> DependencyWatcher:
         """Starts the watcher thread."""
