@@ -54,10 +54,10 @@ def _model_dir(ns: argparse.Namespace) -> str:
     return str(prepare_default_model(default_cache_dir(), progress=True))
 
 
-def _start_suite(ns: argparse.Namespace, cancel: threading.Event | None = None) -> Any:
+def _start_suite(ns: argparse.Namespace, cancel: threading.Event | None = None, model_dir: str = "") -> Any:
     from services.suite import Suite, SuiteConfig
 
-    model_dir = _model_dir(ns)
+    model_dir = model_dir or _model_dir(ns)
     print(f"kvmesh: starting the suite for {model_dir} ...", flush=True)
     started = time.monotonic()
     suite = Suite(SuiteConfig(model_dir=model_dir, scheduler_port=ns.port, with_offload=not ns.no_offload,
@@ -81,17 +81,19 @@ def _wait_for_interrupt() -> None:
 def _up(ns: argparse.Namespace) -> int:
     """The suite until SIGTERM / Ctrl-C: 0 on a signal (also during start-up), 1 if it cannot start.
 
-    NOTE: the handler is installed before any child starts and only sets an event that the
-    start-up polls, so a signal at any moment stops whatever has started and leaves no child.
+    NOTE: the handler is installed before any child starts (after the model is prepared, which
+    starts none and stays interruptible) and only sets an event that the start-up polls, so a
+    signal at any moment stops whatever has started and leaves no child.
     """
     from shared.grpc_server import PortInUseError
     from shared.launcher import ServiceStartError
 
+    model_dir = _model_dir(ns)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     try:
-        suite = _start_suite(ns, cancel=stop)
+        suite = _start_suite(ns, cancel=stop, model_dir=model_dir)
     except PortInUseError as exc:
         print(f"kvmesh: {exc}", file=sys.stderr, flush=True)
         return 1
