@@ -153,20 +153,20 @@ def test_sigterm_drains_the_scheduler_and_frees_everything(suite: Suite) -> None
     sched = suite.services["scheduler"]
     address = sched.address
     outcomes: dict[int, Any] = {}
-    first_chunk = [threading.Event() for _ in range(6)]
+    first_chunk = [threading.Event() for _ in range(8)]
 
     def stream(i: int) -> None:
         prompt = [5 + i, *range(10, 30)]
         try:
             with KVMeshClient(address) as client:
-                for chunk in client.generate(prompt, 400, timeout=60, ignore_eos=True):
+                for chunk in client.generate(prompt, 480, timeout=60, ignore_eos=True):
                     first_chunk[i].set()
                     if chunk.HasField("final"):
                         outcomes[i] = (chunk.final.finish_reason, chunk.final.stop_reason)
         except grpc.RpcError as exc:
             outcomes[i] = exc.code()
 
-    threads = [threading.Thread(target=stream, args=(i,)) for i in range(6)]
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(8)]
     for t in threads:
         t.start()
     assert first_chunk[0].wait(60)
@@ -188,7 +188,7 @@ def test_sigterm_drains_the_scheduler_and_frees_everything(suite: Suite) -> None
         assert not t.is_alive(), "a client hangs"
     # Every stream ended with a final chunk: finished in the grace period, or ended by the drain.
     shutdown = (scheduler_pb2.FINISH_REASON_ABORT, "server shutting down")
-    assert sorted(outcomes) == list(range(6)), outcomes
+    assert sorted(outcomes) == list(range(8)), outcomes
     assert all(o in (shutdown, (scheduler_pb2.FINISH_REASON_LENGTH, "")) for o in outcomes.values()), outcomes
     assert shutdown in outcomes.values()
     stats = _kv_stats(suite)
