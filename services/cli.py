@@ -29,6 +29,7 @@ SERVICES: dict[str, str] = {
     "model-runner": "services.model_runner.main",
     "scheduler": "services.scheduler.main",
     "offload-store": "services.offload_store.main",
+    "gateway": "services.gateway.main",
 }
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 DEMO_QUESTION = "What is the capital of France? Answer in one sentence."
@@ -55,7 +56,8 @@ def _start_suite(ns: argparse.Namespace) -> Any:
     print(f"kvmesh: starting the suite for {model_dir} ...", flush=True)
     started = time.monotonic()
     suite = Suite(SuiteConfig(model_dir=model_dir, scheduler_port=ns.port, with_offload=not ns.no_offload,
-                              log_dir=ns.log_dir or ""))
+                              log_dir=ns.log_dir or "",
+                              gateway_port=None if ns.http_port < 0 else ns.http_port))
     print(f"kvmesh: suite up in {time.monotonic() - started:.1f}s", flush=True)
     for name, proc in suite.services.items():
         print(f"  {name:<17} {proc.address:<22} log: {proc.log_path}", flush=True)
@@ -145,7 +147,9 @@ def _demo(ns: argparse.Namespace) -> int:
 
 def _add_suite_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="", help="checkpoint folder (default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--port", type=int, default=50051, help="the public API's port")
+    p.add_argument("--port", type=int, default=50051, help="the public gRPC API's port")
+    p.add_argument("--http-port", type=int, default=8000,
+                   help="the OpenAI-compatible HTTP API's port (0 = any free port, -1 = no gateway)")
     p.add_argument("--no-offload", action="store_true", help="run without the offload-store")
     p.add_argument("--log-dir", default="", help="where service logs go (default: a temp folder)")
 

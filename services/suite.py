@@ -1,7 +1,8 @@
 """``kvmesh up``: the whole suite as processes on loopback, started in dependency order.
 
 kv-cache-manager and model-runner first (the runner loads the model and sizes the pool), then
-the offload-store, then the scheduler, which sizes the kv-cache-manager from the runner's pool.
+the offload-store, then the scheduler, which sizes the kv-cache-manager from the runner's pool,
+then (when asked) the HTTP gateway in front of the scheduler.
 Each is a ``kvmesh serve <name>`` child; this process waits for each to answer health checks,
 prints where it listens, and stops them in reverse order (SIGTERM, graceful drain) on exit.
 """
@@ -27,6 +28,7 @@ class SuiteConfig:
     runner_port: int = 0
     offload_port: int = 0
     with_offload: bool = True
+    gateway_port: int | None = None  # the OpenAI HTTP API; None = no gateway (``kvmesh up`` uses 8000)
     log_dir: str = ""
     extra_env: Mapping[str, str] = field(default_factory=dict)
 
@@ -54,6 +56,9 @@ class Suite:
             if "offload-store" in self.services:
                 sched_env["KVMESH_SCHED_OFFLOAD_ADDRESS"] = self.services["offload-store"].address
             self._start("scheduler", config.scheduler_port, sched_env, log_dir, startup_timeout)
+            if config.gateway_port is not None:
+                gw_env = {**base, "KVMESH_GATEWAY_SCHEDULER_ADDRESS": self.services["scheduler"].address}
+                self._start("gateway", config.gateway_port, gw_env, log_dir, startup_timeout)
         except BaseException:
             self.stop()
             raise

@@ -12,7 +12,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import grpc
@@ -38,6 +38,28 @@ def wait_healthy(address: str, timeout: float, service: str = "") -> None:
                 last = exc
             time.sleep(0.05)
     raise TimeoutError(f"{address} not healthy after {timeout}s: {last}")
+
+
+def wait_http_healthy(address: str, timeout: float) -> None:
+    """Polls ``GET http://address/health`` until it answers 200 (the gateway speaks HTTP, not gRPC)."""
+    import urllib.error
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    last: Exception | None = None
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"http://{address}/health", timeout=1.0) as resp:
+                if resp.status == 200:
+                    return
+        except (OSError, urllib.error.URLError) as exc:
+            last = exc
+        time.sleep(0.05)
+    raise TimeoutError(f"{address} not healthy after {timeout}s: {last}")
+
+
+# How each service answers "are you up?" (default: grpc.health.v1).
+HEALTH_CHECKS: dict[str, Callable[[str, float], None]] = {"gateway": wait_http_healthy}
 
 
 class ServiceProcess:
@@ -73,7 +95,7 @@ class ServiceProcess:
         )
         try:
             self.port = self._wait_port(port_file, startup_timeout)
-            wait_healthy(self.address, startup_timeout)
+            HEALTH_CHECKS.get(name, wait_healthy)(self.address, startup_timeout)
         except BaseException:
             self.stop(timeout=2.0)
             raise
