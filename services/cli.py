@@ -78,6 +78,8 @@ def _up(ns: argparse.Namespace) -> int:
     suite = _start_suite(ns)
     try:
         print(f"kvmesh: serving on {suite.address}; Ctrl-C to stop", flush=True)
+        if "gateway" in suite.services:
+            print(f"kvmesh: OpenAI-compatible API on http://{suite.services['gateway'].address}/v1", flush=True)
         _wait_for_interrupt()
     finally:
         print("kvmesh: stopping ...", flush=True)

@@ -22,6 +22,7 @@ OVERLAYS = ("cpu", "gpu")
 K8S_VERSIONS = ("1.32.0", "1.37.0")
 GRPC_PORTS = {"scheduler": 50051, "kv-cache-manager": 50052, "model-runner": 50053, "offload-store": 50054}
 METRICS_PORTS = {"scheduler": 9091, "kv-cache-manager": 9092, "model-runner": 9093, "offload-store": 9094}
+HTTP_PORT = 8000  # the gateway: HTTP API, /health and /metrics on one port
 UID = 10001
 
 Doc = dict[str, Any]
@@ -75,7 +76,9 @@ def test_overlay_validates_against_the_api_schema(overlay: tuple[str, str, list[
 def test_every_container_has_grpc_probes_on_its_own_port(overlay: tuple[str, str, list[Doc]]) -> None:
     _name, _text, docs = overlay
     seen = set()
-    for _dep, _meta, spec in _pod_specs(docs):
+    for dep, _meta, spec in _pod_specs(docs):
+        if dep == "gateway":
+            continue
         for c in spec["containers"]:
             port = GRPC_PORTS[c["name"]]
             seen.add(c["name"])
@@ -87,6 +90,23 @@ def test_every_container_has_grpc_probes_on_its_own_port(overlay: tuple[str, str
             if "startupProbe" in c:
                 assert c["startupProbe"]["grpc"] == {"port": port}
     assert seen == set(GRPC_PORTS)
+
+
+def test_gateway_has_http_probes_on_health_and_dials_the_scheduler(overlay: tuple[str, str, list[Doc]]) -> None:
+    _name, _text, docs = overlay
+    spec = _kind(docs, "Deployment")["gateway"]["spec"]["template"]["spec"]
+    (c,) = spec["containers"]
+    assert c["args"] == ["serve", "gateway"]
+    assert _env(c)["KVMESH_PORT"] == str(HTTP_PORT)
+    assert [(p["name"], p["containerPort"]) for p in c["ports"]] == [("http", HTTP_PORT)]
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert c[probe]["httpGet"] == {"path": "/health", "port": "http"}, probe
+    assert _values(docs)["KVMESH_GATEWAY_SCHEDULER_ADDRESS"] == f"scheduler:{GRPC_PORTS['scheduler']}"
+    svc = _kind(docs, "Service")["gateway"]
+    assert [(p["port"], p["targetPort"]) for p in svc["spec"]["ports"]] == [(HTTP_PORT, "http")]
+    (policy,) = [p for p in _kind(docs, "NetworkPolicy").values()
+                 if p["spec"]["podSelector"]["matchLabels"].get("app.kubernetes.io/component") == "gateway"]
+    assert [p["port"] for r in policy["spec"]["ingress"] for p in r["ports"]] == [HTTP_PORT]
 
 
 def _assert_restricted(ctx: Doc, where: str) -> None:
@@ -178,8 +198,10 @@ def test_services_reach_the_right_pods_and_ports(overlay: tuple[str, str, list[D
     _name, _text, docs = overlay
     pods = {name: (meta["labels"], spec) for name, meta, spec in _pod_specs(docs)}
     services = _kind(docs, "Service")
-    assert set(services) == set(GRPC_PORTS)
+    assert set(services) == set(GRPC_PORTS) | {"gateway"}
     for name, svc in services.items():
+        if name == "gateway":
+            continue
         selector = {"matchLabels": svc["spec"]["selector"]}
         matched = [p for p, (labels, _) in pods.items() if _selects(selector, labels)]
         assert len(matched) == 1, name
