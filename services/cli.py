@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import signal
 import sys
 import threading
@@ -57,7 +58,8 @@ def _start_suite(ns: argparse.Namespace) -> Any:
     started = time.monotonic()
     suite = Suite(SuiteConfig(model_dir=model_dir, scheduler_port=ns.port, with_offload=not ns.no_offload,
                               log_dir=ns.log_dir or "",
-                              gateway_port=None if ns.http_port < 0 else ns.http_port))
+                              gateway_port=None if ns.http_port < 0 else ns.http_port,
+                              metrics_port=int(os.environ.get("KVMESH_METRICS_PORT", "0") or 0)))
     print(f"kvmesh: suite up in {time.monotonic() - started:.1f}s", flush=True)
     for name, proc in suite.services.items():
         print(f"  {name:<17} {proc.address:<22} log: {proc.log_path}", flush=True)

@@ -16,6 +16,8 @@ from pathlib import Path
 
 from shared.launcher import ServiceProcess
 
+METRICS_PORT_OFFSETS = {"scheduler": 0, "kv-cache-manager": 1, "model-runner": 2, "offload-store": 3}
+
 
 @dataclass(frozen=True)
 class SuiteConfig:
@@ -29,6 +31,7 @@ class SuiteConfig:
     offload_port: int = 0
     with_offload: bool = True
     gateway_port: int | None = None  # the OpenAI HTTP API; None = no gateway (``kvmesh up`` uses 8000)
+    metrics_port: int = 0  # >0: scheduler's /metrics here, kv-cache-manager +1, model-runner +2, offload-store +3
     log_dir: str = ""
     extra_env: Mapping[str, str] = field(default_factory=dict)
 
@@ -64,6 +67,12 @@ class Suite:
             raise
 
     def _start(self, name: str, port: int, env: Mapping[str, str], log_dir: str | None, timeout: float) -> None:
+        # NOTE: one KVMESH_METRICS_PORT inherited by every child made all but the first crash
+        # (address in use); each gets its own port, in compose's order (9091 scheduler ... 9094).
+        offset = METRICS_PORT_OFFSETS.get(name)
+        if offset is not None:
+            metrics = str(self.config.metrics_port + offset) if self.config.metrics_port else "0"
+            env = {"KVMESH_METRICS_PORT": metrics, **env}
         self.services[name] = ServiceProcess(name, env=env, host=self.config.host, port=port,
                                              startup_timeout=timeout, log_dir=log_dir)
 

@@ -26,7 +26,9 @@ Units follow Prometheus practice: seconds, tokens, blocks, bytes; ``*_perc`` is 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import PurePath
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import (
@@ -283,6 +285,31 @@ class OffloadMetrics:
     def set_stored_bytes(self, tier: str, nbytes: int) -> None:
         """Bytes currently held in ``tier``."""
         self._stored_bytes.labels(self._model, self._tier(tier)).set(nbytes)
+
+
+@dataclass(frozen=True)
+class MetricsConfig:
+    """Where a service exposes ``/metrics`` and the ``model_name`` label it uses.
+
+    Attributes:
+        port: ``KVMESH_METRICS_PORT``; 0 = no endpoint.
+        host: ``KVMESH_METRICS_HOST``, else the service's own ``KVMESH_HOST`` (so a suite on
+            loopback does not expose metrics on every interface).
+        model_name: ``KVMESH_MODEL_NAME``, else the folder name of ``KVMESH_MODEL_DIR`` (the
+            model-runner's default ``model_id``). Every service derives it the same way from the
+            same variables, so one deployment has one label value on every series.
+    """
+
+    port: int = 0
+    host: str = "127.0.0.1"
+    model_name: str = "default"
+
+
+def metrics_config(env: Mapping[str, str], server_host: str) -> MetricsConfig:
+    """Reads :class:`MetricsConfig` from ``env`` (called from a service's ``main.py`` only)."""
+    name = env.get("KVMESH_MODEL_NAME") or PurePath(env.get("KVMESH_MODEL_DIR", "").rstrip("/")).name
+    return MetricsConfig(port=int(env.get("KVMESH_METRICS_PORT", "0") or 0),
+                         host=env.get("KVMESH_METRICS_HOST") or server_host, model_name=name or "default")
 
 
 def start_metrics_server(port: int, registry: CollectorRegistry, addr: str = "0.0.0.0") -> WSGIServer | None:
