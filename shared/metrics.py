@@ -134,6 +134,14 @@ class SchedulerMetrics:
         self.request_queue_time = Histogram(
             PREFIX + "request_queue_time_seconds", "Arrival to first being scheduled.",
             labels, buckets=REQUEST_LATENCY_BUCKETS, registry=registry).labels(model_name)
+        # vLLM's phases of a request: queue, then prefill (first scheduled -> first token), then
+        # decode (first token -> last token); queue + prefill + decode = e2e.
+        self.request_prefill_time = Histogram(
+            PREFIX + "request_prefill_time_seconds", "First scheduled to first token (prompt read).",
+            labels, buckets=REQUEST_LATENCY_BUCKETS, registry=registry).labels(model_name)
+        self.request_decode_time = Histogram(
+            PREFIX + "request_decode_time_seconds", "First token to last token.",
+            labels, buckets=REQUEST_LATENCY_BUCKETS, registry=registry).labels(model_name)
         self.request_prompt_tokens = Histogram(
             PREFIX + "request_prompt_tokens", "Prompt length per finished request.",
             labels, buckets=tokens, registry=registry).labels(model_name)
@@ -176,6 +184,9 @@ class SchedulerMetrics:
         self.request_generation_tokens.observe(generation_tokens)
         if ttft_s is not None:
             self.time_to_first_token.observe(ttft_s)
+            if queue_s is not None:
+                self.request_prefill_time.observe(max(ttft_s - queue_s, 0.0))
+            self.request_decode_time.observe(max(e2e_s - ttft_s, 0.0))
             if generation_tokens > 1:
                 self.time_per_output_token.observe((e2e_s - ttft_s) / (generation_tokens - 1))
 
@@ -227,7 +238,7 @@ class RunnerMetrics:
             PREFIX + "model_forward_time_seconds", "Execute(): KV writes, attention, sampling of one step.",
             labels, buckets=STEP_BUCKETS, registry=registry).labels(model_name)
         self.iteration_tokens = Histogram(
-            PREFIX + "iteration_tokens", "Tokens computed per step (prefill chunks + decodes).",
+            PREFIX + "iteration_tokens_total", "Tokens computed per step (prefill chunks + decodes).",
             labels, buckets=token_buckets(max_num_batched_tokens), registry=registry).labels(model_name)
 
     def observe_step(self, seconds: float, num_tokens: int) -> None:

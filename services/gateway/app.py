@@ -71,7 +71,7 @@ class _CountAndTag:
     """Pure ASGI middleware (not ``BaseHTTPMiddleware``, which would buffer streams and hide
     disconnects): counts answers by route and status and echoes ``X-Request-Id``."""
 
-    def __init__(self, app: ASGIApp, counter: Counter, model: Callable[[], str]) -> None:
+    def __init__(self, app: ASGIApp, counter: Counter, model: str) -> None:
         self.app = app
         self.counter = counter
         self.model = model
@@ -97,16 +97,17 @@ class _CountAndTag:
             await self.app(scope, receive, tagged)
         finally:
             path = getattr(scope.get("route"), "path", "other")
-            self.counter.labels(self.model(), path, str(status)).inc()
+            self.counter.labels(self.model, path, str(status)).inc()
 
 
-def create_app(gateway: Gateway, registry: CollectorRegistry, on_shutdown: Callable[[], Awaitable[None]] | None = None
-               ) -> FastAPI:
-    """The FastAPI application serving ``gateway``; ``registry`` is what ``/metrics`` shows."""
+def create_app(gateway: Gateway, registry: CollectorRegistry, model_name: str,
+               on_shutdown: Callable[[], Awaitable[None]] | None = None) -> FastAPI:
+    """The FastAPI application serving ``gateway``; ``registry`` is what ``/metrics`` shows, with
+    ``model_name`` as its label (the deployment's one value, as on every other service)."""
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        with contextlib.suppress(APIError):  # so the first metrics carry the model name; requests retry
+        with contextlib.suppress(APIError):  # warm the model info; a request retries if this failed
             await gateway.info()
         yield
         if on_shutdown is not None:
@@ -116,10 +117,7 @@ def create_app(gateway: Gateway, registry: CollectorRegistry, on_shutdown: Calla
     http_requests = Counter(f"{PREFIX}http_requests_total", "HTTP requests the gateway answered.",
                             [MODEL_LABEL, "route", "status"], registry=registry)
 
-    def model_label() -> str:
-        return gateway.config.served_model_name or (gateway.cached_info.model_id if gateway.cached_info else "")
-
-    app.add_middleware(_CountAndTag, counter=http_requests, model=model_label)
+    app.add_middleware(_CountAndTag, counter=http_requests, model=model_name)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:

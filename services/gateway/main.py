@@ -2,7 +2,8 @@
 
 Variables: ``KVMESH_GATEWAY_*`` (fields of :class:`GatewayConfig`, e.g.
 ``KVMESH_GATEWAY_SCHEDULER_ADDRESS``), ``KVMESH_HOST`` / ``KVMESH_PORT`` / ``KVMESH_PORT_FILE``
-(where the HTTP API listens; port 0 picks a free one and writes it to the port file).
+(where the HTTP API listens; port 0 picks a free one and writes it to the port file),
+``KVMESH_MODEL_NAME`` / ``KVMESH_MODEL_DIR`` (the ``model_name`` label of ``/metrics``).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from services.gateway.client import SchedulerClient
 from services.gateway.config import GatewayConfig
 from services.gateway.core import Gateway
 from shared.config import ServerConfig, from_env
-from shared.metrics import new_registry
+from shared.metrics import metrics_config, new_registry
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +32,8 @@ def main() -> int:
     config = from_env(GatewayConfig, "KVMESH_GATEWAY_", env)
     server_cfg = from_env(ServerConfig, "KVMESH_", env)
     client = SchedulerClient(config.scheduler_address)
-    app = create_app(Gateway(config, client), new_registry(), on_shutdown=client.close)
+    model_label = metrics_config(env, server_cfg.host).model_name
+    app = create_app(Gateway(config, client), new_registry(), model_label, on_shutdown=client.close)
     # NOTE: the socket is bound here (not by uvicorn) so port 0 can be reported before serving;
     # connections arriving in between wait in the listen backlog.
     family = socket.AF_INET6 if ":" in server_cfg.host else socket.AF_INET

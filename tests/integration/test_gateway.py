@@ -185,7 +185,7 @@ def test_sse_framing_and_request_id(suite: Suite) -> None:
     assert r3.json()["id"] == f"cmpl-{r3.headers['x-request-id']}"
 
 
-def test_models_health_version_tokenize_detokenize(suite: Suite, sdk: openai.OpenAI) -> None:
+def test_models_health_version_tokenize_detokenize(suite: Suite, sdk: openai.OpenAI, tiny_llama_dir: Path) -> None:
     assert [m.id for m in sdk.models.list()] == [MODEL]
     base = _base(suite)
     assert httpx.get(base + "/health").status_code == 200
@@ -196,7 +196,9 @@ def test_models_health_version_tokenize_detokenize(suite: Suite, sdk: openai.Ope
     assert tok["tokens"] == ids and tok["count"] == len(ids) and tok["max_model_len"] == 512
     assert httpx.post(base + "/detokenize", json={"model": MODEL, "tokens": ids}).json() == {"prompt": "Hello world"}
     metrics = httpx.get(base + "/metrics").text
-    assert re.search(rf'kvmesh:http_requests_total{{model_name="{MODEL}",route="/tokenize",status="200"}} 1\.0',
+    # the label is the deployment's one model_name (the folder name), as on every other service
+    label = tiny_llama_dir.name
+    assert re.search(rf'kvmesh:http_requests_total{{model_name="{label}",route="/tokenize",status="200"}} 1\.0',
                      metrics), metrics[-2000:]
 
 

@@ -154,3 +154,33 @@ def test_metrics_bind_to_the_services_host(loaded: tuple[int, dict[str, list]]) 
             listening[int(port, 16)] = addr
     for i in range(len(SERVICES)):
         assert listening[base + i] == "0100007F", (base + i, listening.get(base + i))  # 127.0.0.1
+
+
+def test_names_follow_vllm(loaded: tuple[int, dict[str, list]]) -> None:
+    _, scraped = loaded
+    sched, runner, kvm = scraped["scheduler"], scraped["model-runner"], scraped["kv-cache-manager"]
+    names = {n for samples in scraped.values() for n, _, _ in samples}
+    assert {"kvmesh:num_preemptions_total", "kvmesh:prefix_cache_queries_total", "kvmesh:prefix_cache_hits_total",
+            "kvmesh:iteration_tokens_total_count"} <= names
+    # prefill = first scheduled -> first token; decode = first token -> last token (one each per request)
+    assert _value(sched, "kvmesh:request_prefill_time_seconds_count") == N_REQUESTS
+    assert _value(sched, "kvmesh:request_decode_time_seconds_count") == N_REQUESTS
+    e2e = _value(sched, "kvmesh:e2e_request_latency_seconds_sum")
+    parts = sum(_value(sched, f"kvmesh:{n}_sum") for n in ("request_queue_time_seconds", "request_prefill_time_seconds",
+                                                           "request_decode_time_seconds"))
+    assert parts == pytest.approx(e2e, rel=1e-6)
+    # every token the runner computed is one the scheduler counted (prompt + generated)
+    assert _value(runner, "kvmesh:iteration_tokens_total_sum") == (
+        _value(sched, "kvmesh:prompt_tokens_total") + _value(sched, "kvmesh:generation_tokens_total") - N_REQUESTS)
+    assert _value(kvm, "kvmesh:prefix_cache_queries_total") >= _value(kvm, "kvmesh:prefix_cache_hits_total")
+
+
+def test_dashboard_queries_name_real_series(loaded: tuple[int, dict[str, list]]) -> None:
+    import json
+
+    _, scraped = loaded
+    dashboard = json.loads((Path(__file__).parents[2] / "k8s/local/grafana/dashboards/kvmesh.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+    used = {m for e in exprs for m in re.findall(r"kvmesh:[a-z0-9_]+", e)}
+    names = {n for samples in scraped.values() for n, _, _ in samples}
+    assert used and used <= names, sorted(used - names)
