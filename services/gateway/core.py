@@ -86,7 +86,7 @@ class Gateway:
         name = await self.served_name()
         return {"object": "list", "data": [{
             "id": name, "object": "model", "created": 0, "owned_by": "kvmesh", "root": info.model_id,
-            "max_model_len": info.max_model_len,
+            "max_model_len": info.max_model_len, "vocab_size": info.vocab_size,
         }]}
 
     async def _check_model(self, model: str | None) -> str:
@@ -215,14 +215,16 @@ class Gateway:
         return first, stream
 
     async def _collect(self, request: scheduler_pb2.GenerateRequest, ctx: CallContext
-                       ) -> tuple[str, list[common_pb2.SampledLogprobs], scheduler_pb2.GenerateFinal]:
+                       ) -> tuple[str, list[int], list[common_pb2.SampledLogprobs], scheduler_pb2.GenerateFinal]:
         pieces: list[str] = []
+        ids: list[int] = []
         logprobs: list[common_pb2.SampledLogprobs] = []
         final: scheduler_pb2.GenerateFinal | None = None
         try:
             async with aclosing(self.scheduler.generate(request, ctx, self._timeout())) as stream:  # type: ignore[type-var]
                 async for chunk in stream:
                     pieces.append(chunk.text)
+                    ids.extend(chunk.token_ids)
                     logprobs.extend(chunk.logprobs)
                     if chunk.HasField("final"):
                         final = chunk.final
@@ -230,14 +232,14 @@ class Gateway:
             raise self._error(exc) from None
         if final is None:
             raise APIError(502, "the scheduler ended the stream without a final chunk", "internal_error")
-        return "".join(pieces), logprobs, final
+        return "".join(pieces), ids, logprobs, final
 
     # ---------------------------------------------------------------------------- completions
 
     async def complete(self, req: CompletionRequest, ctx: CallContext) -> CompletionResponse:
         """A non-streaming completion."""
         request = await self.completion_request(req, ctx)
-        text, entries, final = await self._collect(request, ctx)
+        text, ids, entries, final = await self._collect(request, ctx)
         lp = None
         if req.logprobs is not None:
             lp = convert.completion_logprobs(
@@ -245,7 +247,8 @@ class Gateway:
         return CompletionResponse(
             id=f"cmpl-{ctx.request_id}", created=int(time.time()), model=await self.served_name(),
             choices=[CompletionChoice(text=text, logprobs=lp, finish_reason=convert.finish_reason(final),
-                                      stop_reason=convert.stop_reason(final))],
+                                      stop_reason=convert.stop_reason(final),
+                                      token_ids=ids if req.return_token_ids else None)],
             usage=convert.usage(final))
 
     async def stream_completion(self, req: CompletionRequest, ctx: CallContext) -> AsyncIterator[str]:
@@ -267,8 +270,9 @@ class Gateway:
                         strings = await self._token_strings(convert.logprob_token_ids(chunk.logprobs), ctx)
                         lp = convert.completion_logprobs(chunk.logprobs, strings, offset)
                     offset += len(chunk.text)
-                    if chunk.text or lp is not None or final is not None:
-                        choice = CompletionChoice(text=chunk.text, logprobs=lp)
+                    if chunk.text or chunk.token_ids or lp is not None or final is not None:
+                        choice = CompletionChoice(text=chunk.text, logprobs=lp,
+                                                  token_ids=list(chunk.token_ids) if req.return_token_ids else None)
                         if final is not None:
                             choice.finish_reason = convert.finish_reason(final)
                             choice.stop_reason = convert.stop_reason(final)
@@ -284,14 +288,15 @@ class Gateway:
     async def chat(self, req: ChatCompletionRequest, ctx: CallContext) -> ChatCompletionResponse:
         """A non-streaming chat completion."""
         request = await self.chat_request(req, ctx)
-        text, entries, final = await self._collect(request, ctx)
+        text, ids, entries, final = await self._collect(request, ctx)
         lp = None
         if req.logprobs:
             lp = convert.chat_logprobs(entries, await self._token_strings(convert.logprob_token_ids(entries), ctx))
         return ChatCompletionResponse(
             id=f"chatcmpl-{ctx.request_id}", created=int(time.time()), model=await self.served_name(),
             choices=[ChatChoice(message=ChatMessage(role="assistant", content=text), logprobs=lp,
-                                finish_reason=convert.finish_reason(final), stop_reason=convert.stop_reason(final))],
+                                finish_reason=convert.finish_reason(final), stop_reason=convert.stop_reason(final),
+                                token_ids=ids if req.return_token_ids else None)],
             usage=convert.usage(final))
 
     async def stream_chat(self, req: ChatCompletionRequest, ctx: CallContext) -> AsyncIterator[str]:
@@ -315,8 +320,10 @@ class Gateway:
                     if req.logprobs and chunk.logprobs:
                         strings = await self._token_strings(convert.logprob_token_ids(chunk.logprobs), ctx)
                         lp = convert.chat_logprobs(chunk.logprobs, strings)
-                    if chunk.text or lp is not None:
-                        yield chunk_of([ChatChunkChoice(delta=ChatMessage(content=chunk.text), logprobs=lp)])
+                    if chunk.text or chunk.token_ids or lp is not None:
+                        yield chunk_of([ChatChunkChoice(
+                            delta=ChatMessage(content=chunk.text), logprobs=lp,
+                            token_ids=list(chunk.token_ids) if req.return_token_ids else None)])
                     if final is not None:
                         yield chunk_of([ChatChunkChoice(delta=ChatMessage(), finish_reason=convert.finish_reason(final),
                                                         stop_reason=convert.stop_reason(final))])

@@ -113,6 +113,7 @@ class _SamplingRequest(BaseModel):
     skip_special_tokens: bool = True
     priority: int = 0
     cache_salt: str | None = None
+    return_token_ids: bool = False  # vLLM's extension: each choice also carries its token ids
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -216,6 +217,7 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    token_ids: list[int] | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -264,6 +266,7 @@ class ChatChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    token_ids: list[int] | None = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -285,6 +288,7 @@ class ChatChunkChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    token_ids: list[int] | None = None
 
 
 class ChatCompletionChunk(BaseModel):

@@ -414,3 +414,29 @@ def test_readme_examples_run_verbatim(suite: Suite) -> None:
     assert run.returncode == 0, run.stderr
     assert run.stdout.startswith(answer["choices"][0]["message"]["content"])
     assert re.search(r"\n \d+ cached prompt tokens\n$", run.stdout), run.stdout
+
+
+# ----------------------------------------------------------------------------------- bench
+
+
+def test_bench_serve_openai_backend_matches_grpc(suite: Suite, tmp_path: Path) -> None:
+    common = ["bench", "serve", "--dataset", "random", "--num-prompts", "4", "--input-len", "16", "--output-len", "6",
+              "--seed", "3", "--no-progress"]
+    results = {}
+    for backend, where in (("openai", ["--base-url", _base(suite)]), ("grpc", ["--address", suite.address])):
+        out = tmp_path / f"{backend}.json"
+        proc = subprocess.run([sys.executable, "-m", "services.cli", *common, "--backend", backend, *where,
+                               "--save-result", str(out)], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert "Serving Benchmark Result" in proc.stdout
+        results[backend] = json.loads(out.read_text())
+    http, rpc = results["openai"], results["grpc"]
+    assert http["backend"] == "openai" and rpc["backend"] == "grpc"
+    assert http["completed"] == rpc["completed"] == 4 and http["errors"] == [""] * 4
+    assert http["output_lens"] == rpc["output_lens"] == [6] * 4
+    assert http["input_lens"] == rpc["input_lens"]
+    # the same greedy tokens through both doors
+    by_conv = {b: sorted((r["conversation_id"], r["output_token_ids"]) for r in res["requests"])
+               for b, res in results.items()}
+    assert by_conv["openai"] == by_conv["grpc"]
+    assert len(http["itls"]) == 4 and all(len(g) == 5 for g in http["itls"])
