@@ -15,10 +15,10 @@ from services.gateway.types import (
     CompletionLogprobs,
     ModelInfo,
     PromptTokensDetails,
+    SamplingRequest,
     TopLogprob,
     UpstreamError,
     Usage,
-    _SamplingRequest,
 )
 from shared.pb.kvmesh.v1 import common_pb2, scheduler_pb2
 
@@ -67,7 +67,7 @@ def unsupported(param: str, why: str) -> APIError:
     return APIError(400, f"{param}: {why}", "invalid_request_error", param, "unsupported_parameter")
 
 
-def check_common(req: _SamplingRequest) -> None:
+def check_common(req: SamplingRequest) -> None:
     """Refuses the OpenAI parameters that would change the answer but that the engine lacks."""
     if req.n != 1:
         raise unsupported("n", f"only n=1 is supported, got {req.n}")
@@ -77,7 +77,7 @@ def check_common(req: _SamplingRequest) -> None:
         raise unsupported("min_tokens", "is not supported by the engine")
 
 
-def sampling_to_proto(req: _SamplingRequest, logprobs: int | None) -> common_pb2.SamplingParams:
+def sampling_to_proto(req: SamplingRequest, logprobs: int | None) -> common_pb2.SamplingParams:
     """OpenAI's sampling fields as the scheduler's ``SamplingParams`` (unset stays unset)."""
     sp = common_pb2.SamplingParams(
         temperature=1.0 if req.temperature is None else req.temperature,  # OpenAI's default is 1
@@ -97,7 +97,7 @@ def sampling_to_proto(req: _SamplingRequest, logprobs: int | None) -> common_pb2
     return sp
 
 
-def stops(req: _SamplingRequest) -> list[str]:
+def stops(req: SamplingRequest) -> list[str]:
     """``stop`` as a list (OpenAI allows a string or a list)."""
     if req.stop is None:
         return []

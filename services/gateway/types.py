@@ -91,7 +91,7 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _SamplingRequest(BaseModel):
+class SamplingRequest(BaseModel):
     """Fields common to both endpoints (OpenAI's, plus vLLM's extensions the engine has)."""
 
     model_config = ConfigDict(extra="ignore")
@@ -121,7 +121,7 @@ class _SamplingRequest(BaseModel):
     user: str | None = None
 
 
-class CompletionRequest(_SamplingRequest):
+class CompletionRequest(SamplingRequest):
     """``POST /v1/completions``."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
@@ -150,7 +150,7 @@ class ChatMessageParam(BaseModel):
     name: str | None = None
 
 
-class ChatCompletionRequest(_SamplingRequest):
+class ChatCompletionRequest(SamplingRequest):
     """``POST /v1/chat/completions``."""
 
     messages: list[ChatMessageParam]
