@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Callable
 from typing import Any, TextIO
@@ -15,6 +16,7 @@ from typing import Any, TextIO
 import grpc
 
 from shared.client import KVMeshClient
+from shared.tls import TLSFiles
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 _FINISH = {0: "unspecified", 1: "stop", 2: "length", 3: "abort"}
@@ -45,6 +47,12 @@ def _sampling(ns: argparse.Namespace) -> dict[str, Any]:
             "stop": ns.stop or (), "logprobs": getattr(ns, "logprobs", None)}
 
 
+def _client(ns: argparse.Namespace) -> KVMeshClient:
+    """A client with the command's API key and TLS settings."""
+    tls = TLSFiles(ca=ns.tls_ca, server_name=ns.tls_server_name) if ns.tls_ca else None
+    return KVMeshClient(ns.address, api_key=ns.api_key or None, tls=tls)
+
+
 def _stats_line(final: Any) -> str:
     t = final.timing
     busy = t.e2e_seconds - t.ttft_seconds
@@ -53,12 +61,17 @@ def _stats_line(final: Any) -> str:
             f"TTFT {t.ttft_seconds * 1000:.0f} ms, TPOT {t.tpot_seconds * 1000:.0f} ms, {rate:.1f} tok/s]")
 
 
-def stream(address: str, prompt: Any, max_tokens: int, out: TextIO | None = None, **sampling: Any) -> str:
-    """Streams one answer to ``out`` followed by its stats line; returns the text."""
+def stream(client: KVMeshClient | str, prompt: Any, max_tokens: int, out: TextIO | None = None,
+           **sampling: Any) -> str:
+    """Streams one answer to ``out`` followed by its stats line; returns the text.
+
+    ``client`` is a client (closed here) or a plaintext address.
+    """
     out = sys.stdout if out is None else out
     pieces: list[str] = []
-    with KVMeshClient(address) as client:
-        for chunk in client.generate(prompt, max_tokens, **sampling):
+    conn = KVMeshClient(client) if isinstance(client, str) else client
+    with conn:
+        for chunk in conn.generate(prompt, max_tokens, **sampling):
             out.write(chunk.text)
             out.flush()
             pieces.append(chunk.text)
@@ -67,12 +80,12 @@ def stream(address: str, prompt: Any, max_tokens: int, out: TextIO | None = None
     return "".join(pieces)
 
 
-def _as_json(address: str, prompt: Any, max_tokens: int, **sampling: Any) -> dict[str, Any]:
+def _as_json(client: KVMeshClient, prompt: Any, max_tokens: int, **sampling: Any) -> dict[str, Any]:
     text: list[str] = []
     ids: list[int] = []
     logprobs: list[dict[str, Any]] = []
     final: Any = None
-    with KVMeshClient(address) as client:
+    with client:
         for chunk in client.generate(prompt, max_tokens, **sampling):
             text.append(chunk.text)
             ids.extend(chunk.token_ids)
@@ -101,9 +114,9 @@ def generate(ns: argparse.Namespace) -> int:
     """``kvmesh generate``."""
     prompt: Any = [("user", ns.prompt)] if ns.chat else ns.prompt
     if ns.json:
-        print(json.dumps(_as_json(ns.address, prompt, ns.max_tokens, **_sampling(ns))))
+        print(json.dumps(_as_json(_client(ns), prompt, ns.max_tokens, **_sampling(ns))))
     else:
-        stream(ns.address, prompt, ns.max_tokens, **_sampling(ns))
+        stream(_client(ns), prompt, ns.max_tokens, **_sampling(ns))
     return 0
 
 
@@ -138,7 +151,7 @@ def chat(ns: argparse.Namespace) -> int:
         messages = ([("system", system)] if system else []) + history + [("user", line)]
         print("assistant> ", end="", flush=True)
         try:
-            answer = stream(ns.address, messages, ns.max_tokens, **_sampling(ns))
+            answer = stream(_client(ns), messages, ns.max_tokens, **_sampling(ns))
         except grpc.RpcError as exc:  # one bad turn (e.g. too long) need not end the session
             print(f"\n{rpc_error_line(exc)}", file=sys.stderr, flush=True)
             if exc.code() == grpc.StatusCode.UNAVAILABLE:
@@ -166,4 +179,9 @@ def add_client_subcommands(sub: Any) -> None:
         p.add_argument("--top-k", type=int, default=0)
         p.add_argument("--seed", type=int, default=None)
         p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+        p.add_argument("--api-key", default=os.environ.get("KVMESH_API_KEY", ""),
+                       help="API key sent as 'authorization: Bearer' (default: $KVMESH_API_KEY)")
+        p.add_argument("--tls-ca", default=os.environ.get("KVMESH_TLS_CA", ""),
+                       help="CA file: connect with TLS and verify the server (default: $KVMESH_TLS_CA)")
+        p.add_argument("--tls-server-name", default="", help="name to verify in the server's certificate")
         p.set_defaults(func=fn)

@@ -21,8 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-import grpc
-
+from shared.channels import open_channel
 from shared.pb.kvmesh.v1 import offload_store_pb2, offload_store_pb2_grpc
 from shared.telemetry import instrument_grpc_client
 
@@ -124,7 +123,7 @@ class RemoteOffload:
     """The offload-store over gRPC (hashes and block ids only; bytes move through shared memory)."""
 
     def __init__(self, address: str, timeout: float = 30.0) -> None:
-        self.channel = instrument_grpc_client(grpc.insecure_channel(address))
+        self.channel = instrument_grpc_client(open_channel(address))
         self.stub = offload_store_pb2_grpc.OffloadStoreStub(self.channel)
         self.timeout = timeout
 

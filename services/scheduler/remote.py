@@ -9,8 +9,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import grpc
-
 from services.kv_cache_manager.types import (
     AllocationResult,
     AllocationSpec,
@@ -22,6 +20,7 @@ from services.kv_cache_manager.types import (
 from services.model_runner.convert import output_from_proto, step_to_proto
 from services.model_runner.types import StepInput, StepOutput
 from services.scheduler.backends import RunnerInfo
+from shared.channels import open_channel
 from shared.errors import FailedPrecondition
 from shared.hashing import BlockHash, hash_blocks
 from shared.pb.kvmesh.v1 import common_pb2
@@ -38,8 +37,6 @@ from shared.pb.kvmesh.v1 import (
     model_runner_pb2_grpc as runner_grpc,
 )
 from shared.telemetry import instrument_grpc_client
-
-_CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
 
 
 def _stats_from_proto(s: kvm_pb2.KVCacheStats) -> KVCacheStats:
@@ -75,7 +72,7 @@ class RemoteKVCache:
     """The kv-cache-manager over gRPC: one ``AllocateSlots`` call per step."""
 
     def __init__(self, address: str, timeout: float = 60.0) -> None:
-        self.channel = instrument_grpc_client(grpc.insecure_channel(address, options=_CHANNEL_OPTIONS))
+        self.channel = instrument_grpc_client(open_channel(address))
         self.stub = kvm_grpc.KVCacheManagerStub(self.channel)
         self.timeout = timeout
 
@@ -121,7 +118,7 @@ class RemoteRunner:
     """The model-runner over gRPC: one ``Execute`` call per step."""
 
     def __init__(self, address: str, timeout: float = 60.0) -> None:
-        self.channel = instrument_grpc_client(grpc.insecure_channel(address, options=_CHANNEL_OPTIONS))
+        self.channel = instrument_grpc_client(open_channel(address))
         self.stub = runner_grpc.ModelRunnerStub(self.channel)
         self.timeout = timeout
 
