@@ -3,7 +3,8 @@
 Variables: ``KVMESH_GATEWAY_*`` (fields of :class:`GatewayConfig`, e.g.
 ``KVMESH_GATEWAY_SCHEDULER_ADDRESS``), ``KVMESH_HOST`` / ``KVMESH_PORT`` / ``KVMESH_PORT_FILE``
 (where the HTTP API listens; port 0 picks a free one and writes it to the port file),
-``KVMESH_MODEL_NAME`` / ``KVMESH_MODEL_DIR`` (the ``model_name`` label of ``/metrics``).
+``KVMESH_MODEL_NAME`` / ``KVMESH_MODEL_DIR`` (the ``model_name`` label of ``/metrics``),
+``KVMESH_TLS_CERT`` / ``_KEY`` / ``_CA`` / ``_SERVER_NAME`` (how to dial the scheduler).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from services.gateway.config import GatewayConfig
 from services.gateway.core import Gateway
 from shared.config import ServerConfig, from_env
 from shared.metrics import metrics_config, new_registry
+from shared.tls import TLSFiles
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +33,8 @@ def main() -> int:
     env = os.environ
     config = from_env(GatewayConfig, "KVMESH_GATEWAY_", env)
     server_cfg = from_env(ServerConfig, "KVMESH_", env)
-    client = SchedulerClient(config.scheduler_address)
+    # TLS to the scheduler when KVMESH_TLS_* name files (the scheduler's public port wants no client cert).
+    client = SchedulerClient(config.scheduler_address, from_env(TLSFiles, "KVMESH_TLS_", env))
     model_label = metrics_config(env, server_cfg.host).model_name
     app = create_app(Gateway(config, client), new_registry(), model_label, on_shutdown=client.close)
     # NOTE: the socket is bound here (not by uvicorn) so port 0 can be reported before serving;

@@ -287,11 +287,14 @@ def test_mutual_tls_and_api_keys_are_on(overlay: tuple[str, str, list[Doc]]) -> 
             assert mounts[tls_dir]["readOnly"] is True
             secrets_by_pod.setdefault(dep, set()).add(tls["secret"]["secretName"])
             env = _env(c)
-            if c["name"] == "scheduler":
+            if c["name"] == "gateway":
+                assert "KVMESH_TLS_ALLOWED_PEERS" not in env  # public HTTP; it only dials the scheduler
+            elif c["name"] == "scheduler":
                 assert "KVMESH_TLS_ALLOWED_PEERS" not in env  # the public port: API keys, not certificates
                 assert env["KVMESH_AUTH_MODE"] == "on"
                 keys_dir = str(Path(env["KVMESH_AUTH_KEYS_FILE"]).parent)
                 assert volumes[mounts[keys_dir]["name"]]["secret"]["secretName"] == "kvmesh-api-keys"
             else:
                 assert env["KVMESH_TLS_ALLOWED_PEERS"] == "scheduler"
-    assert secrets_by_pod == {dep: {f"kvmesh-tls-{dep}"} for dep in ("scheduler", "kv-cache-manager", "model-runner")}
+    assert secrets_by_pod == {dep: {f"kvmesh-tls-{dep}"}
+                              for dep in ("scheduler", "kv-cache-manager", "model-runner", "gateway")}
