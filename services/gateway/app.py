@@ -160,8 +160,8 @@ def create_app(gateway: Gateway, registry: CollectorRegistry, model_name: str,
                                 lambda: gateway.stream_chat(body, ctx))
 
     @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
-        return await gateway.models()
+    async def models(request: Request) -> dict[str, Any]:
+        return await gateway.models(request_context(list(request.headers.items())))
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:

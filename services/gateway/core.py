@@ -76,21 +76,25 @@ class Gateway:
                 raise self._error(exc) from None
         return self.cached_info
 
-    async def served_name(self) -> str:
+    async def served_name(self, ctx: CallContext | None = None) -> str:
         """The one model name this gateway answers to."""
-        return self.config.served_model_name or (await self.info()).model_id
+        return self.config.served_model_name or (await self.info(ctx)).model_id
 
-    async def models(self) -> dict[str, Any]:
-        """``GET /v1/models``."""
-        info = await self.info()
-        name = await self.served_name()
+    async def models(self, ctx: CallContext) -> dict[str, Any]:
+        """``GET /v1/models``: asks the scheduler each time with the caller's credentials, so an
+        unauthenticated caller learns nothing the scheduler would not tell it."""
+        try:
+            info = self.cached_info = await self.scheduler.model_info(ctx)
+        except UpstreamError as exc:
+            raise self._error(exc) from None
+        name = await self.served_name(ctx)
         return {"object": "list", "data": [{
             "id": name, "object": "model", "created": 0, "owned_by": "kvmesh", "root": info.model_id,
             "max_model_len": info.max_model_len, "vocab_size": info.vocab_size,
         }]}
 
-    async def _check_model(self, model: str | None) -> str:
-        name = await self.served_name()
+    async def _check_model(self, model: str | None, ctx: CallContext) -> str:
+        name = await self.served_name(ctx)
         if model is not None and model != name:
             raise APIError(404, f"The model `{model}` does not exist; this server serves `{name}`.",
                            "not_found_error", "model", "model_not_found")
@@ -107,7 +111,7 @@ class Gateway:
 
     async def tokenize(self, req: TokenizeRequest, ctx: CallContext) -> dict[str, Any]:
         """``POST /tokenize``: vLLM's answer shape (tokens, count, max_model_len)."""
-        await self._check_model(req.model)
+        await self._check_model(req.model, ctx)
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "prompt: send exactly one of prompt or messages", param="prompt")
         msg = scheduler_pb2.TokenizeRequest(add_special_tokens=req.add_special_tokens)
@@ -119,11 +123,11 @@ class Gateway:
             ids = await self.scheduler.tokenize(msg, ctx)
         except UpstreamError as exc:
             raise self._error(exc) from None
-        return {"tokens": ids, "count": len(ids), "max_model_len": (await self.info()).max_model_len}
+        return {"tokens": ids, "count": len(ids), "max_model_len": (await self.info(ctx)).max_model_len}
 
     async def detokenize(self, req: DetokenizeRequest, ctx: CallContext) -> dict[str, Any]:
         """``POST /detokenize``."""
-        await self._check_model(req.model)
+        await self._check_model(req.model, ctx)
         try:
             return {"prompt": await self.scheduler.detokenize(req.tokens, ctx)}
         except UpstreamError as exc:
@@ -140,7 +144,7 @@ class Gateway:
 
     async def completion_request(self, req: CompletionRequest, ctx: CallContext) -> scheduler_pb2.GenerateRequest:
         """Validates a completions body and builds the scheduler's ``GenerateRequest``."""
-        await self._check_model(req.model)
+        await self._check_model(req.model, ctx)
         convert.check_common(req)
         if req.echo:
             raise convert.unsupported("echo", "is not supported")
@@ -163,7 +167,7 @@ class Gateway:
 
     async def chat_request(self, req: ChatCompletionRequest, ctx: CallContext) -> scheduler_pb2.GenerateRequest:
         """Validates a chat body and builds the scheduler's ``GenerateRequest``."""
-        await self._check_model(req.model)
+        await self._check_model(req.model, ctx)
         convert.check_common(req)
         if req.tools:
             raise convert.unsupported("tools", "tool calling is not supported")
@@ -182,7 +186,7 @@ class Gateway:
             except UpstreamError as exc:
                 raise self._error(exc) from None
             out.token_ids.ids.extend(ids)
-            out.max_tokens = convert.default_max_tokens(await self.info(), len(ids))
+            out.max_tokens = convert.default_max_tokens(await self.info(ctx), len(ids))
         else:
             out.chat.CopyFrom(chat)
             out.max_tokens = max_tokens
@@ -245,7 +249,7 @@ class Gateway:
             lp = convert.completion_logprobs(
                 entries, await self._token_strings(convert.logprob_token_ids(entries), ctx), 0)
         return CompletionResponse(
-            id=f"cmpl-{ctx.request_id}", created=int(time.time()), model=await self.served_name(),
+            id=f"cmpl-{ctx.request_id}", created=int(time.time()), model=await self.served_name(ctx),
             choices=[CompletionChoice(text=text, logprobs=lp, finish_reason=convert.finish_reason(final),
                                       stop_reason=convert.stop_reason(final),
                                       token_ids=ids if req.return_token_ids else None)],
@@ -256,7 +260,7 @@ class Gateway:
         request = await self.completion_request(req, ctx)
         first, stream = await self._open(request, ctx)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        name = await self.served_name()
+        name = await self.served_name(ctx)
         created = int(time.time())
         rid = f"cmpl-{ctx.request_id}"
 
@@ -293,7 +297,7 @@ class Gateway:
         if req.logprobs:
             lp = convert.chat_logprobs(entries, await self._token_strings(convert.logprob_token_ids(entries), ctx))
         return ChatCompletionResponse(
-            id=f"chatcmpl-{ctx.request_id}", created=int(time.time()), model=await self.served_name(),
+            id=f"chatcmpl-{ctx.request_id}", created=int(time.time()), model=await self.served_name(ctx),
             choices=[ChatChoice(message=ChatMessage(role="assistant", content=text), logprobs=lp,
                                 finish_reason=convert.finish_reason(final), stop_reason=convert.stop_reason(final),
                                 token_ids=ids if req.return_token_ids else None)],
@@ -304,7 +308,7 @@ class Gateway:
         request = await self.chat_request(req, ctx)
         first, stream = await self._open(request, ctx)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        name = await self.served_name()
+        name = await self.served_name(ctx)
         created = int(time.time())
         rid = f"chatcmpl-{ctx.request_id}"
 
