@@ -78,6 +78,7 @@ class KVCacheManagerServicer(pb_grpc.KVCacheManagerServicer):
     def Free(self, request: pb.FreeRequest, context: grpc.ServicerContext) -> pb.FreeResponse:
         with self._lock:
             stats = self._manager.free(list(request.request_ids), list(request.rollback_request_ids))
+            self._export(stats)  # the engine frees idle requests here: usage must drop with them
         return pb.FreeResponse(stats=convert.stats_to_pb(stats))
 
     def LookupPrefix(self, request: pb.LookupPrefixRequest,
