@@ -32,6 +32,11 @@ class RunnerConfig:
         pack_tied_head: give a head tied to the embedding its own packed copy (fp32 on the CPU):
             a third faster vocabulary projection for ``vocab x hidden x 4`` more bytes
             (113 MB for SmolLM2-135M); off keeps one copy of the weight.
+        batch_invariant: every query row attended as a decode of its own position on the native
+            kernels (needs them: fp32 on the CPU, built): chunked prefill, prefix-cache hits and
+            preemption then give bitwise a cold run's numbers, not only its greedy tokens, and
+            every step runs the one-call native stack; prefill attention is slower (see
+            docs/model_runner.md, "auto").
     """
 
     model_dir: str = ""
@@ -47,6 +52,7 @@ class RunnerConfig:
     warmup: bool = True
     quantization: str = "none"
     pack_tied_head: bool = True
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         if self.quantization not in ("none", "int8", "fp16"):

@@ -106,9 +106,9 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def make_backend(name: str, device: torch.device) -> AttentionBackend:
+def make_backend(name: str, device: torch.device, batch_invariant: bool = False) -> AttentionBackend:
     """``auto``: the Triton kernels on CUDA, the torch reference on CPU (``build_runner`` resolves
-    ``auto`` with :func:`select_backend` before it gets here)."""
+    ``auto`` with :func:`select_backend` before it gets here); ``batch_invariant`` for ``cpu``."""
     if name == "auto":
         name = "triton" if device.type == "cuda" else "torch"
     if name == "triton":
@@ -118,7 +118,7 @@ def make_backend(name: str, device: torch.device) -> AttentionBackend:
     if name == "cpu":
         from services.model_runner.attention.cpu_backend import CpuAttentionBackend
 
-        return CpuAttentionBackend()
+        return CpuAttentionBackend(batch_invariant=batch_invariant)
     from services.model_runner.attention.torch_backend import TorchAttentionBackend
 
     return TorchAttentionBackend()
@@ -140,15 +140,19 @@ def build_runner(config: RunnerConfig, flags: Iterable[str] | None = None) -> Mo
     dtype = parse_dtype(dtype_choice.value)
     model, mcfg = load_model(config.model_dir, dtype=dtype, device=device)
     backend_choice = _select_backend(config.attention_backend, device, str(dtype).removeprefix("torch."), mcfg)
-    log.info("dtype %s (%s); attention backend %s (%s)", dtype_choice.value, dtype_choice.reason,
-             backend_choice.value, backend_choice.reason)
+    if config.batch_invariant and (backend_choice.value != "cpu" or dtype != torch.float32
+                                   or load_kernels() is None):
+        raise ValueError(f"batch_invariant needs the native CPU kernels on float32 weights; here: dtype "
+                         f"{dtype_choice.value}, attention backend {backend_choice.value} ({backend_choice.reason})")
+    log.info("dtype %s (%s); attention backend %s (%s)%s", dtype_choice.value, dtype_choice.reason,
+             backend_choice.value, backend_choice.reason, "; batch invariant" if config.batch_invariant else "")
     pool = KVPool(
         num_layers=mcfg.num_layers, num_kv_heads=mcfg.num_kv_heads, head_dim=mcfg.head_dim,
         block_size=config.block_size, memory_bytes=config.kv_cache_memory_bytes,
         dtype=kv_dtype_for(config.kv_cache_dtype, dtype), device=device,
     )
     core = ModelRunnerCore(
-        model, pool, make_backend(backend_choice.value, device),
+        model, pool, make_backend(backend_choice.value, device, config.batch_invariant),
         model_id=config.model_id or Path(config.model_dir).name,
         max_model_len=config.max_model_len or None, quantization=config.quantization,
         pack_tied_head=config.pack_tied_head, dtype_reason=dtype_choice.reason,

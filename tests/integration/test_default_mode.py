@@ -137,3 +137,18 @@ def test_default_equals_torch_fp32_reference_greedy(tiny_llama_dir: Path, cold: 
     assert info.attention_backend == "torch"
     identical = sum(ref[i][0] == cold[0][i][0] for i in range(NUM_PROMPTS))
     assert identical == NUM_PROMPTS
+
+
+def test_batch_invariant_mode_is_bitwise_under_prefix_hits_chunking_and_preemption(
+        tiny_llama_dir: Path, cold: tuple[Outputs, Any]) -> None:
+    """``batch_invariant``: each prefill row attended as a decode of its position, so the
+    scenario above gives bitwise the cold run's tokens and logprobs; and greedy tokens are the
+    default's."""
+    mode = {"dtype": "float32", "batch_invariant": True}
+    inv_cold, _ = _run(tiny_llama_dir, concurrent=False, runner=mode, enable_prefix_caching=False)
+    out, (preemptions, hits, info, _) = _run(tiny_llama_dir, concurrent=True, passes=2, pool_blocks=40, runner=mode,
+                                             enable_prefix_caching=True, max_num_batched_tokens=16)
+    assert preemptions > 0 and hits > 0 and info.attention_backend == "cpu"
+    for i in range(NUM_PROMPTS):
+        assert out[i] == inv_cold[i], f"prompt {i}"
+        assert inv_cold[i][0] == cold[0][i][0], f"prompt {i}"

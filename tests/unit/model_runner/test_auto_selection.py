@@ -129,3 +129,35 @@ def test_build_runner_default_per_machine(tiny_llama_dir: Path) -> None:
     finally:
         for r in runners:
             r.pool.close()
+
+
+def test_batch_invariant_plan_makes_every_row_a_decode_of_its_position() -> None:
+    """A step of one 3-row prefill chunk after 5 cached tokens and one decode: the invariant plan
+    has one decode entry per row (context 6, 7, 8 and the decode's 4) and no SDPA chunk, so the
+    one-call stack takes it; the default plan keeps the chunk for SDPA and the step off the stack."""
+    from services.model_runner.attention.base import AttentionMetadata
+    from services.model_runner.attention.cpu_backend import CpuAttentionBackend
+
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor([21, 22, 23, 40], dtype=torch.int64),
+        query_start_loc=torch.tensor([0, 3, 4], dtype=torch.int32),
+        seq_lens=torch.tensor([8, 4], dtype=torch.int32),
+        block_tables=torch.tensor([[4, 5], [10, 0]], dtype=torch.int32),
+        max_query_len=3, max_seq_len=8,
+    )  # fmt: skip
+    invariant = CpuAttentionBackend(batch_invariant=True)
+    if invariant.native_kernels is None:
+        pytest.skip("the native kernels did not build here")
+    plan = invariant.decode_only_plan(meta, 4, 4)
+    assert plan is not None and not plan.chunks and plan.max_len == 8
+    assert plan.rows.tolist() == [0, 1, 2, 3] and plan.seq_lens.tolist() == [6, 7, 8, 4]
+    assert plan.tables.tolist() == [[4, 5], [4, 5], [4, 5], [10, 0]]
+    assert CpuAttentionBackend().decode_only_plan(meta, 4, 4) is None
+
+
+def test_batch_invariant_without_the_native_kernels_is_refused(tiny_llama_dir: Path) -> None:
+    config = RunnerConfig(model_dir=str(tiny_llama_dir), attention_backend="torch", batch_invariant=True,
+                          kv_cache_memory_bytes=16 * 2048, block_size=4, warmup=False)
+    with pytest.raises(ValueError, match="batch_invariant needs the native CPU kernels on float32 weights; here: "
+                                         "dtype float32, attention backend torch"):
+        build_runner(config, flags=EPYC_AVX2)
