@@ -39,7 +39,7 @@
 #if defined(__AVX512F__) || !(defined(__AVX2__) && defined(__FMA__))
 #define ROW_TILE 8
 #else
-#define ROW_TILE 4  /* AVX2: 4 rows x 24 columns = 12 ymm accumulators, 3 for the panel, 1 for x */
+#define ROW_TILE 6  /* AVX2: 6 rows x 16 columns = 12 ymm accumulators, 2 for the panel, 1 for x */
 #endif
 #define ROW_CHUNK 256
 
@@ -105,64 +105,64 @@ static void tile_dispatch(const float *x, int64_t x_stride, int64_t k, const flo
 
 #elif defined(__AVX2__) && defined(__FMA__)
 
-/* One row tile (mr <= 4 rows) times one panel, AVX2 + FMA: the panel in two halves of 24
- * columns, each a 4 x 24 tile in 12 named ymm accumulators (an array of them was kept in memory
- * by the compiler, one store per FMA). A tile of fewer rows repeats its last row in the missing
- * ones and stores only its own: the arithmetic per output is the same as the AVX-512 tile's (FMA
- * in k order from zero, then the bias), so a row's result never depends on the rows beside it.
+/* One row tile (mr <= 6 rows) times one panel, AVX2 + FMA: the panel in three passes of 16
+ * columns (one 64-byte line of each k row), each a 6 x 16 tile in 12 named ymm accumulators
+ * (BLIS's AVX2 shape: each panel load feeds six FMAs; an array of accumulators was kept in
+ * memory by the compiler, one store per FMA). A tile of fewer rows repeats its last row in the
+ * missing ones and stores only its own; one row has its own loop (no repeated rows: a batch-1
+ * decode streams the weight). Either way the arithmetic per output is the AVX-512 tile's (FMA in
+ * k order from zero, then the bias), so a row's result never depends on the rows beside it.
  * Without it an AVX2 CPU ran the portable loops below, whose 8 x 48 accumulators do not fit 16
  * registers (several times slower: docs/model_runner.md). */
 static void tile_dispatch(const float *x, int64_t x_stride, int64_t k, const float *panel, const float *bias,
                           float *out, int64_t out_stride, int mr, int64_t cols, void *unused)
 {
     (void)unused;
-    if (mr == 1) {  /* one row (a batch-1 decode): no repeated rows, the weight stream is the cost */
-        for (int h = 0; h < 2; h++) {
-            const int64_t left = cols - h * 24;
-            if (left <= 0) break;
-            __m256 c0 = _mm256_setzero_ps(), c1 = c0, c2 = c0;
-            const float *b = panel + h * 24;
+    float tmp[ROW_TILE][16];
+    for (int h = 0; h < 3; h++) {
+        const int64_t left = cols - h * 16;
+        if (left <= 0) break;
+        const int64_t n = left < 16 ? left : 16;
+        const float *b = panel + h * 16;
+        if (mr == 1) {
+            __m256 c0 = _mm256_setzero_ps(), c1 = c0;
             for (int64_t kk = 0; kk < k; kk++, b += PANEL) {
                 const __m256 a = _mm256_broadcast_ss(x + kk);
                 c0 = _mm256_fmadd_ps(a, _mm256_loadu_ps(b), c0);
                 c1 = _mm256_fmadd_ps(a, _mm256_loadu_ps(b + 8), c1);
-                c2 = _mm256_fmadd_ps(a, _mm256_loadu_ps(b + 16), c2);
             }
-            float tmp[24];
-            _mm256_storeu_ps(tmp, c0);
-            _mm256_storeu_ps(tmp + 8, c1);
-            _mm256_storeu_ps(tmp + 16, c2);
-            const int64_t n = left < 24 ? left : 24;
-            for (int64_t j2 = 0; j2 < n; j2++) out[h * 24 + j2] = tmp[j2] + (bias != NULL ? bias[h * 24 + j2] : 0.0f);
+            _mm256_storeu_ps(tmp[0], c0);
+            _mm256_storeu_ps(tmp[0] + 8, c1);
+        } else {
+            const float *x0 = x, *x1 = x + (mr > 1 ? 1 : mr - 1) * x_stride, *x2 = x + (mr > 2 ? 2 : mr - 1) * x_stride,
+                        *x3 = x + (mr > 3 ? 3 : mr - 1) * x_stride, *x4 = x + (mr > 4 ? 4 : mr - 1) * x_stride,
+                        *x5 = x + (mr > 5 ? 5 : mr - 1) * x_stride;
+            __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
+            __m256 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
+            for (int64_t kk = 0; kk < k; kk++, b += PANEL) {
+                const __m256 b0 = _mm256_loadu_ps(b), b1 = _mm256_loadu_ps(b + 8);
+                __m256 a = _mm256_broadcast_ss(x0 + kk);
+                c00 = _mm256_fmadd_ps(a, b0, c00); c01 = _mm256_fmadd_ps(a, b1, c01);
+                a = _mm256_broadcast_ss(x1 + kk);
+                c10 = _mm256_fmadd_ps(a, b0, c10); c11 = _mm256_fmadd_ps(a, b1, c11);
+                a = _mm256_broadcast_ss(x2 + kk);
+                c20 = _mm256_fmadd_ps(a, b0, c20); c21 = _mm256_fmadd_ps(a, b1, c21);
+                a = _mm256_broadcast_ss(x3 + kk);
+                c30 = _mm256_fmadd_ps(a, b0, c30); c31 = _mm256_fmadd_ps(a, b1, c31);
+                a = _mm256_broadcast_ss(x4 + kk);
+                c40 = _mm256_fmadd_ps(a, b0, c40); c41 = _mm256_fmadd_ps(a, b1, c41);
+                a = _mm256_broadcast_ss(x5 + kk);
+                c50 = _mm256_fmadd_ps(a, b0, c50); c51 = _mm256_fmadd_ps(a, b1, c51);
+            }
+            const __m256 acc[ROW_TILE][2] = {{c00, c01}, {c10, c11}, {c20, c21}, {c30, c31}, {c40, c41}, {c50, c51}};
+            for (int r = 0; r < mr; r++) {
+                _mm256_storeu_ps(tmp[r], acc[r][0]);
+                _mm256_storeu_ps(tmp[r] + 8, acc[r][1]);
+            }
         }
-        return;
-    }
-    const float *x0 = x, *x1 = x + (mr > 1 ? 1 : 0) * x_stride, *x2 = x + (mr > 2 ? 2 : mr - 1) * x_stride,
-                *x3 = x + (mr > 3 ? 3 : mr - 1) * x_stride;
-    for (int h = 0; h < 2; h++) {
-        const int64_t left = cols - h * 24;
-        if (left <= 0) break;
-        __m256 c00 = _mm256_setzero_ps(), c01 = c00, c02 = c00, c10 = c00, c11 = c00, c12 = c00;
-        __m256 c20 = c00, c21 = c00, c22 = c00, c30 = c00, c31 = c00, c32 = c00;
-        const float *b = panel + h * 24;
-        for (int64_t kk = 0; kk < k; kk++, b += PANEL) {
-            const __m256 b0 = _mm256_loadu_ps(b), b1 = _mm256_loadu_ps(b + 8), b2 = _mm256_loadu_ps(b + 16);
-            __m256 a = _mm256_broadcast_ss(x0 + kk);
-            c00 = _mm256_fmadd_ps(a, b0, c00); c01 = _mm256_fmadd_ps(a, b1, c01); c02 = _mm256_fmadd_ps(a, b2, c02);
-            a = _mm256_broadcast_ss(x1 + kk);
-            c10 = _mm256_fmadd_ps(a, b0, c10); c11 = _mm256_fmadd_ps(a, b1, c11); c12 = _mm256_fmadd_ps(a, b2, c12);
-            a = _mm256_broadcast_ss(x2 + kk);
-            c20 = _mm256_fmadd_ps(a, b0, c20); c21 = _mm256_fmadd_ps(a, b1, c21); c22 = _mm256_fmadd_ps(a, b2, c22);
-            a = _mm256_broadcast_ss(x3 + kk);
-            c30 = _mm256_fmadd_ps(a, b0, c30); c31 = _mm256_fmadd_ps(a, b1, c31); c32 = _mm256_fmadd_ps(a, b2, c32);
-        }
-        float tmp[ROW_TILE][24];
-        const __m256 acc[ROW_TILE][3] = {{c00, c01, c02}, {c10, c11, c12}, {c20, c21, c22}, {c30, c31, c32}};
-        const int64_t n = left < 24 ? left : 24;
         for (int r = 0; r < mr; r++) {
-            for (int v = 0; v < 3; v++) _mm256_storeu_ps(tmp[r] + 8 * v, acc[r][v]);
-            float *o = out + r * out_stride + h * 24;
-            for (int64_t j2 = 0; j2 < n; j2++) o[j2] = tmp[r][j2] + (bias != NULL ? bias[h * 24 + j2] : 0.0f);
+            float *o = out + r * out_stride + h * 16;
+            for (int64_t j2 = 0; j2 < n; j2++) o[j2] = tmp[r][j2] + (bias != NULL ? bias[h * 16 + j2] : 0.0f);
         }
     }
 }
