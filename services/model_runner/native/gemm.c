@@ -15,7 +15,8 @@
  * kvmesh_linear_panel_width(), so the two cannot disagree.
  *
  * Kernel: rows of x in tiles of 8, a tile x one panel = 8 x 48 accumulators (24 zmm registers),
- * each k step one broadcast of x per row and three panel loads for 24 FMAs. Rows come in chunks
+ * each k step one broadcast of x per row and three panel loads for 24 FMAs (AVX2 + FMA: 6 x 16
+ * tiles, three per panel; plain C elsewhere). Rows come in chunks
  * of ROW_CHUNK, so a prefill's x chunk stays in L2 while the panels stream past it.
  *
  * Numerics: each output is sum_k x[k] * w[k] in k order with FMA, plus the bias: IEEE fp32 in
