@@ -88,9 +88,10 @@ def _run(model_dir: Path, *, concurrent: bool, passes: int = 1, pool_blocks: int
 
 @pytest.fixture(scope="module")
 def cold(tiny_llama_dir: Path) -> Iterator[tuple[Outputs, Any]]:
-    out, counters = _run(tiny_llama_dir, concurrent=False, enable_prefix_caching=False)
-    if counters[2].attention_backend != "cpu":
+    if load_kernels() is None:
         pytest.skip("the native kernels did not build here; the torch path is not batch invariant")
+    out, counters = _run(tiny_llama_dir, concurrent=False, enable_prefix_caching=False)
+    assert counters[2].attention_backend == "cpu"  # what auto picks for fp32 where the kernels build
     yield out, counters
 
 

@@ -8,6 +8,8 @@ op reads a paged cache), which moves every K/V byte two to three times. The nati
 It is not bitwise SDPA (another summation order and exp), so greedy outputs agree with the torch
 path and with transformers as any two fp32 implementations do: token for token except at
 near-ties of the top two logits (tested on the tiny models and SmolLM2, see docs/model_runner.md).
+With ``batch_invariant`` the prefill rows take the decode kernel too, one decode per position, so
+no row's numbers depend on how its prompt was chunked (docs/model_runner.md, "auto").
 """
 
 from __future__ import annotations
