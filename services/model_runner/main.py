@@ -35,8 +35,9 @@ def main() -> int:
         raise SystemExit("model-runner: set KVMESH_MODEL_DIR (or KVMESH_RUNNER_MODEL_DIR) to a checkpoint folder")
     core = build_runner(config)
     info = core.model_info()
-    log.info("model %s: %d blocks of %d tokens (%s KV, %s attention, %s)", info.model_id, info.num_blocks,
-             info.block_size, info.kv_cache_dtype, info.attention_backend, info.device)
+    log.info("model %s: %d blocks of %d tokens (%s weights: %s; %s KV; %s attention: %s; %s)", info.model_id,
+             info.num_blocks, info.block_size, info.dtype, info.dtype_reason, info.kv_cache_dtype,
+             info.attention_backend, info.attention_backend_reason, info.device)
     server_cfg = from_env(ServerConfig, "KVMESH_")
     mcfg = metrics_config(env, server_cfg.host)
     metrics = RunnerMetrics(registry, mcfg.model_name)

@@ -127,6 +127,8 @@ class RemoteRunner:
         return RunnerInfo(
             model_id=mi.model_id, vocab_size=mi.vocab_size, max_model_len=mi.max_model_len,
             eos_token_ids=tuple(mi.eos_token_ids), num_blocks=mi.num_blocks, block_size=mi.block_size,
+            dtype=mi.dtype, attention_backend=mi.attention_backend, dtype_reason=mi.dtype_reason,
+            attention_backend_reason=mi.attention_backend_reason,
         )
 
     def execute(self, step: StepInput) -> StepOutput:

@@ -260,7 +260,7 @@ def test_overlay_specific_settings(overlay: tuple[str, str, list[Doc]]) -> None:
     gpus = [c["resources"]["limits"].get("nvidia.com/gpu") for c in spec["containers"]]
     if name == "cpu":
         assert values["KVMESH_RUNNER_DEVICE"] == "cpu"
-        assert values["KVMESH_RUNNER_ATTENTION_BACKEND"] == "torch"
+        assert values["KVMESH_RUNNER_ATTENTION_BACKEND"] == "auto"
         assert gpus == [None, None]
         assert "nodeSelector" not in spec
         assert runner["image"] == "kvmesh:0.1.0"
