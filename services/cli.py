@@ -30,6 +30,7 @@ SERVICES: dict[str, str] = {
     "model-runner": "services.model_runner.main",
     "scheduler": "services.scheduler.main",
     "offload-store": "services.offload_store.main",
+    "router": "services.router.main",
 }
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 DEMO_QUESTION = "What is the capital of France? Answer in one sentence."
