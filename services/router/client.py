@@ -2,9 +2,9 @@
 
 Each replica gets two daemon threads:
 
-- a probe loop: every ``health_interval_seconds``, the scheduler's GetModelInfo (health, and the
-  model id and block size the hashes need) and the kv-cache-manager's GetStats (KV usage). A
-  replica that does not answer is skipped by the scorer until it answers again.
+- a probe loop: every ``health_interval_seconds``, the scheduler's ``grpc.health.v1`` check and
+  the kv-cache-manager's GetStats (KV usage). A replica that does not answer is skipped by the
+  scorer until it answers again.
 - an event loop: SubscribeEvents on the kv-cache-manager. Once the stream is registered (its
   initial metadata), the replica's index entries are cleared and relearned from the events that
   follow; on a gap in the batch numbers, an overflow or a broken stream, the entries are cleared
@@ -22,6 +22,7 @@ import time
 from collections.abc import Iterator
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.kv_cache_manager.types import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, KVEventBatch
 from services.router.config import RouterConfig
@@ -37,6 +38,7 @@ from shared.pb.kvmesh.v1 import scheduler_pb2, scheduler_pb2_grpc
 from shared.telemetry import instrument_grpc_client
 
 log = logging.getLogger(__name__)
+Metadata = tuple[tuple[str, str | bytes], ...]
 
 
 def batch_from_pb(msg: kvm_pb2.KVEventBatch) -> KVEventBatch:
@@ -70,6 +72,7 @@ class Replica:
         self.stub = scheduler_pb2_grpc.SchedulerStub(self.channel)
         self._kvm_channel = open_channel(address.kvm_address)
         self._kvm = kvm_grpc.KVCacheManagerStub(self._kvm_channel)
+        self._health = health_pb2_grpc.HealthStub(self.channel)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._call: grpc.Call | None = None
@@ -78,7 +81,6 @@ class Replica:
         self.subscriptions = 0
         self.kv_usage = 0.0
         self.info: scheduler_pb2.SchedulerModelInfo | None = None
-        self.seed_checked = False
         self._in_flight = 0
         self._threads = [threading.Thread(target=self._probe_loop, name=f"router-probe-{self.id}", daemon=True),
                          threading.Thread(target=self._event_loop, name=f"router-events-{self.id}", daemon=True)]
@@ -117,15 +119,18 @@ class Replica:
     # ------------------------------------------------------------------ probes
 
     def probe(self) -> None:
-        """One health + stats probe (also run once synchronously at start)."""
+        """One health + stats probe (also run once synchronously at start).
+
+        NOTE: the scheduler's health service is open, but its API needs a caller's key, so the
+        model info (model id, block size) is fetched with the first caller's metadata instead
+        (:meth:`model_info`).
+        """
         timeout = self._config.rpc_timeout_seconds
         try:
-            self.info = self.stub.GetModelInfo(scheduler_pb2.SchedulerModelInfoRequest(), timeout=timeout)
+            health = self._health.Check(health_pb2.HealthCheckRequest(), timeout=timeout)
             stats = self._kvm.GetStats(kvm_pb2.GetStatsRequest(), timeout=timeout)
             self.kv_usage = (stats.num_blocks - stats.num_free_blocks) / stats.num_blocks if stats.num_blocks else 0.0
-            if not self.seed_checked:
-                self._check_seed(self.info)
-            self.healthy = True
+            self.healthy = health.status == health_pb2.HealthCheckResponse.SERVING
         except grpc.RpcError as exc:
             if self.healthy:
                 log.warning("router: replica %s unreachable: %s", self.id, exc.code())
@@ -134,16 +139,32 @@ class Replica:
             self._metrics.healthy.labels(self.id).set(1 if self.healthy else 0)
             self._metrics.indexed_blocks.labels(self.id).set(self._index.num_blocks(self.id))
 
+    def model_info(self, metadata: Metadata) -> scheduler_pb2.SchedulerModelInfo:
+        """The replica's model info, asked once with the caller's metadata, then kept until it reconnects."""
+        info = self.info
+        if info is None:
+            info = self.stub.GetModelInfo(scheduler_pb2.SchedulerModelInfoRequest(), metadata=metadata,
+                                          timeout=self._config.rpc_timeout_seconds)
+            self._check_seed(info)
+            self.info = info
+        return info
+
     def _check_seed(self, info: scheduler_pb2.SchedulerModelInfo) -> None:
-        """Compares our hashes of a probe block with the replica's own (as the scheduler does at start)."""
+        """Compares our hashes of a probe block with the replica's own (as the scheduler does at start).
+
+        A mismatch only logs: the replica still serves correctly, the router just cannot see its hits.
+        """
         probe = list(range(info.block_size))
-        theirs = list(self._kvm.LookupPrefix(kvm_pb2.LookupPrefixRequest(token_ids=probe),
-                                             timeout=self._config.rpc_timeout_seconds).block_hashes)
+        try:
+            theirs = list(self._kvm.LookupPrefix(kvm_pb2.LookupPrefixRequest(token_ids=probe),
+                                                 timeout=self._config.rpc_timeout_seconds).block_hashes)
+        except grpc.RpcError as exc:
+            log.warning("router: replica %s: cannot check its hash seed (%s)", self.id, exc.code())
+            return
         ours = hash_blocks(replica_hash_seed(self._config.deployment_key, info.model_id), probe, info.block_size)
         if theirs != ours:
             log.error("router: replica %s hashes prefixes with another seed: set the same KVMESH_DEPLOYMENT_KEY "
                       "for the router and every replica (its prefix hits cannot be seen)", self.id)
-        self.seed_checked = True
 
     def _probe_loop(self) -> None:
         while not self._stop.wait(self._config.health_interval_seconds):
@@ -166,6 +187,7 @@ class Replica:
             try:
                 call.initial_metadata()  # the stream is registered: every later event reaches us
                 self._index.clear_replica(self.id)
+                self.info = None  # a restarted replica may serve another model: ask again
                 self.subscribed = True
                 self.subscriptions += 1
                 backoff = cfg.reconnect_min_seconds
@@ -223,12 +245,21 @@ class ReplicaSet:
         """The replicas to route to now."""
         return [r for r in self.replicas if r.healthy]
 
-    def model_info(self) -> scheduler_pb2.SchedulerModelInfo | None:
-        """The served model's info from a healthy replica (every replica serves the same model)."""
-        for r in self.healthy():
+    def model_info(self, candidates: list[Replica], metadata: Metadata) -> scheduler_pb2.SchedulerModelInfo:
+        """The served model's info (every replica serves the same model): a cached one, else asked."""
+        for r in candidates:
             if r.info is not None:
                 return r.info
-        return None
+        last: grpc.RpcError | None = None
+        for r in candidates:
+            try:
+                return r.model_info(metadata)
+            except grpc.RpcError as exc:
+                if exc.code() != grpc.StatusCode.UNAVAILABLE:
+                    raise
+                r.mark_failed()
+                last = exc
+        raise last if last is not None else RuntimeError("no candidate replica")
 
     def close(self) -> None:
         """Stops every replica's threads and channels."""

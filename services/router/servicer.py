@@ -17,7 +17,7 @@ from typing import TypeVar
 
 import grpc
 
-from services.router.client import Replica, ReplicaSet
+from services.router.client import Metadata, Replica, ReplicaSet
 from services.router.routing import Router
 from services.router.types import Decision
 from services.scheduler.auth import current_tenant
@@ -31,9 +31,6 @@ T = TypeVar("T")
 _NOT_FORWARDED = frozenset({"user-agent", "traceparent", "tracestate"})
 TRAILER_REPLICA = "kvmesh-replica"
 TRAILER_MATCHED = "kvmesh-matched-blocks"
-
-
-Metadata = tuple[tuple[str, str | bytes], ...]
 
 
 def forwarded_metadata(context: grpc.ServicerContext) -> Metadata:
@@ -106,10 +103,12 @@ class RouterFront:
     def decide(self, request: scheduler_pb2.GenerateRequest, context: grpc.ServicerContext,
                record: bool) -> tuple[Decision, list[Replica]]:
         candidates = self.candidates()
-        info = self.replicas.model_info()
-        if info is None:
-            raise Unavailable("no replica has reported its model yet; retry later")
-        ids = self.prompt_ids(request, forwarded_metadata(context))
+        metadata = forwarded_metadata(context)
+        try:
+            info = self.replicas.model_info(candidates, metadata)
+        except grpc.RpcError as exc:  # e.g. UNAUTHENTICATED: the replica's answer is the caller's
+            context.abort(exc.code(), exc.details() or "")
+        ids = self.prompt_ids(request, metadata)
         decision = self.router.decide(candidates, ids, current_tenant().id, request.cache_salt, info.model_id,
                                       info.block_size, record=record)
         return decision, [self.replicas.by_id[s.replica_id] for s in decision.scores]
