@@ -110,16 +110,16 @@ def prefix(seed: int, n: int = 48) -> list[int]:
 
 def test_shared_prefix_lands_on_its_holder_and_round_robin_misses(mesh: Mesh) -> None:
     p = prefix(1)
-    _, first, home = generate(mesh.router.address, p + [1, 2, 3])
+    _, first, home = generate(mesh.router.address, [*p, 1, 2, 3])
     assert first.cached_tokens == 0 and home in ("r0", "r1")
     wait_index_caught_up(mesh)
     for i in range(4):
-        _, final, replica = generate(mesh.router.address, p + [10 + i, 2, 3])
+        _, final, replica = generate(mesh.router.address, [*p, 10 + i, 2, 3])
         assert (replica, final.cached_tokens) == (home, 48), i
     q = prefix(2)
     placed: list[str] = []
     for i in range(4):
-        _, final, replica = generate(mesh.rr_router.address, q + [10 + i, 2, 3])
+        _, final, replica = generate(mesh.rr_router.address, [*q, 10 + i, 2, 3])
         assert final.cached_tokens == (48 if replica in placed else 0), (i, placed)
         placed.append(replica)
     assert placed in (["r0", "r1", "r0", "r1"], ["r1", "r0", "r1", "r0"])
@@ -127,18 +127,18 @@ def test_shared_prefix_lands_on_its_holder_and_round_robin_misses(mesh: Mesh) ->
 
 def test_tenants_stay_isolated_across_replicas(mesh: Mesh) -> None:
     p = prefix(3)
-    _, _, home = generate(mesh.router.address, p + [1], tenant="team-a")
+    _, _, home = generate(mesh.router.address, [*p, 1], tenant="team-a")
     wait_index_caught_up(mesh)
-    assert explain(mesh, p + [2], "team-a")[home] == 12
-    assert set(explain(mesh, p + [2], "team-b").values()) == {0}
-    _, final_b, _ = generate(mesh.router.address, p + [2], tenant="team-b")
+    assert explain(mesh, [*p, 2], "team-a")[home] == 12
+    assert set(explain(mesh, [*p, 2], "team-b").values()) == {0}
+    _, final_b, _ = generate(mesh.router.address, [*p, 2], tenant="team-b")
     assert final_b.cached_tokens == 0
-    _, final_a, replica = generate(mesh.router.address, p + [3], tenant="team-a")
+    _, final_a, replica = generate(mesh.router.address, [*p, 3], tenant="team-a")
     assert (replica, final_a.cached_tokens) == (home, 48)
 
 
 def test_greedy_output_equals_a_single_replicas(mesh: Mesh) -> None:
-    prompts = [prefix(4) + [i, i + 1, i + 2] for i in range(6)] + [prefix(5, 30) + [i] for i in range(4)]
+    prompts = [[*prefix(4), i, i + 1, i + 2] for i in range(6)] + [[*prefix(5, 30), i] for i in range(4)]
     direct = [generate(mesh.suites[0].address, p, max_tokens=6, cache_salt=f"cold-{i}")[0]
               for i, p in enumerate(prompts)]
     results: dict[int, list[int]] = {}
@@ -156,7 +156,7 @@ def test_greedy_output_equals_a_single_replicas(mesh: Mesh) -> None:
 
 def test_index_equals_the_replicas_hashed_blocks_after_churn(mesh: Mesh) -> None:
     # 12 prompts of 13 blocks on 64-block pools: both replicas evict.
-    prompts = [prefix(10 + i, 52) + [1] for i in range(12)]
+    prompts = [[*prefix(10 + i, 52), 1] for i in range(12)]
     before = [mesh.kvm(i).GetStats(kvm_pb2.GetStatsRequest()).num_evictions for i in range(2)]
     for i, p in enumerate(prompts):
         generate(mesh.router.address, p, tenant=("team-a", "team-b")[i % 2], max_tokens=2)
@@ -173,13 +173,13 @@ def test_index_equals_the_replicas_hashed_blocks_after_churn(mesh: Mesh) -> None
 
 def test_a_killed_replica_is_skipped_and_its_streams_end_with_a_status(mesh: Mesh) -> None:
     p = prefix(30)
-    _, _, home = generate(mesh.router.address, p + [1])
+    _, _, home = generate(mesh.router.address, [*p, 1])
     wait_index_caught_up(mesh)
     victim = int(home[1])
     with KVMeshClient(mesh.router.address, api_key=KEYS["team-a"]) as client:
-        call = client.stub.Generate(client.request(p + [2], 150, ignore_eos=True), metadata=client.metadata,
+        call = client.stub.Generate(client.request([*p, 2], 150, ignore_eos=True), metadata=client.metadata,
                                     timeout=60)
-        first = next(call)
+        first = next(iter(call))
         assert first.token_ids
         mesh.suites[victim].services["scheduler"].proc.kill()
         with pytest.raises(grpc.RpcError) as err:
@@ -190,7 +190,7 @@ def test_a_killed_replica_is_skipped_and_its_streams_end_with_a_status(mesh: Mes
     # Before or after the probe notices, every new request is served by the survivor.
     survivor = f"r{1 - victim}"
     for i in range(3):
-        tokens, final, replica = generate(mesh.router.address, p + [3 + i])
+        tokens, final, replica = generate(mesh.router.address, [*p, 3 + i])
         assert (replica, len(tokens), final.completion_tokens) == (survivor, 4, 4)
     deadline = time.monotonic() + 5
     while True:
