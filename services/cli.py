@@ -56,8 +56,15 @@ def _start_suite(ns: argparse.Namespace) -> Any:
     model_dir = _model_dir(ns)
     print(f"kvmesh: starting the suite for {model_dir} ...", flush=True)
     started = time.monotonic()
-    suite = Suite(SuiteConfig(model_dir=model_dir, scheduler_port=ns.port, with_offload=not ns.no_offload,
-                              log_dir=ns.log_dir or ""))
+    suite: Any
+    if getattr(ns, "replicas", 1) > 1:  # N suites behind a router (services/mesh.py)
+        from services.mesh import Mesh, MeshConfig
+
+        suite = Mesh(MeshConfig(model_dir=model_dir, replicas=ns.replicas, port=ns.port,
+                                with_offload=not ns.no_offload, log_dir=ns.log_dir or ""))
+    else:
+        suite = Suite(SuiteConfig(model_dir=model_dir, scheduler_port=ns.port, with_offload=not ns.no_offload,
+                                  log_dir=ns.log_dir or ""))
     print(f"kvmesh: suite up in {time.monotonic() - started:.1f}s", flush=True)
     for name, proc in suite.services.items():
         print(f"  {name:<17} {proc.address:<22} log: {proc.log_path}", flush=True)
@@ -172,6 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_subcommand(sub)
     up = sub.add_parser("up", help="run the whole suite on loopback until Ctrl-C")
     _add_suite_args(up)
+    up.add_argument("--replicas", type=int, default=1, help="N suites behind a KV-aware router on --port")
     up.set_defaults(func=_up)
     demo = sub.add_parser("demo", help="up + one streamed chat answer")
     _add_suite_args(demo)

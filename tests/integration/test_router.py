@@ -1,7 +1,8 @@
 """Two real replicas (two suites on ephemeral ports) behind the router as a process.
 
-One module-scoped mesh: replica r0 and r1 (block size 4, a 64-block pool each, API keys for two
-tenants), a ``kv_aware`` router and a ``round_robin`` router in front of the same replicas. The
+One module-scoped mesh, started as ``kvmesh up --replicas 2`` starts it (services/mesh.py):
+replicas r0 and r1 (block size 4, a 64-block pool each, API keys for two tenants) behind a
+``kv_aware`` router, plus a ``round_robin`` router in front of the same replicas. The
 tests run in file order; the last one kills r1.
 """
 
@@ -16,7 +17,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from services.suite import Suite, SuiteConfig
+from services.mesh import Mesh, MeshConfig
+from services.suite import Suite
 from shared.auth import tenant_cache_salt
 from shared.client import KVMeshClient
 from shared.launcher import ServiceProcess
@@ -31,10 +33,18 @@ AUTH = (("authorization", f"Bearer {KEYS['team-a']}"),)  # the Router API is beh
 
 
 @dataclass
-class Mesh:
-    suites: list[Suite]
-    router: ServiceProcess
+class Replicas:
+    mesh: Mesh  # r0, r1 and the kv_aware router, as `kvmesh up --replicas 2` starts them
     rr_router: ServiceProcess
+
+    @property
+    def suites(self) -> list[Suite]:
+        return self.mesh.suites
+
+    @property
+    def router(self) -> ServiceProcess:
+        assert self.mesh.router is not None
+        return self.mesh.router
 
     def kvm(self, i: int) -> kvm_grpc.KVCacheManagerStub:
         return kvm_grpc.KVCacheManagerStub(grpc.insecure_channel(self.suites[i].services["kv-cache-manager"].address))
@@ -44,32 +54,25 @@ class Mesh:
 
 
 @pytest.fixture(scope="module")
-def mesh(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+def mesh(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Replicas]:
     logs = tmp_path_factory.mktemp("mesh")
     keys_file = logs / "keys.txt"
     keys_file.write_text("".join(f"{k} {t}\n" for t, k in KEYS.items()))
-    common = {"KVMESH_DEPLOYMENT_KEY": KEY, "KVMESH_AUTH_KEYS_FILE": str(keys_file)}
-    env = {**common, "KVMESH_RUNNER_BLOCK_SIZE": str(BS), "KVMESH_RUNNER_KV_CACHE_MEMORY_BYTES": str(65 * 2048),
-           "KVMESH_RUNNER_WARMUP": "0"}
-    suites: list[Suite] = []
-    routers: list[ServiceProcess] = []
-    try:
-        for i in range(2):
-            suites.append(Suite(SuiteConfig(model_dir=str(tiny_llama_dir), scheduler_port=0, with_offload=False,
-                                            log_dir=str(logs / f"r{i}"), extra_env=env)))
-        replicas = ",".join(f"r{i}={s.address}/{s.services['kv-cache-manager'].address}"
-                            for i, s in enumerate(suites))
-        for policy in ("kv_aware", "round_robin"):
-            routers.append(ServiceProcess("router", log_dir=str(logs / policy), env={
-                **common, "KVMESH_MODEL_DIR": str(tiny_llama_dir), "KVMESH_ROUTER_REPLICAS": replicas,
-                "KVMESH_ROUTER_POLICY": policy, "KVMESH_ROUTER_HEALTH_INTERVAL_SECONDS": "0.2",
-                "KVMESH_ROUTER_READY_TIMEOUT_SECONDS": "30"}))
-        yield Mesh(suites, routers[0], routers[1])
-    finally:
-        for r in routers:
-            r.stop()
-        for s in suites:
-            s.stop()
+    env = {"KVMESH_DEPLOYMENT_KEY": KEY, "KVMESH_AUTH_KEYS_FILE": str(keys_file),
+           "KVMESH_RUNNER_BLOCK_SIZE": str(BS), "KVMESH_RUNNER_KV_CACHE_MEMORY_BYTES": str(65 * 2048),
+           "KVMESH_RUNNER_WARMUP": "0", "KVMESH_ROUTER_HEALTH_INTERVAL_SECONDS": "0.2",
+           "KVMESH_ROUTER_READY_TIMEOUT_SECONDS": "30"}
+    with Mesh(MeshConfig(model_dir=str(tiny_llama_dir), replicas=2, port=0, with_offload=False,
+                         log_dir=str(logs), extra_env=env)) as m:
+        assert m.router is not None
+        rr = ServiceProcess("router", log_dir=str(logs / "round_robin"), env={
+            **env, "KVMESH_MODEL_DIR": str(tiny_llama_dir), "KVMESH_ROUTER_POLICY": "round_robin",
+            "KVMESH_ROUTER_REPLICAS": ",".join(f"r{i}={s.address}/{s.services['kv-cache-manager'].address}"
+                                               for i, s in enumerate(m.suites))})
+        try:
+            yield Replicas(m, rr)
+        finally:
+            rr.stop()
 
 
 def generate(address: str, prompt: list[int] | str, tenant: str = "team-a", max_tokens: int = 4,
@@ -83,7 +86,7 @@ def generate(address: str, prompt: list[int] | str, tenant: str = "team-a", max_
     return [t for m in msgs for t in m.token_ids], msgs[-1].final, str(trailers.get("kvmesh-replica", ""))
 
 
-def explain(mesh: Mesh, prompt: list[int], tenant: str = "team-a") -> dict[str, int]:
+def explain(mesh: Replicas, prompt: list[int], tenant: str = "team-a") -> dict[str, int]:
     """The router's matched blocks per replica for ``prompt`` (routes nothing)."""
     req = scheduler_pb2.GenerateRequest(max_tokens=1)
     req.token_ids.ids.extend(prompt)
@@ -91,7 +94,7 @@ def explain(mesh: Mesh, prompt: list[int], tenant: str = "team-a") -> dict[str, 
     return {s.id: s.matched_blocks for s in d.scores}
 
 
-def wait_index_caught_up(mesh: Mesh, timeout: float = 10.0) -> None:
+def wait_index_caught_up(mesh: Replicas, timeout: float = 10.0) -> None:
     """Until the router's entry count per replica equals the replica's cached blocks (events are async)."""
     deadline = time.monotonic() + timeout
     while True:
@@ -108,7 +111,7 @@ def prefix(seed: int, n: int = 48) -> list[int]:
     return [(seed * 37 + i * 11) % 360 + 5 for i in range(n)]
 
 
-def test_shared_prefix_lands_on_its_holder_and_round_robin_misses(mesh: Mesh) -> None:
+def test_shared_prefix_lands_on_its_holder_and_round_robin_misses(mesh: Replicas) -> None:
     p = prefix(1)
     _, first, home = generate(mesh.router.address, [*p, 1, 2, 3])
     assert first.cached_tokens == 0 and home in ("r0", "r1")
@@ -125,7 +128,7 @@ def test_shared_prefix_lands_on_its_holder_and_round_robin_misses(mesh: Mesh) ->
     assert placed in (["r0", "r1", "r0", "r1"], ["r1", "r0", "r1", "r0"])
 
 
-def test_tenants_stay_isolated_across_replicas(mesh: Mesh) -> None:
+def test_tenants_stay_isolated_across_replicas(mesh: Replicas) -> None:
     p = prefix(3)
     _, _, home = generate(mesh.router.address, [*p, 1], tenant="team-a")
     wait_index_caught_up(mesh)
@@ -137,7 +140,7 @@ def test_tenants_stay_isolated_across_replicas(mesh: Mesh) -> None:
     assert (replica, final_a.cached_tokens) == (home, 48)
 
 
-def test_greedy_output_equals_a_single_replicas(mesh: Mesh) -> None:
+def test_greedy_output_equals_a_single_replicas(mesh: Replicas) -> None:
     prompts = [[*prefix(4), i, i + 1, i + 2] for i in range(6)] + [[*prefix(5, 30), i] for i in range(4)]
     direct = [generate(mesh.suites[0].address, p, max_tokens=6, cache_salt=f"cold-{i}")[0]
               for i, p in enumerate(prompts)]
@@ -154,7 +157,7 @@ def test_greedy_output_equals_a_single_replicas(mesh: Mesh) -> None:
     assert [results[i] for i in range(len(prompts))] == direct
 
 
-def test_index_equals_the_replicas_hashed_blocks_after_churn(mesh: Mesh) -> None:
+def test_index_equals_the_replicas_hashed_blocks_after_churn(mesh: Replicas) -> None:
     # 12 prompts of 13 blocks on 64-block pools: both replicas evict.
     prompts = [[*prefix(10 + i, 52), 1] for i in range(12)]
     before = [mesh.kvm(i).GetStats(kvm_pb2.GetStatsRequest()).num_evictions for i in range(2)]
@@ -171,7 +174,7 @@ def test_index_equals_the_replicas_hashed_blocks_after_churn(mesh: Mesh) -> None
         assert explain(mesh, p, tenant) == truth, i
 
 
-def test_a_killed_replica_is_skipped_and_its_streams_end_with_a_status(mesh: Mesh) -> None:
+def test_a_killed_replica_is_skipped_and_its_streams_end_with_a_status(mesh: Replicas) -> None:
     p = prefix(30)
     _, _, home = generate(mesh.router.address, [*p, 1])
     wait_index_caught_up(mesh)
