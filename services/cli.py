@@ -31,6 +31,7 @@ SERVICES: dict[str, str] = {
     "scheduler": "services.scheduler.main",
     "offload-store": "services.offload_store.main",
     "gateway": "services.gateway.main",
+    "router": "services.router.main",
 }
 DEMO_QUESTION = "What is the capital of France? Answer in one sentence."
 
@@ -79,11 +80,18 @@ def _start_suite(ns: argparse.Namespace, cancel: threading.Event | None = None, 
     model_dir = model_dir or _model_dir(ns)
     print(f"kvmesh: starting the suite for {model_dir} ...", flush=True)
     started = time.monotonic()
-    suite = Suite(SuiteConfig(model_dir=model_dir, scheduler_port=ns.port, with_offload=not ns.no_offload,
-                              log_dir=ns.log_dir or "",
-                              gateway_port=None if ns.http_port < 0 else ns.http_port,
-                              metrics_port=int(os.environ.get("KVMESH_METRICS_PORT", "0") or 0)),
-                  cancel=cancel)
+    suite: Any
+    if getattr(ns, "replicas", 1) > 1:  # N suites behind a router (services/mesh.py)
+        from services.mesh import Mesh, MeshConfig
+
+        suite = Mesh(MeshConfig(model_dir=model_dir, replicas=ns.replicas, port=ns.port,
+                                with_offload=not ns.no_offload, log_dir=ns.log_dir or ""))
+    else:
+        suite = Suite(SuiteConfig(model_dir=model_dir, scheduler_port=ns.port, with_offload=not ns.no_offload,
+                                  log_dir=ns.log_dir or "",
+                                  gateway_port=None if ns.http_port < 0 else ns.http_port,
+                                  metrics_port=int(os.environ.get("KVMESH_METRICS_PORT", "0") or 0)),
+                      cancel=cancel)
     print(f"kvmesh: suite up in {time.monotonic() - started:.1f}s", flush=True)
     for name, proc in suite.services.items():
         print(f"  {name:<17} {proc.address:<22} log: {proc.log_path}", flush=True)
@@ -182,6 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_subcommand(sub)
     up = sub.add_parser("up", help="run the whole suite on loopback until Ctrl-C")
     _add_suite_args(up)
+    up.add_argument("--replicas", type=int, default=1, help="N suites behind a KV-aware router on --port")
     up.set_defaults(func=_up)
     demo = sub.add_parser("demo", help="up + one streamed chat answer")
     _add_suite_args(demo)
