@@ -5,17 +5,24 @@
             print(chunk.text, end="", flush=True)
 
 With authentication on, pass ``api_key=`` (sent as ``authorization: Bearer <key>`` metadata on
-every call); with TLS, ``tls=TLSFiles(ca=...)`` (see docs/security.md).
+every call); with TLS, ``tls=TLSFiles(ca=...)`` (see docs/security.md). :class:`AsyncKVMeshClient`
+is the same API for asyncio programs (``grpc.aio``), built from the same request builder.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
-from shared.channels import open_channel
+import grpc
+
+from shared.channels import CHANNEL_OPTIONS, open_channel
 from shared.pb.kvmesh.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
-from shared.tls import TLSFiles
+from shared.tls import TLSFiles, channel_credentials
+
+
+def _auth_metadata(api_key: str | None) -> tuple[tuple[str, str], ...]:
+    return (("authorization", f"Bearer {api_key}"),) if api_key else ()
 
 
 class KVMeshClient:
@@ -24,7 +31,7 @@ class KVMeshClient:
     def __init__(self, address: str, api_key: str | None = None, tls: TLSFiles | None = None) -> None:
         self.channel = open_channel(address, tls=tls)
         self.stub = scheduler_pb2_grpc.SchedulerStub(self.channel)
-        self.metadata: tuple[tuple[str, str], ...] = (("authorization", f"Bearer {api_key}"),) if api_key else ()
+        self.metadata = _auth_metadata(api_key)
 
     def close(self) -> None:
         """Closes the channel."""
@@ -44,6 +51,10 @@ class KVMeshClient:
         temperature: float = 0.0,
         top_p: float | None = None,
         top_k: int = 0,
+        min_p: float = 0.0,
+        repetition_penalty: float | None = None,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
         seed: int | None = None,
         logprobs: int | None = None,
         stop: Sequence[str] = (),
@@ -52,11 +63,20 @@ class KVMeshClient:
         request_id: str = "",
         priority: int = 0,
         cache_salt: str = "",
+        include_special_tokens: bool = False,
     ) -> scheduler_pb2.GenerateRequest:
-        """Builds a ``GenerateRequest``: ``prompt`` is text, token ids, or ``(role, content)`` pairs."""
-        sampling = common_pb2.SamplingParams(temperature=temperature, top_k=top_k)
+        """Builds a ``GenerateRequest``: ``prompt`` is text, token ids, or ``(role, content)`` pairs.
+
+        Every sampling field of the API is here (``None`` = the server's default); the server
+        validates them (``INVALID_ARGUMENT`` naming the field).
+        """
+        sampling = common_pb2.SamplingParams(temperature=temperature, top_k=top_k, min_p=min_p,
+                                             presence_penalty=presence_penalty,
+                                             frequency_penalty=frequency_penalty)
         if top_p is not None:
             sampling.top_p = top_p
+        if repetition_penalty is not None:
+            sampling.repetition_penalty = repetition_penalty
         if seed is not None:
             sampling.seed = seed
         if logprobs is not None:
@@ -64,6 +84,7 @@ class KVMeshClient:
         req = scheduler_pb2.GenerateRequest(
             sampling=sampling, max_tokens=max_tokens, stop=list(stop), stop_token_ids=list(stop_token_ids),
             ignore_eos=ignore_eos, request_id=request_id, priority=priority, cache_salt=cache_salt,
+            include_special_tokens=include_special_tokens,
         )
         if isinstance(prompt, str):
             req.text = prompt
@@ -103,3 +124,64 @@ class KVMeshClient:
         """Text to token ids with the served tokenizer."""
         return list(self.stub.Tokenize(scheduler_pb2.TokenizeRequest(text=text),
                                        metadata=self.metadata).token_ids)
+
+
+class AsyncKVMeshClient:
+    """:class:`KVMeshClient` for asyncio: ``async for chunk in client.generate(...)``.
+
+    NOTE: a separate class over ``grpc.aio`` rather than threads around the sync client, so a
+    program with thousands of concurrent streams holds no thread per stream.
+    """
+
+    def __init__(self, address: str, api_key: str | None = None, tls: TLSFiles | None = None) -> None:
+        options = list(CHANNEL_OPTIONS)
+        if tls is not None and tls.server_name:
+            options.append(("grpc.ssl_target_name_override", tls.server_name))
+        if tls is not None and tls.enabled:
+            self.channel = grpc.aio.secure_channel(address, channel_credentials(tls), options=options)
+        else:
+            self.channel = grpc.aio.insecure_channel(address, options=options)
+        self.stub = scheduler_pb2_grpc.SchedulerStub(self.channel)
+        self.metadata = _auth_metadata(api_key)
+
+    async def close(self) -> None:
+        """Closes the channel."""
+        await self.channel.close(None)
+
+    async def __aenter__(self) -> AsyncKVMeshClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def generate(self, prompt: Any, max_tokens: int = 64, timeout: float | None = None,
+                       **kwargs: Any) -> AsyncIterator[scheduler_pb2.GenerateResponse]:
+        """Streams chunks; the last one carries ``final``. Leaving the loop early cancels the request."""
+        call = self.stub.Generate(KVMeshClient.request(prompt, max_tokens, **kwargs), timeout=timeout,
+                                  metadata=self.metadata)
+        try:
+            async for chunk in call:
+                yield chunk
+        finally:
+            call.cancel()
+
+    async def complete(self, prompt: Any, max_tokens: int = 64, **kwargs: Any) -> tuple[str, list[int], Any]:
+        """Non-streaming convenience: (text, token ids, final info)."""
+        text: list[str] = []
+        ids: list[int] = []
+        final = None
+        async for chunk in self.generate(prompt, max_tokens, **kwargs):
+            text.append(chunk.text)
+            ids.extend(chunk.token_ids)
+            if chunk.HasField("final"):
+                final = chunk.final
+        return "".join(text), ids, final
+
+    async def model_info(self) -> scheduler_pb2.SchedulerModelInfo:
+        """What the suite serves."""
+        return await self.stub.GetModelInfo(scheduler_pb2.SchedulerModelInfoRequest(), metadata=self.metadata)
+
+    async def tokenize(self, text: str) -> list[int]:
+        """Text to token ids with the served tokenizer."""
+        resp = await self.stub.Tokenize(scheduler_pb2.TokenizeRequest(text=text), metadata=self.metadata)
+        return list(resp.token_ids)

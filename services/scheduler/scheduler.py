@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -38,6 +39,8 @@ from services.scheduler.offload import OffloadConnector
 from services.scheduler.request import FinishReason, Request, RequestStatus
 from shared.errors import InvalidArgument
 from shared.hashing import hash_blocks
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -82,7 +85,12 @@ class Scheduler:
         self.config = config
         self.kv = kv
         self.info = info
+        # NOTE: offload keys are the prefix hashes, which exist only with prefix caching; without
+        # it the offload tier (and swap preemption) is off, and that is said, never silent.
         self.offload = offload if config.enable_prefix_caching else None
+        if offload is not None and self.offload is None:
+            log.warning("prefix caching is off, so the offload-store is not used: no offload reloads, "
+                        "and preemption_mode=%s falls back to recompute", config.preemption_mode)
         self.hash_seed = hash_seed
         self.block_size = info.block_size
         self.waiting: list[Request] = []  # sorted by Request.sort_key

@@ -251,3 +251,42 @@ def test_seeded_sampling_and_logprobs_over_the_api(suite: Suite) -> None:
         assert lp.top[0].logprob >= lp.top[1].logprob >= lp.top[2].logprob
         assert lp.top[0].token_id == tok  # greedy: the sampled token is the most likely one
         assert lp.sampled.logprob == pytest.approx(lp.top[0].logprob)
+
+
+def test_async_client_equals_the_sync_client_and_sends_every_sampling_field(suite: Suite) -> None:
+    """The asyncio client streams the same greedy tokens as the sync one, cancels on an early exit,
+    and carries min_p / penalties to the server (an out-of-range value is refused naming it)."""
+    import asyncio
+
+    from shared.client import AsyncKVMeshClient
+
+    prompt = list(range(60, 90))
+    with KVMeshClient(suite.address) as client:
+        sync_ids = client.complete(prompt, 6, ignore_eos=True)[1]
+        penalized = client.complete(prompt, 6, ignore_eos=True, repetition_penalty=1.3, presence_penalty=0.5,
+                                    frequency_penalty=0.5, min_p=0.05)[1]
+
+    async def run() -> tuple[list[int], list[int], int, grpc.StatusCode, str]:
+        async with AsyncKVMeshClient(suite.address) as aclient:
+            _text, ids, final = await aclient.complete(prompt, 6, ignore_eos=True)
+            assert final.completion_tokens == 6
+            same_penalized = (await aclient.complete(prompt, 6, ignore_eos=True, repetition_penalty=1.3,
+                                                     presence_penalty=0.5, frequency_penalty=0.5, min_p=0.05))[1]
+            seen = 0
+            async for chunk in aclient.generate(prompt, 64, ignore_eos=True):
+                seen += len(chunk.token_ids)
+                if seen >= 2:
+                    break  # leaving the loop cancels the request: its blocks must be freed
+            try:
+                await aclient.complete(prompt, 4, min_p=1.5)
+            except grpc.aio.AioRpcError as exc:
+                return ids, same_penalized, seen, exc.code(), exc.details() or ""
+            raise AssertionError("min_p=1.5 was accepted")
+
+    ids, same_penalized, seen, code, details = asyncio.run(run())
+    assert ids == sync_ids and len(ids) == 6
+    assert same_penalized == penalized
+    assert seen == 2
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "min_p" in details
+    stats = _wait_all_free(suite)
+    assert stats.num_free_blocks == stats.num_blocks
