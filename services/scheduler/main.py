@@ -9,11 +9,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import uuid
 
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.engine import Engine
 from services.scheduler.offload import RemoteOffload
-from services.scheduler.remote import RemoteKVCache, RemoteRunner, check_hash_seed
+from services.scheduler.remote import RemoteKVCache, RemoteRunner
 from services.scheduler.servicer import SchedulerServicer
 from services.scheduler.tokenizer import Tokenizer
 from shared.config import ServerConfig, from_env
@@ -32,7 +33,7 @@ def main() -> int:
     setup_tracing("scheduler", env)
     registry = new_registry()
     config = from_env(SchedulerConfig, "KVMESH_SCHED_", model_dir=env.get("KVMESH_MODEL_DIR", ""))
-    if env.get("KVMESH_DEPLOYMENT_KEY"):  # the key the kv-cache-manager reads too (one secret for both)
+    if env.get("KVMESH_DEPLOYMENT_KEY"):  # the prefix-hash key: only the scheduler reads it (sent as a seed)
         config = dataclasses.replace(config, deployment_key=env["KVMESH_DEPLOYMENT_KEY"])
     # NOTE: every streaming Generate holds a server thread for its whole life, so the pool must
     # exceed the admission bound; otherwise excess requests queue inside gRPC, invisible to
@@ -41,18 +42,18 @@ def main() -> int:
     server_cfg = from_env(ServerConfig, "KVMESH_", max_workers=int(env.get("KVMESH_MAX_WORKERS", workers)))
     for address in (config.kvm_address, config.runner_address):
         wait_healthy(address, timeout=float(env.get("KVMESH_DEPENDENCY_TIMEOUT", "300")))
-    kv = RemoteKVCache(config.kvm_address, config.rpc_timeout_seconds)
+    owner_id = uuid.uuid4().hex  # this scheduler incarnation (docs/reliability.md)
+    kv = RemoteKVCache(config.kvm_address, config.rpc_timeout_seconds, owner_id, config.owner_lease_seconds)
     runner = RemoteRunner(config.runner_address, config.rpc_timeout_seconds)
     offload = None
     if config.offload_address:
         wait_healthy(config.offload_address, timeout=float(env.get("KVMESH_DEPENDENCY_TIMEOUT", "300")))
-        offload = RemoteOffload(config.offload_address, config.rpc_timeout_seconds)
-        offload.attach_pool(runner.pool_handle())
+        offload = RemoteOffload(config.offload_address, config.rpc_timeout_seconds, owner_id,
+                                config.owner_lease_seconds)
     tokenizer = Tokenizer(config.model_dir) if config.model_dir else None
     metrics = SchedulerMetrics(registry, runner.info().model_id, runner.info().max_model_len)
     start_metrics_server(int(env.get("KVMESH_METRICS_PORT", "0")), registry)
-    engine = Engine(config, kv, runner, offload, metrics)
-    check_hash_seed(kv, engine)
+    engine = Engine(config, kv, runner, offload, metrics)  # binds the suite (waits out a dead predecessor's lease)
     engine.start()
     servicer = SchedulerServicer(engine, tokenizer)
     running = start_server(server_cfg, [
@@ -62,8 +63,20 @@ def main() -> int:
         serve_forever(running, "scheduler")
     finally:
         engine.stop()
+        _release(kv, offload)
         kv.close()
         runner.close()
         if offload is not None:
             offload.close()
     return 0
+
+
+def _release(kv: RemoteKVCache, offload: RemoteOffload | None) -> None:
+    """Clean exit: hand ownership back so a successor binds at once (its requests are freed)."""
+    for name, peer in (("kv-cache-manager", kv), ("offload-store", offload)):
+        if peer is None:
+            continue
+        try:
+            peer.release()
+        except Exception as exc:  # a dead peer has nothing to release
+            log.warning("releasing the %s failed: %s", name, exc)

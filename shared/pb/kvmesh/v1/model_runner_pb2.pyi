@@ -60,6 +60,7 @@ class ModelInfo(_message.Message):
     BYTES_PER_BLOCK_FIELD_NUMBER: _builtins.int
     DEVICE_FIELD_NUMBER: _builtins.int
     BOS_TOKEN_ID_FIELD_NUMBER: _builtins.int
+    POOL_ID_FIELD_NUMBER: _builtins.int
     model_id: _builtins.str
     """Model identity (folder name or configured id); enters the prefix-hash seed."""
     architecture: _builtins.str
@@ -90,6 +91,10 @@ class ModelInfo(_message.Message):
     """Device, e.g. "cpu" or "cuda:0"."""
     bos_token_id: _builtins.int
     """Beginning-of-sequence token id, -1 if none."""
+    pool_id: _builtins.str
+    """Random id of this process's KV pool (new at every start): block ids and cached KV are only
+    meaningful within one incarnation. Equals the pool handle's generation.
+    """
     @_builtins.property
     def eos_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """End-of-sequence token ids."""
@@ -113,10 +118,11 @@ class ModelInfo(_message.Message):
         bytes_per_block: _builtins.int = ...,
         device: _builtins.str = ...,
         bos_token_id: _builtins.int = ...,
+        pool_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["architecture", b"architecture", "attention_backend", b"attention_backend", "block_size", b"block_size", "bos_token_id", b"bos_token_id", "bytes_per_block", b"bytes_per_block", "device", b"device", "dtype", b"dtype", "eos_token_ids", b"eos_token_ids", "head_dim", b"head_dim", "kv_cache_dtype", b"kv_cache_dtype", "max_model_len", b"max_model_len", "model_id", b"model_id", "num_blocks", b"num_blocks", "num_kv_heads", b"num_kv_heads", "num_layers", b"num_layers", "vocab_size", b"vocab_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["architecture", b"architecture", "attention_backend", b"attention_backend", "block_size", b"block_size", "bos_token_id", b"bos_token_id", "bytes_per_block", b"bytes_per_block", "device", b"device", "dtype", b"dtype", "eos_token_ids", b"eos_token_ids", "head_dim", b"head_dim", "kv_cache_dtype", b"kv_cache_dtype", "max_model_len", b"max_model_len", "model_id", b"model_id", "num_blocks", b"num_blocks", "num_kv_heads", b"num_kv_heads", "num_layers", b"num_layers", "pool_id", b"pool_id", "vocab_size", b"vocab_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -259,8 +265,16 @@ class ExecuteRequest(_message.Message):
     NEW_REQUESTS_FIELD_NUMBER: _builtins.int
     CACHED_REQUESTS_FIELD_NUMBER: _builtins.int
     FINISHED_REQUEST_IDS_FIELD_NUMBER: _builtins.int
+    EXPECTED_POOL_ID_FIELD_NUMBER: _builtins.int
+    RESET_REQUESTS_FIELD_NUMBER: _builtins.int
     step_id: _builtins.int
     """Monotonic step number."""
+    expected_pool_id: _builtins.str
+    """The pool incarnation (ModelInfo.pool_id) the step's block ids refer to; when set and not
+    this runner's, the step is refused with FAILED_PRECONDITION before anything runs.
+    """
+    reset_requests: _builtins.bool
+    """Forget every request first (a scheduler that (re)bound to this runner knows none of them)."""
     @_builtins.property
     def new_requests(self) -> _containers.RepeatedCompositeFieldContainer[Global___NewRequestData]:
         """Requests described in full."""
@@ -280,10 +294,12 @@ class ExecuteRequest(_message.Message):
         new_requests: _abc.Iterable[Global___NewRequestData] | None = ...,
         cached_requests: _abc.Iterable[Global___CachedRequestData] | None = ...,
         finished_request_ids: _abc.Iterable[_builtins.str] | None = ...,
+        expected_pool_id: _builtins.str = ...,
+        reset_requests: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_requests", b"cached_requests", "finished_request_ids", b"finished_request_ids", "new_requests", b"new_requests", "step_id", b"step_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_requests", b"cached_requests", "expected_pool_id", b"expected_pool_id", "finished_request_ids", b"finished_request_ids", "new_requests", b"new_requests", "reset_requests", b"reset_requests", "step_id", b"step_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -332,10 +348,13 @@ class ExecuteResponse(_message.Message):
     STEP_ID_FIELD_NUMBER: _builtins.int
     SAMPLED_FIELD_NUMBER: _builtins.int
     FORWARD_SECONDS_FIELD_NUMBER: _builtins.int
+    POOL_ID_FIELD_NUMBER: _builtins.int
     step_id: _builtins.int
     """Step number echoed."""
     forward_seconds: _builtins.float
     """Seconds spent in the forward pass and sampling."""
+    pool_id: _builtins.str
+    """The pool incarnation that ran the step."""
     @_builtins.property
     def sampled(self) -> _containers.RepeatedCompositeFieldContainer[Global___SampledToken]:
         """Sampled tokens."""
@@ -346,10 +365,11 @@ class ExecuteResponse(_message.Message):
         step_id: _builtins.int = ...,
         sampled: _abc.Iterable[Global___SampledToken] | None = ...,
         forward_seconds: _builtins.float = ...,
+        pool_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["forward_seconds", b"forward_seconds", "sampled", b"sampled", "step_id", b"step_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["forward_seconds", b"forward_seconds", "pool_id", b"pool_id", "sampled", b"sampled", "step_id", b"step_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
