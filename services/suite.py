@@ -37,6 +37,7 @@ class Suite:
     def __init__(self, config: SuiteConfig, startup_timeout: float = 300.0) -> None:
         self.config = config
         self.services: dict[str, ServiceProcess] = {}
+        self._envs: dict[str, Mapping[str, str]] = {}
         log_dir = config.log_dir or None
         base = {"KVMESH_MODEL_DIR": config.model_dir, **config.extra_env}
         try:
@@ -59,8 +60,20 @@ class Suite:
             raise
 
     def _start(self, name: str, port: int, env: Mapping[str, str], log_dir: str | None, timeout: float) -> None:
+        self._envs[name] = env
         self.services[name] = ServiceProcess(name, env=env, host=self.config.host, port=port,
                                              startup_timeout=timeout, log_dir=log_dir)
+
+    def restart(self, name: str, kill: bool = True, timeout: float = 120.0) -> ServiceProcess:
+        """Stops one service (SIGKILL, or SIGTERM when not ``kill``) and starts it again on the same
+        port with the same configuration: the fault tests' and the soak's process restart."""
+        old = self.services[name]
+        if kill:
+            old.proc.kill()
+            old.proc.wait()
+        old.stop()
+        self._start(name, old.port, self._envs[name], self.config.log_dir or None, timeout)
+        return self.services[name]
 
     @property
     def address(self) -> str:

@@ -95,6 +95,7 @@ class Engine:
         self._bound = False
         self._rebinds_in_a_row = 0
         self._next_keepalive = 0.0
+        self._suspect = False  # a peer call failed: probe the peers before the next step
         self._bind_at_start()
         self._commands: queue.SimpleQueue[_Add | _Finish] = queue.SimpleQueue()
         self._queues: dict[str, queue.SimpleQueue[EngineOutput]] = {}
@@ -172,6 +173,27 @@ class Engine:
         self.num_rebinds += 1
         log.warning("re-bound; %d running requests requeued to recompute", requeued)
 
+    def _probe(self) -> bool:
+        """After a peer failed: wait briefly for the peers, re-bind if one is a new incarnation.
+
+        Returns:
+            Whether the engine is bound and may step; when not, the live requests were failed.
+        """
+        try:
+            pool_id = self.runner.info().pool_id
+            self.kv.keepalive()
+        except FailedPrecondition as exc:
+            self._rebind(exc)
+            return self._bound
+        except Exception as exc:
+            self._fail_all(Unavailable(f"a backend is unreachable: {exc}"))
+            return False
+        self._suspect = False
+        if pool_id != self.info.pool_id:
+            self._rebind(RunnerRestarted(f"model-runner pool is now {pool_id}, was {self.info.pool_id}"))
+            return self._bound
+        return True
+
     def _keepalive(self) -> None:
         """Renews the ownership leases and checks the runner incarnation (also while idle)."""
         self._next_keepalive = time.monotonic() + self._keepalive_period
@@ -243,6 +265,8 @@ class Engine:
                     self._keepalive()
                 if not self._bound and self.scheduler.has_work:
                     self._rebind(Unavailable("the suite is not bound"))
+                    continue
+                if self._suspect and self.scheduler.has_work and not self._probe():
                     continue
                 if not self.scheduler.has_work:
                     self._flush_frees()
@@ -395,6 +419,7 @@ class Engine:
 
     def _abort_with_error(self, reqs: list[Request], exc: Exception, what: str) -> None:
         log.error("%s failed: %s", what, exc)
+        self._suspect = True
         err = exc if isinstance(exc, KVMeshError) else Unavailable(f"{what} failed: {exc}")
         for req in reqs:
             self._on_dequeued(req)

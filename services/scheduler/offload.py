@@ -169,7 +169,10 @@ class RemoteOffload:
 
     def __init__(self, address: str, timeout: float = 30.0, owner_id: str = "",
                  lease_seconds: float = 10.0) -> None:
-        self.channel = instrument_grpc_client(grpc.insecure_channel(address))
+        # Short reconnect backoff, as for the other peers (services.scheduler.remote.RECONNECT_OPTIONS).
+        self.channel = instrument_grpc_client(grpc.insecure_channel(address, options=[
+            ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", 1000)]))
         self.stub = offload_store_pb2_grpc.OffloadStoreStub(self.channel)
         self.timeout = timeout
         self._metadata = ((OWNER_METADATA, owner_id),)

@@ -44,7 +44,14 @@ from shared.pb.kvmesh.v1 import (
 )
 from shared.telemetry import instrument_grpc_client
 
-_CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+# NOTE: short reconnect backoff: after a peer restarts, gRPC's default (1 s growing to 120 s)
+# would fail calls for minutes against a peer that is already back.
+RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+                     ("grpc.max_reconnect_backoff_ms", 1000)]
+_CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20),
+                    *RECONNECT_OPTIONS]
+# How long a probe (info, keep-alive) waits for a peer to (re)connect before it counts as down.
+PROBE_SECONDS = 2.0
 
 
 def _stats_from_proto(s: kvm_pb2.KVCacheStats) -> KVCacheStats:
@@ -144,7 +151,10 @@ class RemoteKVCache:
         return bool(resp.kept_cache)
 
     def keepalive(self) -> None:
-        self.free([])  # an owner call renews the lease
+        # An owner call renews the lease; it waits briefly for a restarted manager to be reachable.
+        with _precondition_as_error():
+            self.stub.Free(kvm_pb2.FreeRequest(), timeout=min(self.timeout, PROBE_SECONDS), metadata=self.metadata,
+                           wait_for_ready=True)
 
     def release(self) -> None:
         """Clean exit: frees this scheduler's requests and ends its ownership at once."""
@@ -170,7 +180,9 @@ class RemoteRunner:
         self._reset_next = False
 
     def info(self) -> RunnerInfo:
-        mi = self.stub.GetModelInfo(runner_pb2.GetModelInfoRequest(), timeout=self.timeout)
+        # NOTE: waits briefly for a (re)starting runner instead of failing at once in reconnect backoff.
+        mi = self.stub.GetModelInfo(runner_pb2.GetModelInfoRequest(), timeout=min(self.timeout, PROBE_SECONDS),
+                                    wait_for_ready=True)
         return RunnerInfo(
             model_id=mi.model_id, vocab_size=mi.vocab_size, max_model_len=mi.max_model_len,
             eos_token_ids=tuple(mi.eos_token_ids), num_blocks=mi.num_blocks, block_size=mi.block_size,

@@ -151,6 +151,7 @@ class Scheduler:
             req.num_tokens_sent_to_kvm = 0
             req.block_ids = []
             req.block_hashes = []  # the seed or block size may have changed with the runner
+            req.num_cached_tokens = -1  # a hit counted against the old binding is not one
         for req in running:
             req.status = RequestStatus.WAITING
             req.num_preemptions += 1
