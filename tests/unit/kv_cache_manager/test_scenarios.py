@@ -6,7 +6,6 @@ Pool: 11 blocks of 16 tokens; block 0 is the null block, so blocks 1..10 are usa
 from __future__ import annotations
 
 import dataclasses
-
 from collections.abc import Sequence
 
 import pytest
