@@ -49,11 +49,13 @@ class Lease:
 
     Args:
         what: the owned thing, for error messages ("the kv-cache-manager").
+        taken_by: the call that takes the lease, for error messages ("Initialize").
         clock: monotonic seconds (injected by tests).
     """
 
-    def __init__(self, what: str, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, what: str, taken_by: str = "Initialize", clock: Callable[[], float] = time.monotonic) -> None:
         self._what = what
+        self._taken_by = taken_by
         self._clock = clock
         self.owner = ""
         self._seconds = 0.0
@@ -99,8 +101,8 @@ class Lease:
             FailedPrecondition: ``owner`` is not the owner.
         """
         if not owner or owner != self.owner:
-            raise FailedPrecondition(f"not the owner of {self._what} (send the {OWNER_METADATA} "
-                                     "metadata of the scheduler that initialized it)")
+            raise FailedPrecondition(f"not the owner of {self._what}: only the scheduler whose {self._taken_by} "
+                                     f"took it may call (its id travels as {OWNER_METADATA} metadata)")
         self._expires = self._clock() + self._seconds
 
     def release(self, owner: str) -> None:

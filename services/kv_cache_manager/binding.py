@@ -53,7 +53,7 @@ class ManagerBinding:
         self._hub = hub
         self._manager: KVCacheManager | None = None
         self.pool_id = ""
-        self.lease = Lease("the kv-cache-manager", clock)
+        self.lease = Lease("the kv-cache-manager", "Initialize", clock)
 
     @property
     def initialized(self) -> bool:

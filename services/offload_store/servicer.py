@@ -35,7 +35,7 @@ class OffloadStoreServicer(offload_store_pb2_grpc.OffloadStoreServicer):
         self._lock = threading.Lock()
         self._metrics = metrics
         self._seen = OffloadStats()
-        self._lease = Lease("the offload-store")
+        self._lease = Lease("the offload-store", "AttachPool")
         self._default_lease = default_lease_seconds
         if metrics is not None:
             metrics.pool_attached.set(0)

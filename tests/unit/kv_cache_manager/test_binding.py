@@ -89,7 +89,7 @@ def test_release_hands_over_at_once() -> None:
 
 
 def test_lease_input_checks() -> None:
-    lease = Lease("x", clock=Clock())
+    lease = Lease("x", "Initialize", clock=Clock())
     with pytest.raises(InvalidArgument, match="kvmesh-owner"):
         lease.acquire("", 1.0)
     with pytest.raises(InvalidArgument, match="lease_seconds"):
