@@ -299,11 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     results["decode"] = {"in_process": decode_in_process(decode_batch, decode_steps, config)}
 
     if not args.no_grpc:
-        env = {
-            "KVMESH_KVM_BLOCK_SIZE": str(BLOCK_SIZE),
-            "KVMESH_KVM_NUM_BLOCKS": str(args.num_blocks),
-            "KVMESH_KVM_MAX_MODEL_LEN": str(config.max_model_len),
-        }
+        env: dict[str, str] = {}  # the manager reads no geometry: Initialize brings it
         with ServiceProcess("kv-cache-manager", env=env) as proc, grpc.insecure_channel(proc.address) as channel:
             stub = pb_grpc.KVCacheManagerStub(with_owner(channel, "bench"))
             steps_grpc(stub, proc.proc.pid, warm, config, args.step_size, 1)

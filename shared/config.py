@@ -73,7 +73,7 @@ def _coerce(raw: str, typ: Any) -> Any:
 
 
 def from_env(cls: type[T], prefix: str, env: Mapping[str, str] | None = None, **overrides: Any) -> T:
-    """Builds ``cls`` from ``{prefix}{FIELD}`` variables, e.g. ``KVMESH_KVM_BLOCK_SIZE``.
+    """Builds ``cls`` from ``{prefix}{FIELD}`` variables, e.g. ``KVMESH_SCHED_MAX_NUM_SEQS``.
 
     Fields without a variable keep their defaults; ``overrides`` win over both.
     """
