@@ -245,7 +245,7 @@ def decode_steps(args: argparse.Namespace, machine_figs: dict[str, float]) -> li
                       flush=True)  # fmt: skip
             driver.finish(seqs)
     finally:
-        runner.close()
+        runner.pool.close()
     return rows
 
 
@@ -309,7 +309,7 @@ def throughput(args: argparse.Namespace) -> dict[str, Any]:
             rounds.append(row)
             print("  round", i + 1, {k: round(v, 2) for k, v in row.items()}, flush=True)
     finally:
-        runner.close()
+        runner.pool.close()
     runner_tps = statistics.median(r["runner_tokens_per_s"] for r in rounds)
     result: dict[str, Any] = {"batch": batch, "new_tokens": new_tokens, "prompt_tokens": [len(p) for p in prompts],
                               "rounds": rounds, "runner": {"tokens_per_s": runner_tps}}  # fmt: skip

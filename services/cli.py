@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import signal
 import sys
 import threading
@@ -83,11 +84,15 @@ def _up(ns: argparse.Namespace) -> int:
     return 0
 
 
-def _stream(address: str, prompt: Any, max_tokens: int, temperature: float, out: Any = sys.stdout) -> str:
+def _stream(address: str, prompt: Any, max_tokens: int, temperature: float, out: Any = sys.stdout,
+            ns: argparse.Namespace | None = None) -> str:
     from shared.client import KVMeshClient
+    from shared.tls import TLSFiles
 
     pieces: list[str] = []
-    with KVMeshClient(address) as client:
+    api_key = getattr(ns, "api_key", None) or None
+    tls = TLSFiles(ca=ns.tls_ca, server_name=ns.tls_server_name) if ns is not None and ns.tls_ca else None
+    with KVMeshClient(address, api_key=api_key, tls=tls) as client:
         for chunk in client.generate(prompt, max_tokens, temperature=temperature):
             out.write(chunk.text)
             out.flush()
@@ -105,7 +110,7 @@ def _stream(address: str, prompt: Any, max_tokens: int, temperature: float, out:
 
 def _generate(ns: argparse.Namespace) -> int:
     prompt: Any = [("user", ns.prompt)] if ns.chat else ns.prompt
-    _stream(ns.address, prompt, ns.max_tokens, ns.temperature)
+    _stream(ns.address, prompt, ns.max_tokens, ns.temperature, ns=ns)
     return 0
 
 
@@ -123,7 +128,7 @@ def _chat(ns: argparse.Namespace) -> int:
             continue
         history.append(("user", line))
         print("assistant> ", end="", flush=True)
-        answer = _stream(ns.address, history, ns.max_tokens, ns.temperature)
+        answer = _stream(ns.address, history, ns.max_tokens, ns.temperature, ns=ns)
         history.append(("assistant", answer))
 
 
@@ -182,6 +187,11 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--address", default=DEFAULT_ADDRESS)
         p.add_argument("--max-tokens", type=int, default=128)
         p.add_argument("--temperature", type=float, default=0.0)
+        p.add_argument("--api-key", default=os.environ.get("KVMESH_API_KEY", ""),
+                       help="API key sent as 'authorization: Bearer' (default: $KVMESH_API_KEY)")
+        p.add_argument("--tls-ca", default=os.environ.get("KVMESH_TLS_CA", ""),
+                       help="CA file: connect with TLS and verify the server (default: $KVMESH_TLS_CA)")
+        p.add_argument("--tls-server-name", default="", help="name to verify in the server's certificate")
         p.set_defaults(func=fn)
     return parser
 

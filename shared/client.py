@@ -3,6 +3,9 @@
     with KVMeshClient("127.0.0.1:50051") as client:
         for chunk in client.generate("The capital of France is", max_tokens=16):
             print(chunk.text, end="", flush=True)
+
+With authentication on, pass ``api_key=`` (sent as ``authorization: Bearer <key>`` metadata on
+every call); with TLS, ``tls=TLSFiles(ca=...)`` (see docs/security.md).
 """
 
 from __future__ import annotations
@@ -10,17 +13,18 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-import grpc
-
+from shared.channels import open_channel
 from shared.pb.kvmesh.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from shared.tls import TLSFiles
 
 
 class KVMeshClient:
     """Streaming generation, tokenization and model info over one channel."""
 
-    def __init__(self, address: str) -> None:
-        self.channel = grpc.insecure_channel(address)
+    def __init__(self, address: str, api_key: str | None = None, tls: TLSFiles | None = None) -> None:
+        self.channel = open_channel(address, tls=tls)
         self.stub = scheduler_pb2_grpc.SchedulerStub(self.channel)
+        self.metadata: tuple[tuple[str, str], ...] = (("authorization", f"Bearer {api_key}"),) if api_key else ()
 
     def close(self) -> None:
         """Closes the channel."""
@@ -72,7 +76,8 @@ class KVMeshClient:
     def generate(self, prompt: Any, max_tokens: int = 64, timeout: float | None = None,
                  **kwargs: Any) -> Iterator[scheduler_pb2.GenerateResponse]:
         """Streams chunks; the last one carries ``final``. Cancel by closing the iterator."""
-        call = self.stub.Generate(self.request(prompt, max_tokens, **kwargs), timeout=timeout)
+        call = self.stub.Generate(self.request(prompt, max_tokens, **kwargs), timeout=timeout,
+                                 metadata=self.metadata)
         try:
             yield from call
         finally:
@@ -92,8 +97,9 @@ class KVMeshClient:
 
     def model_info(self) -> scheduler_pb2.SchedulerModelInfo:
         """What the suite serves."""
-        return self.stub.GetModelInfo(scheduler_pb2.SchedulerModelInfoRequest())
+        return self.stub.GetModelInfo(scheduler_pb2.SchedulerModelInfoRequest(), metadata=self.metadata)
 
     def tokenize(self, text: str) -> list[int]:
         """Text to token ids with the served tokenizer."""
-        return list(self.stub.Tokenize(scheduler_pb2.TokenizeRequest(text=text)).token_ids)
+        return list(self.stub.Tokenize(scheduler_pb2.TokenizeRequest(text=text),
+                                       metadata=self.metadata).token_ids)

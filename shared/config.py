@@ -26,6 +26,15 @@ class ServerConfig:
     max_workers: int = 16
     grace_seconds: float = 5.0
     port_file: str = ""  # when set, the bound port is written here once the server is up
+    # TLS (docs/security.md): certificate files; with a CA, client certificates are required
+    # (mutual TLS) unless tls_client_auth is off; health_port: a plaintext port answering only
+    # grpc.health.v1, for probes that cannot present a certificate (-1 = none).
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_ca: str = ""
+    tls_client_auth: bool = True
+    tls_allowed_peers: str = ""  # comma-separated names; when set, the client cert's CN/SAN must be one
+    health_port: int = -1
 
 
 @dataclass(frozen=True)

@@ -21,10 +21,26 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from shared.channels import MAX_MESSAGE_BYTES
 from shared.config import ServerConfig
 from shared.errors import KVMeshError
+from shared.peer_auth import PeerIdentityInterceptor
+from shared.tls import TLSFiles, server_credentials
 
 log = logging.getLogger(__name__)
+
+# NOTE: set on purpose (docs/security.md): 64 MiB messages like every channel (shared/channels.py);
+# clients' keepalive pings (30 s, only while calls are open) accepted instead of answered with
+# GOAWAY "too_many_pings"; the server pings idle connections every 60 s so a client that vanished
+# without a FIN ends its streams (and frees its blocks) instead of holding them forever.
+SERVER_OPTIONS: tuple[tuple[str, Any], ...] = (
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_time_ms", 60_000),
+    ("grpc.keepalive_timeout_ms", 20_000),
+    ("grpc.http2.min_ping_interval_without_data_ms", 20_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+)
 
 
 def _status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
@@ -133,11 +149,18 @@ def start_server(
     options: Sequence[tuple[str, Any]] = (),
 ) -> RunningServer:
     """Creates, binds and starts a server with health, reflection and error mapping."""
+    tls = TLSFiles(config.tls_cert, config.tls_key, config.tls_ca)
+    if tls.enabled:  # every RPC but health must come over TLS (the health-only port is plaintext)
+        # Names are checked only where client certificates are required (not on the public port).
+        names = config.tls_allowed_peers.split(",") if config.tls_client_auth and config.tls_ca else []
+        allowed = frozenset(n.strip() for n in names if n.strip())
+        interceptors = [PeerIdentityInterceptor(allowed), *interceptors]
+    given = {key for key, _ in options}
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=config.max_workers),
         # NOTE: error mapping innermost, so outer interceptors (tracing) see the mapped status.
         interceptors=[*interceptors, ErrorMappingInterceptor()],
-        options=list(options),
+        options=[*(o for o in SERVER_OPTIONS if o[0] not in given), *options],
     )
     for reg in registrations:
         reg.add_to_server(reg.servicer, server)
@@ -147,9 +170,15 @@ def start_server(
     reflection.enable_server_reflection(
         [*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server
     )
-    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    if tls.enabled:
+        port = server.add_secure_port(f"{config.host}:{config.port}",
+                                      server_credentials(tls, config.tls_client_auth))
+    else:
+        port = server.add_insecure_port(f"{config.host}:{config.port}")
     if port == 0:
         raise OSError(f"could not bind {config.host}:{config.port}")
+    if config.health_port >= 0 and server.add_insecure_port(f"{config.host}:{config.health_port}") == 0:
+        raise OSError(f"could not bind the health port {config.host}:{config.health_port}")
     server.start()
     for name in ["", *names]:
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)

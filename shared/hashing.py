@@ -27,6 +27,18 @@ HASH_BYTES = 32
 _SEED_DOMAIN = b"kvmesh/v1/block-hash-seed\x00"
 _EMPTY = struct.pack("<I", 0)
 _sha256 = hashlib.sha256
+_collide = False  # test hook, see force_collisions
+
+
+def force_collisions(on: bool = True) -> None:
+    """TEST HOOK: hash blocks without their token ids, so equal-length prefixes collide.
+
+    Lets a test prove that a hash hit is never trusted alone: the kv-cache-manager compares the
+    block's token ids and must turn such a collision into a miss (never another prompt's KV).
+    Only tests call it (tests/unit/scheduler/test_hash_collision.py); no service reads a switch.
+    """
+    global _collide
+    _collide = on
 
 
 def hash_seed(deployment_key: bytes, model_id: str) -> BlockHash:
@@ -46,7 +58,7 @@ def _token_bytes(token_ids: Sequence[int]) -> bytes:
 def hash_block(parent: bytes, token_ids: Sequence[int], extra: bytes = b"") -> BlockHash:
     """Hash of one full block given its parent's hash (or the seed for the first block)."""
     head = parent + struct.pack("<I", len(extra)) + extra if extra else parent + _EMPTY
-    return BlockHash(_sha256(head + _token_bytes(token_ids)).digest())
+    return BlockHash(_sha256(head + (b"" if _collide else _token_bytes(token_ids))).digest())
 
 
 def hash_blocks(
@@ -87,7 +99,7 @@ def hash_blocks(
     out: list[BlockHash] = []
     salt_head = struct.pack("<I", len(cache_salt)) + cache_salt
     for i in range(num_full - start_block):
-        chunk = data[i * step : (i + 1) * step]
+        chunk = b"" if _collide else data[i * step : (i + 1) * step]
         if start_block + i == 0:
             digest = _sha256(prev + salt_head + chunk).digest()
         else:

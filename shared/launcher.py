@@ -18,16 +18,20 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from shared.channels import open_channel
+from shared.config import from_env
+from shared.tls import TLSFiles
+
 
 class ServiceStartError(RuntimeError):
     """The service exited or did not become healthy in time; carries its log tail."""
 
 
-def wait_healthy(address: str, timeout: float, service: str = "") -> None:
+def wait_healthy(address: str, timeout: float, service: str = "", tls: TLSFiles | None = None) -> None:
     """Polls ``grpc.health.v1`` at ``address`` until SERVING or ``timeout`` seconds pass."""
     deadline = time.monotonic() + timeout
     last: Exception | None = None
-    with grpc.insecure_channel(address) as channel:
+    with open_channel(address, tls=tls) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             try:
@@ -73,7 +77,8 @@ class ServiceProcess:
         )
         try:
             self.port = self._wait_port(port_file, startup_timeout)
-            wait_healthy(self.address, startup_timeout)
+            # The child serves TLS when its environment names certificates: dial it the same way.
+            wait_healthy(self.address, startup_timeout, tls=from_env(TLSFiles, "KVMESH_TLS_", env=child_env))
         except BaseException:
             self.stop(timeout=2.0)
             raise

@@ -21,32 +21,11 @@ from services.model_runner.kv_pool import KVPool
 from services.model_runner.model.config import ModelConfig
 from services.model_runner.model.context import ForwardContext
 from services.model_runner.model.transformer import CausalLM
+from services.model_runner.model.transforms import prepare_model
 from services.model_runner.sampler import RequestSamplingState, sample
-from services.model_runner.types import NewRequestData, SampledToken, StepInput, StepOutput
+from services.model_runner.types import ModelInfo, NewRequestData, SampledToken, StepInput, StepOutput
 from shared.errors import InvalidArgument
 from shared.sampling_params import SamplingParams
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    """What the runner serves (mirrors the ``ModelInfo`` proto message)."""
-
-    model_id: str
-    architecture: str
-    vocab_size: int
-    max_model_len: int
-    eos_token_ids: tuple[int, ...]
-    bos_token_id: int  # -1 if none
-    num_blocks: int
-    block_size: int
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    dtype: str
-    kv_cache_dtype: str
-    attention_backend: str
-    bytes_per_block: int
-    device: str
 
 
 @dataclass
@@ -84,17 +63,18 @@ class ModelRunnerCore:
     ):
         """
         Args:
-            model: a loaded model; the runner prepares (packs) its weights for ``quantization``
-                (see :meth:`CausalLM.prepare`), so the model belongs to the runner from then on.
+            model: a loaded model; the runner prepares it for ``quantization`` and the backend
+                (see :func:`prepare_model`), so the model belongs to the runner from then on.
             pool: the paged KV cache.
             backend: writes K/V and computes attention.
             model_id: identity reported to the others.
             max_model_len: longest sequence; default and cap: the model's.
             quantization: ``none``, ``fp16`` or ``int8`` (``RunnerConfig.quantization``).
-            pack_tied_head: see :meth:`CausalLM.prepare` (``RunnerConfig.pack_tied_head``).
+            pack_tied_head: see :func:`prepare_model` (``RunnerConfig.pack_tied_head``).
         """
-        # NOTE: the native attention backend ("cpu") brings the native norms and rotary with it.
-        model.prepare(quantization, pack_tied_head, native=bool(getattr(backend, "native", False)))
+        # NOTE: a backend on the native kernels ("cpu") brings the native norms, rotary, SwiGLU
+        # and GEMMs with it: the model is prepared for the kernels the backend runs on.
+        prepare_model(model, quantization, pack_tied_head, kernels=backend.native_kernels)
         self.model = model
         self.config: ModelConfig = model.config
         self.pool = pool
@@ -104,10 +84,6 @@ class ModelRunnerCore:
         self.max_model_len = min(max_model_len or self.config.max_model_len, self.config.max_model_len)
         self.geometry = PoolGeometry(pool.num_blocks, pool.block_size, self.config.vocab_size, self.max_model_len)
         self._requests: dict[str, _Request] = {}
-
-    def close(self) -> None:
-        """Releases the shared pool file; the runner must not execute afterwards."""
-        self.pool.close()
 
     @property
     def request_ids(self) -> frozenset[str]:

@@ -16,8 +16,8 @@ NOTE: reproducibility. A seeded request owns a CPU ``torch.Generator`` and draws
 uniform number from it per random step, whatever else shares the batch; the token is the first
 whose cumulative probability (in token-id order) exceeds it. So the same seed, prompt and logits
 give the same tokens in any batch composition or row order. One number per row rather than an
-exponential race's ``V`` (``argmax(probs / q)``, ``q ~ Exp(1)``): ``V`` exponentials cost ~60 ms
-per step for 64 rows of a 49k vocabulary on this CPU, and buy no extra reproducibility.
+exponential race's ``V`` (``argmax(probs / q)``, ``q ~ Exp(1)``): ``V`` exponentials per row cost
+a sizeable part of a step (docs/model_runner.md) and buy no extra reproducibility.
 Unseeded rows draw from torch's default CPU generator (``torch.manual_seed`` fixes them).
 """
 
@@ -196,11 +196,11 @@ def _sorted_prefix(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The rows' stable descending order, or only a prefix of it that holds every kept token.
 
-    NOTE: a full sort of a 49k vocabulary costs ~110 ms for 64 rows on this CPU, a third of a
-    decode step. When every row keeps at most its top ``candidates`` tokens (a top-k within it,
-    or a top-p reached within it), ``topk`` and a small sort give the same order for every token
-    that can be kept. Tokens tied with the last candidate are included, and ``limit`` (how many
-    tokens are >= that value) marks where the exact prefix ends.
+    NOTE: a full vocabulary sort is a large share of a CPU decode step (docs/model_runner.md).
+    When every row keeps at most its top ``candidates`` tokens (a top-k within it, or a top-p
+    reached within it), ``topk`` and a small sort give the same order for every token that can
+    be kept. Tokens tied with the last candidate are included, and ``limit`` (how many tokens
+    are >= that value) marks where the exact prefix ends.
 
     Returns:
         ``values [S, C]`` descending, ``order [S, C]`` their token ids, ``limit [S]``.

@@ -15,12 +15,11 @@ import dataclasses
 import threading
 
 import grpc
-import torch
 
+from services.model_runner.block_copy import copy_blocks
 from services.model_runner.convert import output_to_proto, step_from_proto
-from services.model_runner.kv_pool import attach
 from services.model_runner.runner import ModelRunnerCore
-from shared.errors import FailedPrecondition, InvalidArgument
+from shared.errors import FailedPrecondition
 from shared.metrics import RunnerMetrics
 from shared.pb.kvmesh.v1 import common_pb2, model_runner_pb2, model_runner_pb2_grpc
 from shared.tensor_handle import handle_from_proto, handle_to_proto
@@ -77,28 +76,9 @@ class ModelRunnerServicer(model_runner_pb2_grpc.ModelRunnerServicer):
 
     def _copy(self, request: model_runner_pb2.CopyBlocksRequest, into_pool: bool
               ) -> model_runner_pb2.CopyBlocksResponse:
-        ids, rows = list(request.block_ids), list(request.staging_rows)
-        if len(ids) != len(rows):
-            raise InvalidArgument("staging_rows: must have one row per block id")
-        pool = self.core.pool
-        if any(not 0 < b < pool.num_blocks for b in ids):
-            raise InvalidArgument(f"block_ids: must lie in [1, {pool.num_blocks})")
-        staging = attach(handle_from_proto(request.staging))
-        # staging: [n, layers, 2, block_size, kv_heads, head_dim]; pool: [layers, 2, blocks, ...]
-        if tuple(staging.shape[1:]) != (pool.shape[0], 2, *pool.shape[3:]) or staging.dtype != pool.tensor.dtype:
-            raise InvalidArgument("staging: shape or dtype does not match the pool's blocks")
-        if any(not 0 <= r < staging.shape[0] for r in rows):
-            raise InvalidArgument(f"staging_rows: must lie in [0, {staging.shape[0]})")
-        idx = torch.tensor(ids, dtype=torch.long, device=pool.tensor.device)
-        ridx = torch.tensor(rows, dtype=torch.long, device=staging.device)
-        with self._lock:
-            if into_pool:
-                pool.tensor.index_copy_(2, idx, staging.index_select(0, ridx).permute(1, 2, 0, 3, 4, 5)
-                                        .to(pool.tensor.device))
-            else:
-                staging.index_copy_(0, ridx, pool.tensor.index_select(2, idx).permute(2, 0, 1, 3, 4, 5)
-                                    .to(staging.device))
-        return model_runner_pb2.CopyBlocksResponse(num_blocks=len(ids), num_bytes=len(ids) * pool.bytes_per_block)
+        num_bytes = copy_blocks(self.core.pool, handle_from_proto(request.staging), request.block_ids,
+                                request.staging_rows, into_pool=into_pool, lock=self._lock)
+        return model_runner_pb2.CopyBlocksResponse(num_blocks=len(request.block_ids), num_bytes=num_bytes)
 
     def CopyBlocksOut(self, request: model_runner_pb2.CopyBlocksRequest, context: grpc.ServicerContext
                       ) -> model_runner_pb2.CopyBlocksResponse:

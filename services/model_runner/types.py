@@ -1,4 +1,4 @@
-"""Plain data of one model-runner step (no grpc, no protobuf).
+"""Plain data of the model-runner's API: what it serves and one step (no grpc, no protobuf).
 
 Mirrors ``ExecuteRequest`` / ``ExecuteResponse`` in ``proto/kvmesh/v1/model_runner.proto``:
 a new request is described once in full; afterwards only diffs travel.
@@ -76,3 +76,25 @@ class StepOutput:
     step_id: int
     sampled: tuple[SampledToken, ...]
     forward_seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the runner serves (mirrors the ``ModelInfo`` proto message)."""
+
+    model_id: str
+    architecture: str
+    vocab_size: int
+    max_model_len: int
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int  # -1 if none
+    num_blocks: int
+    block_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    kv_cache_dtype: str
+    attention_backend: str
+    bytes_per_block: int
+    device: str

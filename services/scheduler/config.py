@@ -30,6 +30,8 @@ class SchedulerConfig:
         trace_steps: how many of a request's first steps get their own span (then every
             ``trace_step_every``-th), so a 2,000-token answer is not 2,000 spans.
         trace_step_every: sampling period of step spans after the first ``trace_steps``.
+        min_priority: the lowest (most urgent) priority a request may ask for, unless the keys
+            file gives its tenant another floor (``INVALID_ARGUMENT`` below it).
     """
 
     max_num_seqs: int = 64
@@ -48,6 +50,7 @@ class SchedulerConfig:
     owner_lease_seconds: float = 10.0
     trace_steps: int = 4
     trace_step_every: int = 64
+    min_priority: int = 0
 
     def __post_init__(self) -> None:
         if self.max_num_seqs <= 0 or self.max_num_batched_tokens <= 0:

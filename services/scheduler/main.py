@@ -11,18 +11,22 @@ import logging
 import os
 import uuid
 
+from services.scheduler.auth import AuthInterceptor, key_store_for
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.engine import Engine
 from services.scheduler.offload import RemoteOffload
 from services.scheduler.remote import RemoteKVCache, RemoteRunner
 from services.scheduler.servicer import SchedulerServicer
 from services.scheduler.tokenizer import Tokenizer
+from shared.auth import AuthConfig
+from shared.channels import configure as configure_channels
 from shared.config import ServerConfig, from_env
 from shared.grpc_server import ServiceRegistration, serve_forever, start_server
 from shared.launcher import wait_healthy
 from shared.metrics import SchedulerMetrics, new_registry, start_metrics_server
 from shared.pb.kvmesh.v1 import scheduler_pb2_grpc
 from shared.telemetry import server_interceptors, setup_tracing
+from shared.tls import TLSFiles
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +44,10 @@ def main() -> int:
     # admission control, instead of getting RESOURCE_EXHAUSTED at once.
     workers = config.max_waiting_requests + config.max_num_seqs + 16
     server_cfg = from_env(ServerConfig, "KVMESH_", max_workers=int(env.get("KVMESH_MAX_WORKERS", workers)))
+    if "KVMESH_TLS_CLIENT_AUTH" not in env:  # the public port: clients present API keys, not certificates
+        server_cfg = dataclasses.replace(server_cfg, tls_client_auth=False)
+    configure_channels(from_env(TLSFiles, "KVMESH_TLS_"))  # our certificate when dialing the services
+    keys = key_store_for(from_env(AuthConfig, "KVMESH_AUTH_"), server_cfg.host)
     for address in (config.kvm_address, config.runner_address):
         wait_healthy(address, timeout=float(env.get("KVMESH_DEPENDENCY_TIMEOUT", "300")))
     owner_id = uuid.uuid4().hex  # this scheduler incarnation (docs/reliability.md)
@@ -58,7 +66,7 @@ def main() -> int:
     servicer = SchedulerServicer(engine, tokenizer)
     running = start_server(server_cfg, [
         ServiceRegistration("kvmesh.v1.Scheduler", servicer, scheduler_pb2_grpc.add_SchedulerServicer_to_server),
-    ], interceptors=server_interceptors())
+    ], interceptors=[*server_interceptors(), AuthInterceptor(keys)])
     try:
         serve_forever(running, "scheduler")
     finally:

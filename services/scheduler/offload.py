@@ -26,6 +26,7 @@ from typing import Any, Protocol, TypeVar
 
 import grpc
 
+from shared.channels import open_channel
 from shared.ownership import OWNER_METADATA
 from shared.pb.kvmesh.v1 import offload_store_pb2, offload_store_pb2_grpc
 from shared.telemetry import instrument_grpc_client
@@ -170,7 +171,7 @@ class RemoteOffload:
     def __init__(self, address: str, timeout: float = 30.0, owner_id: str = "",
                  lease_seconds: float = 10.0) -> None:
         # Short reconnect backoff, as for the other peers (services.scheduler.remote.RECONNECT_OPTIONS).
-        self.channel = instrument_grpc_client(grpc.insecure_channel(address, options=[
+        self.channel = instrument_grpc_client(open_channel(address, options=[
             ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
             ("grpc.max_reconnect_backoff_ms", 1000)]))
         self.stub = offload_store_pb2_grpc.OffloadStoreStub(self.channel)

@@ -25,6 +25,7 @@ from services.kv_cache_manager.types import (
 from services.model_runner.convert import output_from_proto, step_to_proto
 from services.model_runner.types import StepInput, StepOutput
 from services.scheduler.backends import RunnerInfo, RunnerRestarted
+from shared.channels import open_channel
 from shared.config import CacheConfig
 from shared.errors import FailedPrecondition
 from shared.hashing import BlockHash
@@ -48,8 +49,6 @@ from shared.telemetry import instrument_grpc_client
 # would fail calls for minutes against a peer that is already back.
 RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
                      ("grpc.max_reconnect_backoff_ms", 1000)]
-_CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20),
-                    *RECONNECT_OPTIONS]
 # How long a probe (info, keep-alive) waits for a peer to (re)connect before it counts as down.
 PROBE_SECONDS = 2.0
 
@@ -105,7 +104,7 @@ class RemoteKVCache:
 
     def __init__(self, address: str, timeout: float = 60.0, owner_id: str = "",
                  lease_seconds: float = 10.0) -> None:
-        self.channel = instrument_grpc_client(grpc.insecure_channel(address, options=_CHANNEL_OPTIONS))
+        self.channel = instrument_grpc_client(open_channel(address, options=RECONNECT_OPTIONS))
         self.stub = kvm_grpc.KVCacheManagerStub(self.channel)
         self.timeout = timeout
         self.metadata = ((OWNER_METADATA, owner_id),)
@@ -173,7 +172,7 @@ class RemoteRunner:
     """The model-runner over gRPC: one ``Execute`` call per step."""
 
     def __init__(self, address: str, timeout: float = 60.0) -> None:
-        self.channel = instrument_grpc_client(grpc.insecure_channel(address, options=_CHANNEL_OPTIONS))
+        self.channel = instrument_grpc_client(open_channel(address, options=RECONNECT_OPTIONS))
         self.stub = runner_grpc.ModelRunnerStub(self.channel)
         self.timeout = timeout
         self.pool_id = ""  # the incarnation steps are planned for (bind)

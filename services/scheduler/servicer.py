@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Iterator
 
 import grpc
 
 from services.model_runner.convert import logprobs_to_proto
+from services.scheduler.auth import current_tenant
 from services.scheduler.engine import Engine
 from services.scheduler.request import FinishReason
 from services.scheduler.stream import Chunk, OutputStream, build_spec
 from services.scheduler.tokenizer import Tokenizer
 from services.scheduler.tracing import capture_context
+from services.scheduler.validation import validate_priority
+from shared.auth import tenant_cache_salt
 from shared.convert import sampling_from_proto
 from shared.errors import InvalidArgument
 from shared.pb.kvmesh.v1 import scheduler_pb2, scheduler_pb2_grpc
@@ -75,6 +79,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
 
     def Generate(self, request: scheduler_pb2.GenerateRequest, context: grpc.ServicerContext
                  ) -> Iterator[scheduler_pb2.GenerateResponse]:
+        tenant = current_tenant()
+        validate_priority(request.priority, tenant, self.engine.config.min_priority)
         prompt = self._prompt_ids(request)
         sampling = sampling_from_proto(request.sampling, request.stop_token_ids, request.ignore_eos)
         remaining = context.time_remaining()
@@ -84,6 +90,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             request_id=request.request_id, priority=request.priority, cache_salt=request.cache_salt,
             deadline=deadline, trace_context=capture_context(),
         )
+        # The tenant's salt is derived here, never taken from the client (docs/security.md).
+        spec = dataclasses.replace(spec, cache_salt=tenant_cache_salt(
+            self.engine.config.deployment_key, tenant.id, spec.cache_salt))
         stream = OutputStream(self.engine, spec, self.tokenizer, request.include_special_tokens)
         context.add_callback(stream.cancel)
         for chunk in stream:

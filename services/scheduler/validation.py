@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 from services.scheduler.backends import RunnerInfo
 from services.scheduler.config import SchedulerConfig
+from shared.auth import Tenant
 from shared.errors import InvalidArgument
 from shared.sampling_params import SamplingParams
 
@@ -47,3 +48,14 @@ def validate_request(
         raise InvalidArgument(
             f"max_tokens: prompt + max_tokens needs {blocks} KV blocks but the whole pool has {usable}"
         )
+
+
+def validate_priority(priority: int, tenant: Tenant, default_floor: int) -> None:
+    """Refuses a priority below the tenant's floor (lower values run first).
+
+    NOTE: refused rather than clamped, so a client learns its request would not run as asked;
+    without a floor any tenant could starve every other by sending a very negative priority.
+    """
+    floor = tenant.min_priority if tenant.min_priority is not None else default_floor
+    if priority < floor:
+        raise InvalidArgument(f"priority: {priority} is below this tenant's minimum {floor} (lower runs first)")

@@ -30,6 +30,7 @@ PORTS = {
     "model-runner": (50053, 9093),
     "offload-store": (50054, 9094),
 }
+HEALTH_PORTS = {"scheduler": 50061, "kv-cache-manager": 50062, "model-runner": 50063, "offload-store": 50064}
 
 
 def _compose(compose_bin: str, *args: str, file: Path = COMPOSE_FILE) -> subprocess.CompletedProcess[str]:
@@ -72,7 +73,9 @@ def test_four_services_from_one_image(rendered: dict[str, Any]) -> None:
         assert svc["user"] == "10001:10001" and svc["read_only"] is True
         assert any(t.startswith("/tmp") for t in svc["tmpfs"])
         assert svc["cap_drop"] == ["ALL"]
-        assert str(port) in " ".join(svc["healthcheck"]["test"])
+        # Probes use the plaintext health-only port: the gRPC port wants a client certificate.
+        assert f"127.0.0.1:{HEALTH_PORTS[name]}" in " ".join(svc["healthcheck"]["test"])
+        assert svc["environment"]["KVMESH_HEALTH_PORT"] == str(HEALTH_PORTS[name])
 
 
 def test_scheduler_dials_the_others_by_service_name(rendered: dict[str, Any]) -> None:
@@ -180,3 +183,39 @@ def test_dashboard_datasource_is_provisioned() -> None:
     assert used <= uids
     providers = yaml.safe_load((provisioning / "dashboards" / "dashboards.yaml").read_text())
     assert providers["providers"][0]["options"]["path"] == "/var/lib/grafana/dashboards"
+
+
+def test_mutual_tls_and_api_keys_are_on(rendered: dict[str, Any]) -> None:
+    """Each service serves TLS with its own certificate (a compose secret made by shared/devcerts.py),
+    internal ones admit only the scheduler's certificate, the scheduler checks API keys."""
+    secrets = rendered["secrets"]
+    folder = REPO / "k8s" / "local" / "secrets"
+    assert Path(secrets["kvmesh-ca"]["file"]) == folder / "ca.crt"
+    for name in PORTS:
+        svc = rendered["services"][name]
+        env = svc["environment"]
+        mounted = {s["source"] for s in svc["secrets"]}
+        assert {"kvmesh-ca", f"{name}-cert", f"{name}-key"} <= mounted
+        assert env["KVMESH_TLS_CA"] == "/run/secrets/kvmesh-ca"
+        assert env["KVMESH_TLS_CERT"] == f"/run/secrets/{name}-cert"
+        assert env["KVMESH_TLS_KEY"] == f"/run/secrets/{name}-key"
+        assert Path(secrets[f"{name}-cert"]["file"]) == folder / f"{name}.crt"
+        assert Path(secrets[f"{name}-key"]["file"]) == folder / f"{name}.key"
+        if name == "scheduler":
+            assert env["KVMESH_AUTH_MODE"] == "on" and env["KVMESH_AUTH_KEYS_FILE"] == "/run/secrets/api-keys"
+            assert "api-keys" in mounted and Path(secrets["api-keys"]["file"]) == folder / "api-keys"
+        else:
+            assert env["KVMESH_TLS_ALLOWED_PEERS"] == "scheduler"
+            assert "api-keys" not in mounted
+
+
+def test_dev_secrets_are_what_compose_mounts(rendered: dict[str, Any], tmp_path: Path) -> None:
+    """shared/devcerts.py writes exactly the files compose's secrets name, and a keys file that parses."""
+    from shared.auth import parse_keys
+    from shared.devcerts import write_dev_secrets
+
+    key = write_dev_secrets(tmp_path)
+    names = {Path(s["file"]).name for s in rendered["secrets"].values()}
+    assert names <= {p.name for p in tmp_path.iterdir()}
+    (entry,) = parse_keys((tmp_path / "api-keys").read_text())
+    assert entry[1].id == "default" and len(key) > 16

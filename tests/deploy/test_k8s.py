@@ -21,6 +21,8 @@ OVERLAYS = ("cpu", "gpu")
 # are GA from 1.27) and the newest the pinned kubernetes-validate knows.
 K8S_VERSIONS = ("1.32.0", "1.37.0")
 GRPC_PORTS = {"scheduler": 50051, "kv-cache-manager": 50052, "model-runner": 50053, "offload-store": 50054}
+# Plaintext ports answering grpc.health.v1 only: the kubelet's probes cannot present a certificate.
+HEALTH_PORTS = {"scheduler": 50061, "kv-cache-manager": 50062, "model-runner": 50063, "offload-store": 50064}
 METRICS_PORTS = {"scheduler": 9091, "kv-cache-manager": 9092, "model-runner": 9093, "offload-store": 9094}
 UID = 10001
 
@@ -72,7 +74,7 @@ def test_overlay_validates_against_the_api_schema(overlay: tuple[str, str, list[
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-def test_every_container_has_grpc_probes_on_its_own_port(overlay: tuple[str, str, list[Doc]]) -> None:
+def test_every_container_has_grpc_probes_on_its_own_health_port(overlay: tuple[str, str, list[Doc]]) -> None:
     _name, _text, docs = overlay
     seen = set()
     for _dep, _meta, spec in _pod_specs(docs):
@@ -82,10 +84,12 @@ def test_every_container_has_grpc_probes_on_its_own_port(overlay: tuple[str, str
             assert _env(c)["KVMESH_PORT"] == str(port)
             assert _env(c)["KVMESH_METRICS_PORT"] == str(METRICS_PORTS[c["name"]])
             assert {p["containerPort"] for p in c["ports"]} == {port, METRICS_PORTS[c["name"]]}
+            health = HEALTH_PORTS[c["name"]]
+            assert _env(c)["KVMESH_HEALTH_PORT"] == str(health)
             for probe in ("readinessProbe", "livenessProbe"):
-                assert c[probe]["grpc"] == {"port": port}, (c["name"], probe)
+                assert c[probe]["grpc"] == {"port": health}, (c["name"], probe)
             if "startupProbe" in c:
-                assert c["startupProbe"]["grpc"] == {"port": port}
+                assert c["startupProbe"]["grpc"] == {"port": health}
     assert seen == set(GRPC_PORTS)
 
 
@@ -242,3 +246,30 @@ def test_overlay_specific_settings(overlay: tuple[str, str, list[Doc]]) -> None:
         cache = next(v for v in spec["volumes"] if v["name"] == "model-cache")
         assert set(cache) == {"name", "persistentVolumeClaim"}
         assert cache["persistentVolumeClaim"]["claimName"] in _kind(docs, "PersistentVolumeClaim")
+
+
+def test_mutual_tls_and_api_keys_are_on(overlay: tuple[str, str, list[Doc]]) -> None:
+    """Every service serves TLS from its own certificate Secret; internal ones admit only the
+    scheduler's certificate; the scheduler checks API keys from a mounted Secret (docs/security.md)."""
+    _name, _text, docs = overlay
+    values = _values(docs)
+    tls_dir = "/etc/kvmesh/tls"
+    assert (values["KVMESH_TLS_CERT"], values["KVMESH_TLS_KEY"], values["KVMESH_TLS_CA"]) == (
+        f"{tls_dir}/tls.crt", f"{tls_dir}/tls.key", f"{tls_dir}/ca.crt")
+    secrets_by_pod = {}
+    for dep, _meta, spec in _pod_specs(docs):
+        volumes = {v["name"]: v for v in spec["volumes"]}
+        for c in spec["containers"]:
+            mounts = {m["mountPath"]: m for m in c["volumeMounts"]}
+            tls = volumes[mounts[tls_dir]["name"]]
+            assert mounts[tls_dir]["readOnly"] is True
+            secrets_by_pod.setdefault(dep, set()).add(tls["secret"]["secretName"])
+            env = _env(c)
+            if c["name"] == "scheduler":
+                assert "KVMESH_TLS_ALLOWED_PEERS" not in env  # the public port: API keys, not certificates
+                assert env["KVMESH_AUTH_MODE"] == "on"
+                keys_dir = str(Path(env["KVMESH_AUTH_KEYS_FILE"]).parent)
+                assert volumes[mounts[keys_dir]["name"]]["secret"]["secretName"] == "kvmesh-api-keys"
+            else:
+                assert env["KVMESH_TLS_ALLOWED_PEERS"] == "scheduler"
+    assert secrets_by_pod == {dep: {f"kvmesh-tls-{dep}"} for dep in ("scheduler", "kv-cache-manager", "model-runner")}

@@ -17,6 +17,7 @@ from services.model_runner import native
 from services.model_runner.attention.base import AttentionMetadata
 from services.model_runner.attention.cpu_backend import CpuAttentionBackend
 from services.model_runner.attention.torch_backend import TorchAttentionBackend
+from services.model_runner.model.native_layers import NativeRMSNorm, NativeRotary, NativeSiluAndMul
 
 from .test_paged_attention import make_batch
 
@@ -26,7 +27,7 @@ VARIANTS = ["native", "portable"]
 @pytest.fixture(params=VARIANTS)
 def backend(request: pytest.FixtureRequest) -> CpuAttentionBackend:
     b = CpuAttentionBackend(portable=request.param == "portable")
-    assert b.native, "the native kernels did not build on this machine"
+    assert b.native_kernels is not None, "the native kernels did not build on this machine"
     return b
 
 
@@ -135,7 +136,7 @@ def test_without_a_compiler_the_backend_falls_back_to_torch(
 ) -> None:
     with caplog.at_level(logging.WARNING):
         backend = CpuAttentionBackend()
-    assert not backend.native
+    assert backend.native_kernels is None
     assert "native CPU kernels unavailable" in caplog.text
     batch = make_batch([1, 4], [30, 4], head_dim=64)
     assert torch.equal(_forward(backend, batch)[:5], _forward(TorchAttentionBackend(), batch)[:5])
@@ -177,21 +178,13 @@ def test_add_rms_norm_matches_torch(variant: str, rows: int) -> None:
     residual = torch.randn(rows, 576, generator=gen)
     expected_sum = residual + x
     expected = norm(expected_sum.clone())  # the torch path
-    norm.native = native.load_kernels(portable=variant == "portable")
-    assert norm.native is not None
-    torch.testing.assert_close(norm(x), _torch_norm(norm)(x), atol=1e-6, rtol=1e-5)
-    out, res = norm.add_forward(x, residual)
+    kernels = native.load_kernels(portable=variant == "portable")
+    assert kernels is not None
+    fused = NativeRMSNorm(norm, kernels)
+    torch.testing.assert_close(fused(x), norm(x), atol=1e-6, rtol=1e-5)
+    out, res = fused.add_forward(x, residual)
     assert res is residual and torch.equal(residual, expected_sum)  # the add is exact, in place
     torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-5)
-
-
-def _torch_norm(norm: torch.nn.Module) -> torch.nn.Module:
-    """A copy of ``norm`` on the torch path."""
-    from services.model_runner.model.layers import RMSNorm
-
-    plain = RMSNorm(norm.weight.shape[0], norm.eps)  # type: ignore[arg-type]
-    plain.weight.data = norm.weight.data
-    return plain
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -206,7 +199,8 @@ def test_rope_is_bitwise_the_torch_formula(variant: str, tokens: int) -> None:
     qkv = torch.randn(tokens, 15, 64)  # q and k heads are the first 12 of a fused projection
     qk = qkv[:, :12]
     kernels = native.load_kernels(portable=variant == "portable")
-    assert torch.equal(apply_rotary(qk, cos, sin, kernels), apply_rotary(qk, cos, sin))
+    assert kernels is not None
+    assert torch.equal(NativeRotary(kernels)(qk, cos, sin), apply_rotary(qk, cos, sin))
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -234,5 +228,5 @@ def test_swiglu_matches_torch(variant: str, tokens: int) -> None:
         linear.weight.data = torch.randn(linear.weight.shape, generator=gen) * 0.1
     x = torch.randn(tokens, 64, generator=gen)
     expected = mlp(x)
-    mlp.native = kernels
+    mlp.act_fn = NativeSiluAndMul(kernels)
     torch.testing.assert_close(mlp(x), expected, atol=1e-5, rtol=1e-5)

@@ -22,6 +22,8 @@ from typing import Protocol
 
 import torch
 
+from services.model_runner.native import NativeKernels
+
 
 @dataclass(frozen=True)
 class AttentionMetadata:
@@ -50,9 +52,17 @@ class AttentionMetadata:
 
 
 class AttentionBackend(Protocol):
-    """Writes a layer's new K/V into the paged cache and computes paged attention."""
+    """Writes a layer's new K/V into the paged cache and computes paged attention.
+
+    Attributes:
+        name: what ``RunnerConfig.attention_backend`` calls it.
+        native_kernels: the native CPU kernels the backend runs on, or None. The runner prepares
+            the model for the same kernels (``model/native_layers.py``), so the norms, rotary,
+            SwiGLU and GEMMs go native exactly when attention does.
+    """
 
     name: str
+    native_kernels: NativeKernels | None
 
     def write_kv(
         self,

@@ -17,9 +17,8 @@ from dataclasses import dataclass
 import torch
 
 from services.model_runner.attention.base import AttentionMetadata
-from services.model_runner.attention.torch_backend import TorchAttentionBackend, _Chunk, make_chunks
-from services.model_runner.model.packed import is_cpu_fp32
-from services.model_runner.native import load_kernels
+from services.model_runner.attention.torch_backend import Chunk, TorchAttentionBackend, make_chunks
+from services.model_runner.native import NativeKernels, is_cpu_fp32, load_kernels
 
 
 @dataclass(frozen=True)
@@ -30,7 +29,7 @@ class NativeDecodePlan:
     seq_lens: torch.Tensor  # [n]
     tables: torch.Tensor  # [n, W]
     max_len: int
-    chunks: list[_Chunk]
+    chunks: list[Chunk]
 
 
 class CpuAttentionBackend(TorchAttentionBackend):
@@ -41,13 +40,9 @@ class CpuAttentionBackend(TorchAttentionBackend):
     def __init__(self, portable: bool = False) -> None:
         """``portable``: use the plain-C build without the AVX-512 paths (tests)."""
         super().__init__()
-        self._kernels = load_kernels(portable)
+        # None when the kernels cannot be built here: every call then takes the torch path.
+        self.native_kernels: NativeKernels | None = load_kernels(portable)
         self._native_plan: tuple[AttentionMetadata, NativeDecodePlan] | None = None
-
-    @property
-    def native(self) -> bool:
-        """Whether the kernel was built here (False: every call takes the torch path)."""
-        return self._kernels is not None
 
     def write_kv(
         self,
@@ -61,7 +56,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
     ) -> None:
         """Stores K/V at their slots with one native call (a decode step writes a few KB per layer:
         less than the OpenMP fork of ``index_copy_``)."""
-        kernels = self._kernels
+        kernels = self.native_kernels
         if (kernels is None or not (is_cpu_fp32(key) and is_cpu_fp32(value) and is_cpu_fp32(k_cache))
                 or not _rows_contiguous(key) or not _rows_contiguous(value)
                 or not k_cache.is_contiguous() or not v_cache.is_contiguous() or slot_mapping.dtype != torch.int64
@@ -85,7 +80,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
         v_scale: float = 1.0,
     ) -> torch.Tensor:  # [T, H, D]
         """Causal varlen attention; decodes in place on the paged cache."""
-        kernels = self._kernels
+        kernels = self.native_kernels
         if (kernels is None or not (is_cpu_fp32(query) and is_cpu_fp32(k_cache)) or not k_cache.is_contiguous()
                 or not v_cache.is_contiguous()):
             return super().forward(query, k_cache, v_cache, meta, softmax_scale, k_scale, v_scale)
@@ -116,7 +111,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
 
         The native decode stack (``model/native_stack.py``) runs a whole layer stack from it.
         """
-        if self._kernels is None or meta.max_query_len != 1:
+        if self.native_kernels is None or meta.max_query_len != 1:
             return None
         plan = self._plan_native(meta, block_size)
         return plan if not plan.chunks and plan.rows.shape[0] == num_tokens else None

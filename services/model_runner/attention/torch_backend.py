@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from services.model_runner.attention.base import AttentionMetadata
+from services.model_runner.native import NativeKernels
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -42,15 +43,15 @@ class TorchAttentionBackend:
     """
 
     name = "torch"
+    native_kernels: NativeKernels | None = None
 
     def __init__(self, group_bytes: int = DECODE_GROUP_BYTES):
         """
         Args:
             group_bytes: decodes are gathered and attended in groups of sequences whose K (and
                 whose V) take about this many bytes, so that SDPA reads them back from the cache
-                rather than from memory (one layer at batch 32 x 2048 tokens on a 2-core EPYC:
-                23 ms, against 31 ms for the whole batch in one buffer and 82 ms for the former
-                advanced-indexing gather into fresh tensors).
+                rather than from memory (measured in docs/model_runner.md, "Why the code is
+                shaped so").
         """
         self.group_bytes = group_bytes
         self._plan: tuple[AttentionMetadata, _Plan] | None = None
@@ -113,7 +114,7 @@ class TorchAttentionBackend:
         query: torch.Tensor,  # [T, H, D]
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
-        chunks: list[_Chunk],
+        chunks: list[Chunk],
         out: torch.Tensor,  # [T, H, D], written at each chunk's rows
         softmax_scale: float,
         k_scale: float,
@@ -184,8 +185,11 @@ class _DecodeGroup:
 
 
 @dataclass(frozen=True)
-class _Chunk:
-    """A sequence with several query rows ``start:end`` over its first ``seq_len`` keys."""
+class Chunk:
+    """A sequence with several query rows ``start:end`` over its first ``seq_len`` keys.
+
+    Public because the ``cpu`` backend plans its multi-row sequences with :func:`make_chunks` too.
+    """
 
     start: int
     end: int
@@ -198,16 +202,16 @@ class _Plan:
     """What every layer of one step runs: the decode groups, then one call per multi-row sequence."""
 
     decodes: list[_DecodeGroup]
-    chunks: list[_Chunk]
+    chunks: list[Chunk]
 
 
 def _make_plan(meta: AttentionMetadata, block_size: int, group_tokens: int) -> _Plan:
     """Groups consecutive decodes while ``longest context * members <= group_tokens``, or while a
     group has fewer than two members.
 
-    NOTE: two at least, because one sequence is too little work for SDPA's threads (9 heads x 1
-    query): single-sequence groups measured 1.5-2.5x slower per step with 2 threads at contexts
-    of 1024-2048 on a 2-core machine that something else was using too (no difference with 1 thread).
+    NOTE: two at least, because one sequence is too little work for SDPA's threads (a few heads x
+    1 query): single-sequence groups were slower per step (docs/model_runner.md, "Why the code
+    is shaped so").
     """
     starts: list[int] = meta.query_start_loc.tolist()
     seq_lens: list[int] = meta.seq_lens.tolist()
@@ -239,11 +243,11 @@ def _make_plan(meta: AttentionMetadata, block_size: int, group_tokens: int) -> _
     return _Plan(groups, make_chunks(meta, starts, seq_lens, block_size))
 
 
-def make_chunks(meta: AttentionMetadata, starts: list[int], seq_lens: list[int], block_size: int) -> list[_Chunk]:
-    """One :class:`_Chunk` per sequence with several query rows (``starts``/``seq_lens`` as host lists)."""
+def make_chunks(meta: AttentionMetadata, starts: list[int], seq_lens: list[int], block_size: int) -> list[Chunk]:
+    """One :class:`Chunk` per sequence with several query rows (``starts``/``seq_lens`` as host lists)."""
     tables = meta.block_tables
     return [
-        _Chunk(starts[i], starts[i + 1], seq_len, tables[i : i + 1, : -(-seq_len // block_size)].long())
+        Chunk(starts[i], starts[i + 1], seq_len, tables[i : i + 1, : -(-seq_len // block_size)].long())
         for i, seq_len in enumerate(seq_lens)
         if starts[i + 1] - starts[i] > 1
     ]

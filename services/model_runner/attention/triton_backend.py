@@ -10,12 +10,14 @@ import torch
 
 from services.model_runner.attention.base import AttentionMetadata
 from services.model_runner.attention.kernels import paged_attention, write_kv
+from services.model_runner.native import NativeKernels
 
 
 class TritonAttentionBackend:
     """Launches ``write_kv`` and the unified ``paged_attention`` kernel; holds no state."""
 
     name: str = "triton"
+    native_kernels: NativeKernels | None = None
 
     def write_kv(
         self,

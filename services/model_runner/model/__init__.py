@@ -1,1 +1,4 @@
-"""The Llama-family decoder (Llama, Mistral, Qwen2): config, layers, the transformer, packed linear weights."""
+"""The Llama-family decoder (Llama, Mistral, Qwen2): config, layers, the transformer, packed weights.
+
+``transforms.py`` prepares a loaded model from outside: packing, and the native backend.
+"""

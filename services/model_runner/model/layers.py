@@ -4,6 +4,10 @@ Every layer works on flattened tokens (``[T, hidden]``, all sequences of a step 
 one forward serves prefill chunks and decodes alike; the attention backend is what knows where
 one sequence ends. Parameters are created empty: the loader fills every one of them, so random
 initialisation would only cost time.
+
+The elementwise ops a faster backend may replace (:class:`RMSNorm`, :class:`ApplyRotary`,
+:class:`SiluAndMul`) are modules of their own, so that backend swaps them from outside
+(``native_layers.py``) and no layer carries a flag for it.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from torch import nn
 
 from services.model_runner.model.config import ModelConfig, RopeConfig
 from services.model_runner.model.context import ForwardContext
-from services.model_runner.model.packed import PackedWeight, is_cpu_fp32, linear
+from services.model_runner.model.packed import PackedWeight, linear
 from services.model_runner.native import NativeKernels
 
 
@@ -40,9 +44,9 @@ class Linear(nn.Module):
         """``(first row, number of rows)`` of one shard of the output."""
         return sum(self.shard_sizes[:shard]), self.shard_sizes[shard]
 
-    def pack(self, mode: str) -> None:
+    def pack(self, mode: str, kernels: NativeKernels | None = None) -> None:
         """Replaces the loaded weight by a :class:`PackedWeight` for ``mode``; frees the dense copy."""
-        self.packed = PackedWeight(self.weight, self.bias, mode)
+        self.packed = PackedWeight(self.weight, self.bias, mode, kernels)
         self.weight.data = self.weight.data.new_empty(0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -69,15 +73,12 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(hidden_size), requires_grad=False)
         self.eps = eps
-        self.native: NativeKernels | None = None  # set by CausalLM.prepare(native=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden]
-        if self._native_ok(x):
-            return self._native(x, None)
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
-            # NOTE: one call instead of six Python-level ops and their temporaries: 1.7x faster
-            # for one token, 10x for a 2048-token prefill chunk; in fp32 its result is bitwise the
-            # reference formula below (checked on SmolLM2's shapes; the tests compare with HF).
+            # NOTE: one call instead of six Python-level ops and their temporaries (faster, see
+            # docs/model_runner.md); in fp32 its result is bitwise the reference formula below
+            # (checked on SmolLM2's shapes; the tests compare with HF).
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -86,26 +87,11 @@ class RMSNorm(nn.Module):
     def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``residual += x`` (in place: the caller owns ``residual``), then ``(norm(residual), residual)``.
 
-        The pre-norm block's residual add fused with the next norm, as one native pass when the
-        native kernels are on (fp32, CPU).
+        The pre-norm block's residual add fused with the next norm (one pass in the native
+        backend's :class:`~services.model_runner.model.native_layers.NativeRMSNorm`).
         """
-        if self._native_ok(x) and residual.is_contiguous() and is_cpu_fp32(residual):
-            return self._native(x, residual), residual
         residual.add_(x)
         return self.forward(residual), residual
-
-    def _native_ok(self, x: torch.Tensor) -> bool:
-        return (self.native is not None and is_cpu_fp32(x) and is_cpu_fp32(self.weight)
-                and x.dim() == 2 and x.stride(1) == 1)  # fmt: skip
-
-    def _native(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
-        assert self.native is not None
-        out = torch.empty(x.shape, dtype=torch.float32)
-        self.native.add_rms_norm(
-            None if residual is None else residual.data_ptr(), x.data_ptr(), x.stride(0), self.weight.data_ptr(),
-            out.data_ptr(), x.shape[0], x.shape[1], self.eps,
-        )  # fmt: skip
-        return out
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
@@ -156,23 +142,30 @@ class RotaryEmbedding(nn.Module):
         return self.cos[positions, None].to(dtype), self.sin[positions, None].to(dtype)
 
 
-def apply_rotary(
-    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, native: NativeKernels | None = None
-) -> torch.Tensor:
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotates ``x`` ``[T, heads, D]`` by position (the "rotate half" layout of HF checkpoints).
 
     ``x * cos + cat(-x2, x1) * sin`` as HF computes it, with the minus already in the signed
-    ``sin`` of :class:`RotaryEmbedding`: ``roll(x, D/2) == cat(x2, x1)``. Same roundings, 4 ops,
-    or one pass of the native kernel (fp32 on the CPU; bitwise the same result).
+    ``sin`` of :class:`RotaryEmbedding`: ``roll(x, D/2) == cat(x2, x1)``. Same roundings, 4 ops.
     """
-    if (native is not None and is_cpu_fp32(x) and is_cpu_fp32(cos) and x.stride(2) == 1
-            and x.stride(1) == x.shape[2] and cos.is_contiguous() and sin.is_contiguous()):  # fmt: skip
-        out = torch.empty(x.shape, dtype=torch.float32)
-        native.rope(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), cos.shape[-1], out.data_ptr(),
-                    x.shape[0], x.shape[1], x.shape[2])  # fmt: skip
-        return out
     rotated = x.roll(x.shape[-1] // 2, dims=-1)  # [T, heads, D]
     return torch.mul(x, cos).add_(rotated.mul_(sin))
+
+
+class ApplyRotary(nn.Module):
+    """:func:`apply_rotary` as a module: the op each attention layer applies to its q and k heads."""
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:  # [T, heads, D]
+        return apply_rotary(x, cos, sin)
+
+
+class SiluAndMul(nn.Module):
+    """SwiGLU's activation on a merged projection: ``silu(gate) * up`` for ``[T, 2I]`` -> ``[T, I]``."""
+
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.split(gate_up.shape[-1] // 2, dim=-1)  # each [T, I]
+        # NOTE: in place into the (temporary) gate_up output: two fewer [T, I] allocations, same values.
+        return F.silu(gate, inplace=True).mul_(up)
 
 
 class Attention(nn.Module):
@@ -187,7 +180,7 @@ class Attention(nn.Module):
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
         self.scale = config.head_dim**-0.5
-        self.native: NativeKernels | None = None  # rotary on the native kernel (CausalLM.prepare)
+        self.rotate = ApplyRotary()
         self.qkv_proj = Linear(
             config.hidden_size,
             self.q_size + 2 * self.kv_size,
@@ -203,7 +196,7 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x)  # [T, (H + 2 * KV) * D]
         # NOTE: q and k are adjacent in qkv, so one rotary call serves both heads at once.
         qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
-        q, k = apply_rotary(qk, cos, sin, self.native).split([self.num_heads, self.num_kv_heads], dim=1)  # [T, H/KV, D]
+        q, k = self.rotate(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)  # [T, H/KV, D]
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KV, D]
         if ctx.kv_amax is not None:
             amax = torch.stack((k.abs().amax(), v.abs().amax())).float()  # [2]
@@ -224,15 +217,7 @@ class MLP(nn.Module):
         self.intermediate_size = size
         self.gate_up_proj = Linear(config.hidden_size, 2 * size, bias=config.mlp_bias, shard_sizes=(size, size))
         self.down_proj = Linear(size, config.hidden_size, bias=config.mlp_bias)
-        self.native: NativeKernels | None = None  # SwiGLU on the native kernel (CausalLM.prepare)
+        self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden]
-        gate_up = self.gate_up_proj(x)  # [T, 2I]
-        native = self.native
-        if native is not None and is_cpu_fp32(gate_up) and gate_up.stride(1) == 1:
-            act = torch.empty(gate_up.shape[0], self.intermediate_size, dtype=torch.float32)
-            native.silu_mul(gate_up.data_ptr(), gate_up.stride(0), act.data_ptr(), act.shape[0], act.shape[1])
-            return self.down_proj(act)
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)  # each [T, I]
-        # NOTE: in place into the (temporary) gate_up output: two fewer [T, I] allocations, same values.
-        return self.down_proj(F.silu(gate, inplace=True).mul_(up))
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))  # [T, 2I] -> [T, I] -> [T, hidden]

@@ -1,32 +1,64 @@
 """The decoder-layer stack of a decode-only step in one native call (``native/decode_stack.c``).
 
-With the native CPU kernels on, a SmolLM2 batch-32 decode step spent ~10% of its time in the
-Python between kernels (module calls, checks, allocations, a ctypes call per kernel), on one
-thread while the other waited. For steps whose every row is a decode, :meth:`NativeDecodeStack.run`
-hands the whole stack to C, which calls the same kernels in the same order on the same arguments:
-the hidden states are bitwise the per-layer path's. Anything else (a prefill chunk, padding rows,
-fp8 calibration, another backend) returns None and the caller runs the layers in Python.
+For steps whose every row is a decode, :meth:`NativeDecodeStack.run` hands the whole stack to C,
+which calls the same kernels in the same order on the same arguments as the per-layer path, so
+the hidden states are bitwise the per-layer path's; what it saves (the Python between kernels) is
+measured in docs/model_runner.md. Anything else (a prefill chunk, padding rows, fp8 calibration,
+another backend) returns None and the caller runs the layers in Python.
+
+This module is only the binding: it takes plain tensors (:class:`StackLayer`, :class:`StackShape`).
+Which model layers can be described so is decided by ``native_layers.py``, the one place that
+knows both the model and the native backend.
 """
 
 from __future__ import annotations
 
 import ctypes
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, cast
+from dataclasses import dataclass
 
 import torch
 
 from services.model_runner.attention.cpu_backend import CpuAttentionBackend
 from services.model_runner.model.context import ForwardContext
-from services.model_runner.model.packed import PackedWeight, is_cpu_fp32
-from services.model_runner.native import NativeKernels
-
-if TYPE_CHECKING:
-    from services.model_runner.model.layers import Linear
-    from services.model_runner.model.transformer import DecoderLayer, DecoderModel
+from services.model_runner.model.packed import PackedWeight
+from services.model_runner.native import NativeKernels, is_cpu_fp32
 
 _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
+
+
+@dataclass(frozen=True)
+class StackLayer:
+    """One decoder layer as ``decode_stack.c`` reads it: fp32 norm weights and ``native`` packed projections."""
+
+    input_norm: torch.Tensor  # [hidden]
+    post_norm: torch.Tensor  # [hidden]
+    qkv: PackedWeight
+    o: PackedWeight
+    gate_up: PackedWeight
+    down: PackedWeight
+
+
+@dataclass(frozen=True)
+class StackShape:
+    """The shapes every layer of the stack shares."""
+
+    hidden: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate: int
+    eps: float
+    scale: float  # softmax scale
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
 
 
 class _Layer(ctypes.Structure):
@@ -62,56 +94,29 @@ class _Step(ctypes.Structure):
 
 
 class NativeDecodeStack:
-    """Runs :class:`DecoderModel`'s layers for decode-only steps in ``kvmesh_decode_stack_f32``.
+    """Runs a decoder's layers for decode-only steps in ``kvmesh_decode_stack_f32``.
 
-    Build it with :meth:`build` after the weights are packed (``CausalLM.prepare``).
+    Args:
+        layers: every layer, in order; their tensors must outlive the stack.
+        shape: what the layers share.
+        kernels: the native build to call.
     """
 
-    def __init__(self, layers: Sequence[DecoderLayer], kernels: NativeKernels):
+    def __init__(self, layers: Sequence[StackLayer], shape: StackShape, kernels: NativeKernels):
         self._num_layers = len(layers)
         self._fn = kernels.decode_stack
-        first = layers[0]
-        attn = first.self_attn
-        self._q_size, self._kv_size = attn.q_size, attn.kv_size
-        self._intermediate = first.mlp.intermediate_size
-        self._hidden = first.input_layernorm.weight.shape[0]
-        self._head_dim, self._num_heads, self._num_kv_heads = attn.head_dim, attn.num_heads, attn.num_kv_heads
-        self._scale = attn.scale
-        self._eps = first.input_layernorm.eps
+        self._dims = shape
         self._layers = (_Layer * len(layers))()
         for i, layer in enumerate(layers):
-            a, m = layer.self_attn, layer.mlp
             entry = self._layers[i]
-            entry.input_norm = layer.input_layernorm.weight.data_ptr()
-            entry.post_norm = layer.post_attention_layernorm.weight.data_ptr()
-            entry.qkv, entry.qkv_bias = _packed(a.qkv_proj)
-            entry.o, entry.o_bias = _packed(a.o_proj)
-            entry.gate_up, entry.gate_up_bias = _packed(m.gate_up_proj)
-            entry.down, entry.down_bias = _packed(m.down_proj)
+            entry.input_norm = layer.input_norm.data_ptr()
+            entry.post_norm = layer.post_norm.data_ptr()
+            entry.qkv, entry.qkv_bias = _packed(layer.qkv)
+            entry.o, entry.o_bias = _packed(layer.o)
+            entry.gate_up, entry.gate_up_bias = _packed(layer.gate_up)
+            entry.down, entry.down_bias = _packed(layer.down)
         self._cache_key: tuple[int, tuple[int, ...]] = (0, ())  # the pool self._layers points into
         self._shape = _Shape()
-
-    @classmethod
-    def build(cls, model: DecoderModel, kernels: NativeKernels) -> NativeDecodeStack | None:
-        """The stack, or None unless every layer is one the C code runs: all projections packed
-        for ``gemm.c``, fp32 norms with one eps, the same shapes in every layer."""
-        layers = cast("list[DecoderLayer]", list(model.layers))
-        if not layers:
-            return None
-        first = layers[0]
-        for layer in layers:
-            a, m = layer.self_attn, layer.mlp
-            linears = (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj)
-            if not all(isinstance(x.packed, PackedWeight) and x.packed.mode == "native" for x in linears):
-                return None
-            norms = (layer.input_layernorm, layer.post_attention_layernorm)
-            if not all(is_cpu_fp32(n.weight) and n.eps == first.input_layernorm.eps for n in norms):
-                return None
-            if (a.q_size, a.kv_size, m.intermediate_size) != (
-                first.self_attn.q_size, first.self_attn.kv_size, first.mlp.intermediate_size
-            ):
-                return None
-        return cls(layers, kernels)
 
     def run(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext
@@ -132,9 +137,9 @@ class NativeDecodeStack:
             return None
         self._bind_cache(cache)
         out, residual = x, torch.empty_like(x)  # x is this forward's own embedding: overwritten
+        d = self._dims
         scratch = [torch.empty(tokens, n, dtype=torch.float32) for n in (
-            self._hidden, self._q_size + 2 * self._kv_size, self._q_size + self._kv_size, self._q_size,
-            2 * self._intermediate, self._intermediate,
+            d.hidden, d.q_size + 2 * d.kv_size, d.q_size + d.kv_size, d.q_size, 2 * d.intermediate, d.intermediate,
         )]  # fmt: skip
         step = _Step(
             tokens, cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), plan.tables.data_ptr(),
@@ -155,14 +160,15 @@ class NativeDecodeStack:
             self._layers[i].k_cache = cache[i, 0].data_ptr()
             self._layers[i].v_cache = cache[i, 1].data_ptr()
         num_blocks, block_size = cache.shape[2], cache.shape[3]
+        s = self._dims
         self._shape = _Shape(
-            self._hidden, self._num_heads, self._num_kv_heads, self._head_dim, self._intermediate, block_size,
-            cache.stride(2), num_blocks * block_size, self._eps, self._scale,
+            s.hidden, s.num_heads, s.num_kv_heads, s.head_dim, s.intermediate, block_size,
+            cache.stride(2), num_blocks * block_size, s.eps, s.scale,
         )  # fmt: skip
         self._cache_key = key
 
 
-def _packed(linear: Linear) -> tuple[int, int | None]:
-    packed = linear.packed
-    assert packed is not None and isinstance(packed.packed, torch.Tensor)
-    return packed.packed.data_ptr(), None if packed.bias is None else packed.bias.data_ptr()
+def _packed(weight: PackedWeight) -> tuple[int, int | None]:
+    if weight.mode != "native" or not isinstance(weight.packed, torch.Tensor):
+        raise ValueError(f"the native decode stack needs weights packed for mode native, not {weight.mode}")
+    return weight.packed.data_ptr(), None if weight.bias is None else weight.bias.data_ptr()

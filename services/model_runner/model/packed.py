@@ -14,11 +14,10 @@ The packed copy replaces the dense weight, which is freed (vLLM calls this step
 and ``F.linear`` runs; ``fp16``/``int8`` need fp32 weights on the CPU.
 
 NOTE: why not ``F.linear``: decode GEMMs are skinny (a few rows times a weight streamed from
-memory), where torch's default CPU path (MKL sgemm) is slow. All linear layers of one
-SmolLM2-135M decode step on a 2-core EPYC, 2 threads: MKL 116 ms at batch 32 / 43 ms at batch 1;
-oneDNN on the dense weight 72 / 25 ms (it re-lays the weight out on every call); oneDNN on the
-packed weight 53 / 23 ms. All are IEEE fp32 but sum in different orders, so results differ in
-the last bits (as MKL's own do between batch sizes); greedy outputs stay token-identical to
+memory), where torch's default CPU path (MKL sgemm) is slow; oneDNN on the dense weight re-lays
+the weight out on every call, so the weight is packed once (the measurements are in
+docs/model_runner.md, "Why the code is shaped so"). All are IEEE fp32 but sum in different
+orders, so results differ in the last bits (as MKL's own do between batch sizes); greedy outputs stay token-identical to
 transformers in the tests and the benchmark. The ops are those torch's inductor emits for CPU
 linears (private, hence :func:`onednn_available`).
 """
@@ -30,7 +29,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from services.model_runner.native import NativeKernels, load_kernels
+from services.model_runner.native import NativeKernels, is_cpu_fp32, load_kernels
 
 QUANTIZATIONS = ("none", "fp16", "int8")
 PACK_BATCH = 32  # the batch oneDNN's layout is tuned for; any batch runs (as fast at 1 and 8, measured)
@@ -50,10 +49,6 @@ def onednn_available() -> bool:
 _ONEDNN = onednn_available()
 
 
-def is_cpu_fp32(t: torch.Tensor) -> bool:
-    return t.device.type == "cpu" and t.dtype == torch.float32
-
-
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear`` on a dense weight; through oneDNN for fp32 on the CPU (see the module NOTE)."""
     if _ONEDNN and is_cpu_fp32(x) and is_cpu_fp32(weight):
@@ -69,15 +64,17 @@ class PackedWeight:
         bias: ``[out]`` or None.
         mode: ``fp32`` (oneDNN), ``native`` (``native/gemm.c``), ``fp16`` or ``int8`` (fbgemm),
             see the module docstring.
+        kernels: for ``native``, the kernels to run on (default: :func:`load_kernels`'s build).
 
     NOTE: ``int8`` quantizes activations per call and per tensor with torch's x86 ``reduce_range``
     (7-bit), so a row's result depends a little on the other rows of the batch. The fbgemm ops
     come from torch's ``quantized`` namespace, whose quantized-tensor API is deprecated upstream;
-    kept because no other CPU int8 GEMM in torch 2.13 is fast here (``_weight_int8pack_mm``: 30x
-    slower than fbgemm's).
+    kept because no other CPU int8 GEMM in torch 2.13 is fast here (``_weight_int8pack_mm`` is
+    far slower than fbgemm's, docs/model_runner.md).
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, mode: str):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, mode: str,
+                 kernels: NativeKernels | None = None):
         if mode not in ("fp32", "native", "fp16", "int8"):
             raise ValueError(f"mode must be fp32, native, fp16 or int8, got {mode!r}")
         if not is_cpu_fp32(weight):
@@ -86,7 +83,7 @@ class PackedWeight:
             raise ValueError("this torch build has no oneDNN linear ops")
         self.kernels: NativeKernels | None = None
         if mode == "native":
-            self.kernels = load_kernels()
+            self.kernels = kernels or load_kernels()
             if self.kernels is None:
                 raise ValueError("the native CPU kernels could not be built here")
         self.mode = mode

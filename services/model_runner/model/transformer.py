@@ -13,9 +13,7 @@ from torch import nn
 from services.model_runner.model.config import ModelConfig
 from services.model_runner.model.context import ForwardContext
 from services.model_runner.model.layers import MLP, Attention, Embedding, Linear, RMSNorm, RotaryEmbedding
-from services.model_runner.model.native_stack import NativeDecodeStack
-from services.model_runner.model.packed import QUANTIZATIONS, PackedWeight, linear
-from services.model_runner.native import load_kernels
+from services.model_runner.model.packed import PackedWeight, linear
 
 
 class DecoderLayer(nn.Module):
@@ -57,21 +55,27 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config.rope, config.head_dim, config.max_position_embeddings)
-        self.native_stack: NativeDecodeStack | None = None  # decode-only steps in one call (prepare)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [T, hidden]
         cos, sin = self.rotary(positions, x.dtype)  # each [T, 1, D], gathered once for all layers
-        if self.native_stack is not None:
-            done = self.native_stack.run(x, cos, sin, ctx)
-            if done is not None:
-                return self.norm.add_forward(*done)[0]
-        residual: torch.Tensor | None = None
-        for layer in self.layers:
-            x, residual = layer(x, residual, cos, sin, ctx)
+        x, residual = self.run_layers(x, cos, sin, ctx)
         if residual is None:  # no layers
             return self.norm(x)
         return self.norm.add_forward(x, residual)[0]  # [T, hidden]
+
+    def run_layers(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:  # ([T, hidden], [T, hidden] or None)
+        """``(last layer's MLP output, residual)`` for the embeddings ``x``; residual None without layers.
+
+        A backend that runs the whole stack at once overrides this
+        (``native_layers.NativeDecoderModel``); the embedding and the final norm stay here.
+        """
+        residual: torch.Tensor | None = None
+        for layer in self.layers:
+            x, residual = layer(x, residual, cos, sin, ctx)
+        return x, residual
 
 
 class CausalLM(nn.Module):
@@ -82,8 +86,8 @@ class CausalLM(nn.Module):
         self.config = config
         self.model = DecoderModel(config)
         self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.packed_head: PackedWeight | None = None  # a tied head's fp16/int8 copy (see prepare)
-        self.prepared: str | None = None  # the quantization prepare() packed the weights for
+        self.packed_head: PackedWeight | None = None  # a tied head's packed copy (``transforms.prepare_model``)
+        self.prepared: str | None = None  # the quantization ``prepare_model`` packed the weights for
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """Hidden states of every token of the step.
@@ -105,45 +109,3 @@ class CausalLM(nn.Module):
         if self.packed_head is not None:
             return self.packed_head(hidden).float()
         return linear(hidden, self.model.embed_tokens.weight).float()
-
-    def prepare(self, quantization: str = "none", pack_tied_head: bool = True, native: bool = False) -> None:
-        """Packs the loaded weights for the CPU kernels of ``quantization`` (see ``model/packed.py``).
-
-        ``none`` packs fp32 weights for oneDNN when they are fp32 on the CPU and does nothing
-        otherwise. A tied head gets a packed copy of the embedding (which stays dense for the
-        lookups) under ``fp16``/``int8``, and under ``none`` when ``pack_tied_head``: the
-        vocabulary projection is the largest GEMM of a decode step, and packed it takes 9.5 ms
-        instead of 14.3 ms at batch 32 on SmolLM2 (bitwise the same logits), for 113 MB more
-        memory (a model's ``vocab x hidden x 4`` bytes). ``native`` runs the norms, the rotary
-        embedding and SwiGLU on the native CPU kernels (``services/model_runner/native``) when they
-        build here, and under ``none`` packs the fp32 weights for their GEMM (``gemm.c``) instead of
-        oneDNN's and runs decode-only steps' layer stack in one native call (``native_stack.py``).
-        Call it once, after loading; a second call with the same ``quantization``
-        does nothing.
-
-        Raises:
-            ValueError: an unknown ``quantization``, another one than the model was prepared
-                for, or ``fp16``/``int8`` on weights that are not fp32 on the CPU.
-        """
-        if quantization not in QUANTIZATIONS:
-            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
-        if self.prepared is not None:
-            if self.prepared != quantization:
-                raise ValueError(f"the model is already prepared for quantization {self.prepared!r}")
-            return
-        kernels = load_kernels() if native else None
-        mode = quantization if quantization != "none" else "native" if kernels is not None else "fp32"
-        linears = [m for m in self.modules() if isinstance(m, Linear)]
-        if quantization != "none" or all(PackedWeight.supported(m.weight, mode) for m in linears):
-            for module in linears:
-                module.pack(mode)
-        embedding = self.model.embed_tokens.weight
-        pack_head = quantization != "none" or (pack_tied_head and PackedWeight.supported(embedding, mode))
-        if self.lm_head is None and pack_head:
-            self.packed_head = PackedWeight(embedding, None, mode)
-        if kernels is not None:
-            for layer in self.modules():
-                if isinstance(layer, RMSNorm | Attention | MLP):
-                    layer.native = kernels
-            self.model.native_stack = NativeDecodeStack.build(self.model, kernels)
-        self.prepared = quantization

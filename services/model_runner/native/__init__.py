@@ -1,6 +1,6 @@
 """Native (C/OpenMP) CPU kernels, compiled on first use with the machine's C compiler.
 
-What is here, and why torch alone was not enough (figures in docs/model_runner.md):
+What is here, and why torch alone was not enough (measurements in docs/model_runner.md):
 
 * ``paged_decode.c`` — decode attention reading the paged KV cache in place (torch has no op that
   reads a paged cache, so the torch backend gathers K/V into contiguous buffers first), and the
@@ -19,7 +19,7 @@ The sources are built together into one shared object in a cache folder
 (``$KVMESH_NATIVE_CACHE``, else ``$KVMESH_CACHE_DIR/native``, else ``~/.cache/kvmesh/native``),
 named by a hash of the sources, the flags, the compiler and the CPU's feature flags, so a changed
 source or another machine never loads a stale build. ``-march=native`` is right because the build
-happens on the machine that runs it. The build takes ~2 s once; a missing compiler or a failed
+happens on the machine that runs it. The build runs once per machine and source version; a missing compiler or a failed
 build only logs a warning and :func:`load_kernels` returns None, and callers keep the torch path.
 The object links the ``libgomp`` torch already loaded (same soname), so ``torch.set_num_threads``
 governs its threads too.
@@ -40,6 +40,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 log = logging.getLogger(__name__)
 
 SOURCES = tuple(sorted(Path(__file__).parent.glob("*.c")))
@@ -53,6 +55,11 @@ PORTABLE_CFLAGS = ("-mno-avx512f",)
 _I64 = ctypes.c_int64
 _PTR = ctypes.c_void_p
 _F32 = ctypes.c_float
+
+
+def is_cpu_fp32(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a tensor the native kernels take (fp32, in CPU memory)."""
+    return t.device.type == "cpu" and t.dtype == torch.float32
 
 
 def cache_dir() -> Path:
@@ -144,8 +151,8 @@ def load_kernels(portable: bool = False) -> NativeKernels | None:
     Args:
         portable: the plain-C variant without the AVX-512 paths (for tests).
     """
-    import torch  # noqa: F401  (torch's libgomp must be loaded first, so the kernels share its threads)
-
+    # NOTE: torch is imported at the top of this module, so its libgomp is loaded before the
+    # kernels' object and both share one thread pool.
     try:
         lib = ctypes.CDLL(str(build(extra_cflags=PORTABLE_CFLAGS if portable else ())))
     except (OSError, RuntimeError) as exc:

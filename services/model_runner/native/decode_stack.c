@@ -3,8 +3,8 @@
  *
  * Why: at decode batch sizes the kernels of one layer take a few milliseconds together, and the
  * Python between them (module calls, checks, tensor allocations, a ctypes call per kernel with
- * up to 18 arguments) cost ~10% of a SmolLM2 batch-32 step, run by one thread while the other
- * waits. Here the same kernels run in the same order on the same arguments as the per-layer
+ * up to 18 arguments) cost a noticeable share of a batch-32 step (docs/model_runner.md), run by
+ * one thread while the other waits. Here the same kernels run in the same order on the same arguments as the per-layer
  * Python path does with the native kernels on, so the result is bitwise that path's
  * (tests/unit/model_runner/test_native_stack.py); only the interpreter is gone.
  *

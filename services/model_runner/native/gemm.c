@@ -2,13 +2,11 @@
  * fp32 linear layers for the CPU: out = x W^T + b on a weight packed once into column panels.
  *
  * Why it exists: a decode step's GEMMs are skinny (1-32 rows against a weight streamed from
- * memory once per step), and on a 2-core VM each core reads memory at ~10 GB/s while it can do
- * ~140 GFLOP/s, so at batch 32 the weight stream and the FMAs cost about the same. oneDNN's packed
- * inner product (the runner's default) runs them one after the other: SmolLM2's 120 layer GEMMs
- * took 55-58 ms at batch 32. Here each thread walks its own run of panels and prefetches the next
- * panel in software, a few lines per k step, while it computes on the current one, so the memory
- * stream hides behind the FMAs: 38-42 ms, and at batch 1 and 8 20 ms against 26-31 ms
- * (docs/model_runner.md).
+ * memory once per step), and on a small CPU the weight stream and the FMAs of a batch-32 step
+ * cost about the same. oneDNN's packed inner product (the runner's default) runs them one after
+ * the other. Here each thread walks its own run of panels and prefetches the next panel in
+ * software, a few lines per k step, while it computes on the current one, so the memory stream
+ * hides behind the FMAs (the measurements: docs/model_runner.md).
  *
  * Layout: W [n, k] becomes packed [ceil(n / PANEL)][k][PANEL]: for each panel of PANEL output
  * columns, the k rows of its weights, contiguous (columns past n are zero). One panel is 48 x k

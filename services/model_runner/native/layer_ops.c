@@ -3,8 +3,8 @@
  * RMSNorm, rotary embedding, SwiGLU.
  *
  * Why: at decode batch sizes a norm is 32 x 576 floats, and torch's rms_norm runs it as five
- * elementwise ops with an OpenMP fork each (~45 us); one pass here takes a few microseconds, and
- * the residual add rides along. Sixty norms per SmolLM2 step; SwiGLU is three ops (silu, mul and
+ * elementwise ops with an OpenMP fork each; one pass here is several times faster
+ * (docs/model_runner.md), and the residual add rides along. Sixty norms per SmolLM2 step; SwiGLU is three ops (silu, mul and
  * the copy that makes the gate half contiguous for the next GEMM) become one.
  *
  * Numerics: the sum of squares is accumulated in a different order than torch's, and silu's exp

@@ -16,7 +16,7 @@
  * prefetcher (which stops at 4 KB pages) restarts at every block. The next block's lines are
  * prefetched in software, a few per unit of work, spread over the current block: issuing a whole
  * block's prefetches at once measured no better than none (they queue behind each other), spread
- * out they cut a batch-32 SmolLM2 decode step by 15-20% (docs/model_runner.md).
+ * out they pay (docs/model_runner.md).
  *
  * Threads: sequences are split as pairs.h describes. The library is linked against the libgomp
  * that torch already loaded (same soname), so torch.set_num_threads governs it too: one thread
@@ -113,7 +113,7 @@ static inline __attribute__((always_inline)) void attend_seq_avx512(
         const int64_t t0 = b * block_size;
         const float *kb = k_cache + (int64_t)table[b] * block_stride;
         const int64_t nblk = len - t0 < block_size ? len - t0 : block_size;
-        /* the last K block prefetches the first V block (-3% per step) */
+        /* the last K block prefetches the first V block (docs/model_runner.md) */
         Prefetcher pf = prefetcher(b + 1 < num_blocks ? k_cache + (int64_t)table[b + 1] * block_stride
                                    : v_cache + (int64_t)table[0] * block_stride,
                                    block_bytes, ((nblk + 15) / 16) * num_heads);

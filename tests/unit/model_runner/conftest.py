@@ -135,7 +135,7 @@ def make_runner(tmp_path: Path) -> Any:
 
     yield make
     for runner in runners:
-        runner.close()
+        runner.pool.close()
 
 
 @dataclass

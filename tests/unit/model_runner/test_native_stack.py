@@ -1,6 +1,6 @@
-"""The native decode stack (``model/native_stack.py`` + ``native/decode_stack.c``) against the
-per-layer path it replaces: decode-only steps must give bitwise the same hidden states and K/V,
-every other step must not take it."""
+"""The native decode stack (``model/native_stack.py`` + ``native/decode_stack.c``, applied by
+``model/native_layers.py``) against the per-layer path it replaces: decode-only steps must give
+bitwise the same hidden states and K/V, every other step must not take it."""
 
 from __future__ import annotations
 
@@ -11,24 +11,36 @@ import torch
 
 from services.model_runner.input_batch import ScheduledRequest, prepare_inputs
 from services.model_runner.model.context import ForwardContext
+from services.model_runner.model.native_layers import NativeDecoderModel
+from services.model_runner.model.native_stack import NativeDecodeStack
 from services.model_runner.runner import ModelRunnerCore
 
 PROMPTS = {"a": list(range(3, 8)), "b": list(range(40, 57)), "c": list(range(100, 130))}
 
 
-def _forward(runner: ModelRunnerCore, reqs: list[ScheduledRequest], stack: bool) -> torch.Tensor:
-    """The model's hidden states for one step, with the native stack on or off."""
+def _stack(runner: ModelRunnerCore) -> NativeDecodeStack:
     model = runner.model.model
-    saved = model.native_stack
+    assert isinstance(model, NativeDecoderModel)
+    return model.stack
+
+
+def _forward(runner: ModelRunnerCore, reqs: list[ScheduledRequest], stack: bool) -> torch.Tensor:
+    """The model's hidden states for one step, with the native stack on, or declining the step
+    (as it does for any step it does not run: the per-layer path runs instead)."""
+    native = _stack(runner)
+    saved = native.__dict__.get("run")
     if not stack:
-        model.native_stack = None
+        native.run = lambda *args: None  # type: ignore[method-assign]
     try:
         batch = prepare_inputs(reqs, runner.geometry)
         ctx = ForwardContext(runner.pool.tensor, runner.pool.layer_scales(), batch.meta, runner.backend)
         with torch.inference_mode():
             return runner.model(batch.input_ids, batch.positions, ctx)
     finally:
-        model.native_stack = saved
+        if saved is None:
+            native.__dict__.pop("run", None)
+        else:
+            native.run = saved  # type: ignore[method-assign]
 
 
 def _prefilled(runner: ModelRunnerCore) -> dict[str, list[int]]:
@@ -54,8 +66,7 @@ def test_decode_steps_are_bitwise_the_per_layer_path(
     checkpoint: Any, make_runner: Any, name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     runner = make_runner(checkpoint(name), backend="cpu")
-    stack = runner.model.model.native_stack
-    assert stack is not None
+    stack = _stack(runner)
     ran: list[bool] = []
     run = stack.run
 
@@ -82,7 +93,7 @@ def test_decode_steps_are_bitwise_the_per_layer_path(
 
 def test_only_decode_only_steps_take_the_stack(checkpoint: Any, make_runner: Any) -> None:
     runner = make_runner(checkpoint("llama"), backend="cpu")
-    stack = runner.model.model.native_stack
+    stack = _stack(runner)
     tables = _prefilled(runner)
 
     def runs(reqs: list[ScheduledRequest]) -> bool:
@@ -101,5 +112,6 @@ def test_only_decode_only_steps_take_the_stack(checkpoint: Any, make_runner: Any
 
 
 def test_other_backends_and_quantizations_build_no_stack(checkpoint: Any, make_runner: Any) -> None:
-    assert make_runner(checkpoint("llama")).model.model.native_stack is None  # torch backend: oneDNN
-    assert make_runner(checkpoint("llama"), backend="cpu", quantization="int8").model.model.native_stack is None
+    assert not isinstance(make_runner(checkpoint("llama")).model.model, NativeDecoderModel)  # torch: oneDNN
+    int8 = make_runner(checkpoint("llama"), backend="cpu", quantization="int8")
+    assert not isinstance(int8.model.model, NativeDecoderModel)

@@ -11,6 +11,7 @@ from services.model_runner.attention.torch_backend import TorchAttentionBackend
 from services.model_runner.config import RunnerConfig
 from services.model_runner.model.layers import Linear
 from services.model_runner.model.packed import PackedWeight, onednn_available
+from services.model_runner.model.transforms import prepare_model
 from services.model_runner.types import CachedRequestData, NewRequestData, StepInput
 from shared.errors import InvalidArgument
 from shared.sampling_params import SamplingParams
@@ -240,9 +241,9 @@ def test_fp32_weights_are_packed_once(runner: Any) -> None:
     if onednn_available():
         assert all(m.packed is not None and m.packed.mode == "fp32" and m.weight.numel() == 0 for m in linears)
     assert runner.model.prepared == "none"
-    runner.model.prepare("none")  # again: nothing to do
+    prepare_model(runner.model, "none")  # again: nothing to do
     with pytest.raises(ValueError, match="already prepared"):
-        runner.model.prepare("int8")
+        prepare_model(runner.model, "int8")
 
 
 def test_cpu_backend_runs_every_linear_on_the_native_gemm(
@@ -278,5 +279,5 @@ def test_tied_head_is_packed_with_the_same_logits(checkpoint: Any, all_logits: A
             assert (runner.model.packed_head is not None) == (pack and onednn_available())
             logits[pack] = all_logits(runner, PROMPT)
         finally:
-            runner.close()
+            runner.pool.close()
     assert torch.equal(logits[True], logits[False])

@@ -1,0 +1,80 @@
+"""The native backend as a transform of the loaded model (``model/native_layers.py``).
+
+The plain layers carry no trace of it; the transform swaps modules in place, keeps the loaded
+parameters themselves (same tensors, same names), and the runner applies it exactly when the
+attention backend says it runs on native kernels (``AttentionBackend.native_kernels``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from services.model_runner.attention.cpu_backend import CpuAttentionBackend
+from services.model_runner.kv_pool import KVPool, bytes_per_block
+from services.model_runner.loader import load_model
+from services.model_runner.model.layers import ApplyRotary, Linear, RMSNorm, SiluAndMul
+from services.model_runner.model.native_layers import (
+    NativeDecoderModel,
+    NativeRMSNorm,
+    NativeRotary,
+    NativeSiluAndMul,
+    use_native_kernels,
+)
+from services.model_runner.model.transforms import prepare_model
+from services.model_runner.native import load_kernels
+from services.model_runner.runner import ModelRunnerCore
+
+NATIVE_TYPES = (NativeRMSNorm, NativeRotary, NativeSiluAndMul, NativeDecoderModel)
+
+
+def _types(model: nn.Module) -> dict[type, int]:
+    counts: dict[type, int] = {}
+    for module in model.modules():
+        counts[type(module)] = counts.get(type(module), 0) + 1
+    return counts
+
+
+def test_the_transform_swaps_every_op_and_keeps_the_parameters(checkpoint: Any) -> None:
+    kernels = load_kernels()
+    assert kernels is not None, "the native kernels did not build on this machine"
+    model, config = load_model(checkpoint("qwen2"))
+    plain = _types(model)
+    assert not any(t in plain for t in NATIVE_TYPES)
+    assert not any(hasattr(m, "kernels") or hasattr(m, "native") for m in model.modules())  # plain torch
+    names = [name for name, _ in model.named_parameters()]
+    norm_weights = {name: p for name, p in model.named_parameters() if "norm" in name}
+
+    prepare_model(model, "none", kernels=kernels)
+
+    swapped = _types(model)
+    assert not any(t in swapped for t in (RMSNorm, ApplyRotary, SiluAndMul))
+    assert swapped[NativeRMSNorm] == plain[RMSNorm] == 2 * config.num_layers + 1
+    assert swapped[NativeRotary] == plain[ApplyRotary] == config.num_layers
+    assert swapped[NativeSiluAndMul] == plain[SiluAndMul] == config.num_layers
+    assert isinstance(model.model, NativeDecoderModel)
+    assert [name for name, _ in model.named_parameters()] == names  # the loader's names still hold
+    for name, p in model.named_parameters():
+        if name in norm_weights:
+            assert p is norm_weights[name]  # the loaded tensor itself, not a copy
+    assert all(m.packed is not None and m.packed.mode == "native" for m in model.modules() if isinstance(m, Linear))
+
+    modules = list(model.modules())
+    use_native_kernels(model, kernels)  # again: nothing changes
+    assert list(model.modules()) == modules
+
+
+def test_the_runner_follows_the_backends_native_kernels(checkpoint: Any, tmp_path: Path) -> None:
+    """A ``cpu`` backend whose kernels did not build (``native_kernels`` None) serves the torch path."""
+    backend = CpuAttentionBackend()
+    backend.native_kernels = None
+    model, cfg = load_model(checkpoint("llama"))
+    per_block = bytes_per_block(cfg.num_layers, 4, cfg.num_kv_heads, cfg.head_dim, torch.float32)
+    with KVPool(num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, block_size=4,
+                memory_bytes=16 * per_block, dtype=torch.float32, shm_dir=str(tmp_path)) as pool:  # fmt: skip
+        runner = ModelRunnerCore(model, pool, backend, model_id="llama")
+        assert not any(t in _types(runner.model) for t in NATIVE_TYPES)
+        assert all(m.packed is None or m.packed.mode == "fp32" for m in runner.model.modules() if isinstance(m, Linear))
