@@ -34,7 +34,8 @@ class KVCacheManagerServicer(pb_grpc.KVCacheManagerServicer):
     Who may call what (docs/reliability.md): ``Initialize`` binds the caller as the owner;
     ``AllocateSlots``, ``Free``, ``LookupPrefix`` (it reveals block ids), ``GetBlockTable``,
     ``ResetPrefixCache`` and ``Release`` are the owner's only; ``GetStats``, ``CheckIntegrity``
-    and ``SubscribeEvents`` are read-only aggregates open to monitoring.
+    and ``SubscribeEvents`` are read-only aggregates open to monitoring (``GetStats`` answers
+    before ``Initialize`` too, with ``num_blocks`` 0).
 
     NOTE: gRPC calls handlers from a thread pool, and the core is not thread-safe; one lock
     serialises every call (each is microseconds to a millisecond, so it is not a bottleneck
@@ -135,6 +136,8 @@ class KVCacheManagerServicer(pb_grpc.KVCacheManagerServicer):
 
     def GetStats(self, request: pb.GetStatsRequest, context: grpc.ServicerContext) -> pb.KVCacheStats:
         with self._lock:
+            if not self._binding.initialized:  # monitoring sees an unbound manager: no blocks yet
+                return pb.KVCacheStats(instance_id=self._binding.instance_id)
             stats = self._binding.manager().stats()
         return self._stats_pb(stats)
 

@@ -3,9 +3,10 @@
 Only hashes, block ids and counters cross this boundary; KV bytes move through the mapped pool.
 
 Ownership (docs/reliability.md): ``AttachPool`` makes the caller's ``kvmesh-owner`` the owner
-(refused while another owner's lease runs); ``Lookup``, ``Save``, ``Load`` and ``Release`` are the
-owner's only, so nobody who merely reaches the port can overwrite or read another scheduler's
-cached KV. ``GetStats`` stays open (aggregates only).
+(refused while another owner's lease runs); ``Save``, ``Load`` and ``Release`` are the owner's
+only, so nobody who merely reaches the port can overwrite or read another scheduler's cached KV.
+``Lookup`` (whether given hashes are stored: no KV moves, and a hash needs the deployment's seed)
+and ``GetStats`` (aggregates) stay open.
 """
 
 from __future__ import annotations
@@ -81,7 +82,6 @@ class OffloadStoreServicer(offload_store_pb2_grpc.OffloadStoreServicer):
     def Lookup(self, request: offload_store_pb2.LookupRequest, context: Any
                ) -> offload_store_pb2.LookupResponse:
         with self._lock:
-            self._owned(context)
             results = [self._core.lookup(list(chain.block_hashes)) for chain in request.chains]
         return offload_store_pb2.LookupResponse(num_present=[r.num_present for r in results],
                                                 num_in_dram=[r.num_in_dram for r in results])

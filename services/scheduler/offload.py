@@ -217,7 +217,8 @@ class RemoteOffload:
     attach_pool = attach
 
     def keepalive(self) -> None:
-        self._call(self.stub.Lookup, offload_store_pb2.LookupRequest())
+        # An empty Save is an owner call (renews the lease) that a restarted store refuses: re-attach.
+        self._call(self.stub.Save, offload_store_pb2.SaveRequest())
 
     def release(self) -> None:
         """Clean exit: ends this scheduler's ownership so a successor attaches at once."""

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import grpc
 
+from shared.auth import DEFAULT_TENANT, tenant_cache_salt
 from shared.client import KVMeshClient
 from shared.hashing import hash_blocks, hash_seed
 from shared.launcher import ServiceProcess
@@ -48,4 +49,5 @@ def test_the_scheduler_is_the_one_owner_of_the_hash_seed(tiny_llama_dir: Path, t
                 client.complete(prompt, 1)
             stored = next(iter(events)).events[0].stored
             events.cancel()
-    assert list(stored.block_hashes) == hash_blocks(hash_seed(b"key-b", info.model_id), prompt, info.block_size)
+    salt = tenant_cache_salt("key-b", DEFAULT_TENANT)  # auth is off on loopback: the default tenant
+    assert list(stored.block_hashes) == hash_blocks(hash_seed(b"key-b", info.model_id), prompt, info.block_size, salt)

@@ -97,10 +97,10 @@ def _wait_idle_and_free(suite: Suite, timeout: float = 15.0) -> kv_cache_manager
     while True:
         try:
             stats = kvm.GetStats(kv_cache_manager_pb2.GetStatsRequest(), timeout=TIMEOUT)
-            if stats.num_requests == 0 and stats.num_free_blocks == stats.num_blocks:
+            if stats.num_blocks and stats.num_requests == 0 and stats.num_free_blocks == stats.num_blocks:
                 assert kvm.CheckIntegrity(kv_cache_manager_pb2.CheckIntegrityRequest(), timeout=TIMEOUT).ok
                 return stats
-        except grpc.RpcError as exc:  # a restarted manager not yet bound
+        except grpc.RpcError as exc:  # a restarted manager not yet bound (CheckIntegrity)
             if exc.code() != grpc.StatusCode.FAILED_PRECONDITION:
                 raise
         if time.monotonic() > deadline:
@@ -155,8 +155,6 @@ def test_offload_store_refuses_non_owners(suite: Suite, cold: dict[str, list[int
                 blocks=[offload_store_pb2.BlockRef(block_hash=victim, block_id=1)]), timeout=TIMEOUT),
             "Load": lambda s: s.Load(offload_store_pb2.LoadRequest(
                 blocks=[offload_store_pb2.BlockRef(block_hash=victim, block_id=1)]), timeout=TIMEOUT),
-            "Lookup": lambda s: s.Lookup(offload_store_pb2.LookupRequest(
-                chains=[offload_store_pb2.HashChain(block_hashes=[victim])]), timeout=TIMEOUT),
             "Release": lambda s: s.Release(offload_store_pb2.ReleaseOffloadRequest(), timeout=TIMEOUT),
         }
         if owner:  # an anonymous AttachPool is INVALID_ARGUMENT (no owner id), a stranger's is fenced

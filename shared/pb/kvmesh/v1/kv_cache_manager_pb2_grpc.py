@@ -32,7 +32,8 @@ class KVCacheManagerStub:
     scheduler calls Initialize. The caller's owner id travels as gRPC metadata `kvmesh-owner` on
     every call; Initialize makes it the owner with a lease that every owner call renews. Every
     call but GetStats, CheckIntegrity and SubscribeEvents is refused with FAILED_PRECONDITION
-    before Initialize ("not initialized") or from anyone but the owner ("not the owner").
+    before Initialize ("not initialized") or from anyone but the owner ("not the owner"). GetStats
+    answers before Initialize too (num_blocks 0: unbound).
     """
 
     def __init__(self, channel):
@@ -100,7 +101,8 @@ class KVCacheManagerServicer:
     scheduler calls Initialize. The caller's owner id travels as gRPC metadata `kvmesh-owner` on
     every call; Initialize makes it the owner with a lease that every owner call renews. Every
     call but GetStats, CheckIntegrity and SubscribeEvents is refused with FAILED_PRECONDITION
-    before Initialize ("not initialized") or from anyone but the owner ("not the owner").
+    before Initialize ("not initialized") or from anyone but the owner ("not the owner"). GetStats
+    answers before Initialize too (num_blocks 0: unbound).
     """
 
     def Initialize(self, request, context):
@@ -247,7 +249,8 @@ class KVCacheManager:
     scheduler calls Initialize. The caller's owner id travels as gRPC metadata `kvmesh-owner` on
     every call; Initialize makes it the owner with a lease that every owner call renews. Every
     call but GetStats, CheckIntegrity and SubscribeEvents is refused with FAILED_PRECONDITION
-    before Initialize ("not initialized") or from anyone but the owner ("not the owner").
+    before Initialize ("not initialized") or from anyone but the owner ("not the owner"). GetStats
+    answers before Initialize too (num_blocks 0: unbound).
     """
 
     @staticmethod

@@ -35,7 +35,8 @@ class KVCacheManagerStub:
     scheduler calls Initialize. The caller's owner id travels as gRPC metadata `kvmesh-owner` on
     every call; Initialize makes it the owner with a lease that every owner call renews. Every
     call but GetStats, CheckIntegrity and SubscribeEvents is refused with FAILED_PRECONDITION
-    before Initialize ("not initialized") or from anyone but the owner ("not the owner").
+    before Initialize ("not initialized") or from anyone but the owner ("not the owner"). GetStats
+    answers before Initialize too (num_blocks 0: unbound).
     """
 
     @_typing.overload
@@ -80,7 +81,8 @@ class KVCacheManagerAsyncStub(KVCacheManagerStub):
     scheduler calls Initialize. The caller's owner id travels as gRPC metadata `kvmesh-owner` on
     every call; Initialize makes it the owner with a lease that every owner call renews. Every
     call but GetStats, CheckIntegrity and SubscribeEvents is refused with FAILED_PRECONDITION
-    before Initialize ("not initialized") or from anyone but the owner ("not the owner").
+    before Initialize ("not initialized") or from anyone but the owner ("not the owner"). GetStats
+    answers before Initialize too (num_blocks 0: unbound).
     """
 
     def __init__(self, channel: _aio.Channel) -> None: ...
@@ -121,7 +123,8 @@ class KVCacheManagerServicer(metaclass=_abc_1.ABCMeta):
     scheduler calls Initialize. The caller's owner id travels as gRPC metadata `kvmesh-owner` on
     every call; Initialize makes it the owner with a lease that every owner call renews. Every
     call but GetStats, CheckIntegrity and SubscribeEvents is refused with FAILED_PRECONDITION
-    before Initialize ("not initialized") or from anyone but the owner ("not the owner").
+    before Initialize ("not initialized") or from anyone but the owner ("not the owner"). GetStats
+    answers before Initialize too (num_blocks 0: unbound).
     """
 
     @_abc_1.abstractmethod

@@ -29,8 +29,9 @@ class OffloadStoreStub:
     """Saves and loads KV blocks by hash.
 
     Ownership (docs/reliability.md): AttachPool makes the caller (gRPC metadata `kvmesh-owner`)
-    the owner with a lease that its calls renew; Lookup, Save, Load and Release from anyone else
-    are refused with FAILED_PRECONDITION, and so is an AttachPool while another owner's lease runs.
+    the owner with a lease that its calls renew; Save, Load and Release from anyone else are
+    refused with FAILED_PRECONDITION, and so is an AttachPool while another owner's lease runs.
+    Lookup (presence of given hashes only) and GetStats stay open.
     """
 
     def __init__(self, channel):
@@ -75,8 +76,9 @@ class OffloadStoreServicer:
     """Saves and loads KV blocks by hash.
 
     Ownership (docs/reliability.md): AttachPool makes the caller (gRPC metadata `kvmesh-owner`)
-    the owner with a lease that its calls renew; Lookup, Save, Load and Release from anyone else
-    are refused with FAILED_PRECONDITION, and so is an AttachPool while another owner's lease runs.
+    the owner with a lease that its calls renew; Save, Load and Release from anyone else are
+    refused with FAILED_PRECONDITION, and so is an AttachPool while another owner's lease runs.
+    Lookup (presence of given hashes only) and GetStats stay open.
     """
 
     def AttachPool(self, request, context):
@@ -166,8 +168,9 @@ class OffloadStore:
     """Saves and loads KV blocks by hash.
 
     Ownership (docs/reliability.md): AttachPool makes the caller (gRPC metadata `kvmesh-owner`)
-    the owner with a lease that its calls renew; Lookup, Save, Load and Release from anyone else
-    are refused with FAILED_PRECONDITION, and so is an AttachPool while another owner's lease runs.
+    the owner with a lease that its calls renew; Save, Load and Release from anyone else are
+    refused with FAILED_PRECONDITION, and so is an AttachPool while another owner's lease runs.
+    Lookup (presence of given hashes only) and GetStats stay open.
     """
 
     @staticmethod

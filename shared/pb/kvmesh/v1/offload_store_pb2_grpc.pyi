@@ -32,8 +32,9 @@ class OffloadStoreStub:
     """Saves and loads KV blocks by hash.
 
     Ownership (docs/reliability.md): AttachPool makes the caller (gRPC metadata `kvmesh-owner`)
-    the owner with a lease that its calls renew; Lookup, Save, Load and Release from anyone else
-    are refused with FAILED_PRECONDITION, and so is an AttachPool while another owner's lease runs.
+    the owner with a lease that its calls renew; Save, Load and Release from anyone else are
+    refused with FAILED_PRECONDITION, and so is an AttachPool while another owner's lease runs.
+    Lookup (presence of given hashes only) and GetStats stay open.
     """
 
     @_typing.overload
@@ -58,8 +59,9 @@ class OffloadStoreAsyncStub(OffloadStoreStub):
     """Saves and loads KV blocks by hash.
 
     Ownership (docs/reliability.md): AttachPool makes the caller (gRPC metadata `kvmesh-owner`)
-    the owner with a lease that its calls renew; Lookup, Save, Load and Release from anyone else
-    are refused with FAILED_PRECONDITION, and so is an AttachPool while another owner's lease runs.
+    the owner with a lease that its calls renew; Save, Load and Release from anyone else are
+    refused with FAILED_PRECONDITION, and so is an AttachPool while another owner's lease runs.
+    Lookup (presence of given hashes only) and GetStats stay open.
     """
 
     def __init__(self, channel: _aio.Channel) -> None: ...
@@ -80,8 +82,9 @@ class OffloadStoreServicer(metaclass=_abc_1.ABCMeta):
     """Saves and loads KV blocks by hash.
 
     Ownership (docs/reliability.md): AttachPool makes the caller (gRPC metadata `kvmesh-owner`)
-    the owner with a lease that its calls renew; Lookup, Save, Load and Release from anyone else
-    are refused with FAILED_PRECONDITION, and so is an AttachPool while another owner's lease runs.
+    the owner with a lease that its calls renew; Save, Load and Release from anyone else are
+    refused with FAILED_PRECONDITION, and so is an AttachPool while another owner's lease runs.
+    Lookup (presence of given hashes only) and GetStats stay open.
     """
 
     @_abc_1.abstractmethod
