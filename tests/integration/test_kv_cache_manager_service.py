@@ -261,6 +261,12 @@ def test_sigterm_ends_event_streams_cleanly_and_exits_zero() -> None:
     proc = ServiceProcess("kv-cache-manager", env=ENV)
     try:
         with grpc.insecure_channel(proc.address) as ch:
+            bare = pb_grpc.KVCacheManagerStub(with_owner(ch, OWNER))  # issue 12 item 3: no default pool
+            assert bare.GetStats(pb.GetStatsRequest(), timeout=TIMEOUT).num_blocks == 0
+            with pytest.raises(grpc.RpcError) as info:
+                step(bare, [], [new("a", A)])
+            assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert (info.value.details() or "").startswith("not initialized")
             stream = pb_grpc.KVCacheManagerStub(ch).SubscribeEvents(pb.SubscribeEventsRequest(), timeout=30)
             stream.initial_metadata()
             received: list[pb.KVEventBatch] = []
