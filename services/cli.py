@@ -36,8 +36,14 @@ DEMO_QUESTION = "What is the capital of France? Answer in one sentence."
 
 
 def _serve(ns: argparse.Namespace) -> int:
+    from shared.grpc_server import PortInUseError
+
     module = importlib.import_module(SERVICES[ns.service])
-    result: int = module.main()
+    try:
+        result: int = module.main()
+    except PortInUseError as exc:  # one line, no traceback: the operator's fix is obvious
+        print(f"kvmesh {ns.service}: {exc}", file=sys.stderr, flush=True)
+        return 1
     return result
 
 
@@ -49,14 +55,14 @@ def _model_dir(ns: argparse.Namespace) -> str:
     return str(prepare_default_model(default_cache_dir(), progress=True))
 
 
-def _start_suite(ns: argparse.Namespace) -> Any:
+def _start_suite(ns: argparse.Namespace, cancel: threading.Event | None = None, model_dir: str = "") -> Any:
     from services.suite import Suite, SuiteConfig
 
-    model_dir = _model_dir(ns)
+    model_dir = model_dir or _model_dir(ns)
     print(f"kvmesh: starting the suite for {model_dir} ...", flush=True)
     started = time.monotonic()
     suite = Suite(SuiteConfig(model_dir=model_dir, scheduler_port=ns.port, with_offload=not ns.no_offload,
-                              log_dir=ns.log_dir or ""))
+                              log_dir=ns.log_dir or ""), cancel=cancel)
     print(f"kvmesh: suite up in {time.monotonic() - started:.1f}s", flush=True)
     for name, proc in suite.services.items():
         print(f"  {name:<17} {proc.address:<22} log: {proc.log_path}", flush=True)
@@ -74,10 +80,34 @@ def _wait_for_interrupt() -> None:
 
 
 def _up(ns: argparse.Namespace) -> int:
-    suite = _start_suite(ns)
+    """The suite until SIGTERM / Ctrl-C: 0 on a signal (also during start-up), 1 if it cannot start.
+
+    NOTE: the handler is installed before any child starts (after the model is prepared, which
+    starts none and stays interruptible) and only sets an event that the start-up polls, so a
+    signal at any moment stops whatever has started and leaves no child.
+    """
+    from shared.grpc_server import PortInUseError
+    from shared.launcher import ServiceStartError
+
+    model_dir = _model_dir(ns)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        suite = _start_suite(ns, cancel=stop, model_dir=model_dir)
+    except PortInUseError as exc:
+        print(f"kvmesh: {exc}", file=sys.stderr, flush=True)
+        return 1
+    except ServiceStartError as exc:
+        if stop.is_set():
+            print("kvmesh: stopped during start-up", flush=True)
+            return 0
+        print(f"kvmesh: the suite did not start: {exc}", file=sys.stderr, flush=True)
+        return 1
     try:
         print(f"kvmesh: serving on {suite.address}; Ctrl-C to stop", flush=True)
-        _wait_for_interrupt()
+        while not stop.wait(0.5):
+            pass
     finally:
         print("kvmesh: stopping ...", flush=True)
         suite.stop()

@@ -4,21 +4,37 @@ kv-cache-manager and model-runner first (the runner loads the model and sizes th
 the offload-store, then the scheduler, which sizes the kv-cache-manager from the runner's pool.
 Each is a ``kvmesh serve <name>`` child; this process waits for each to answer health checks,
 prints where it listens, and stops them in reverse order (SIGTERM, graceful drain) on exit.
+
+While the suite runs it supervises its children: one that exits is restarted on the same port
+with exponential backoff (the scheduler marks itself NOT_SERVING meanwhile and re-attaches to
+the restarted service). See docs/lifecycle.md.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import threading
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shared.launcher import ServiceProcess
+from shared.grpc_server import check_port_free
+from shared.launcher import ServiceProcess, ServiceStartError
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class SuiteConfig:
-    """Ports and shared settings of a local suite (0 = any free port)."""
+    """Ports and shared settings of a local suite (0 = any free port).
+
+    Attributes:
+        supervise: restart a child that exits, on its port, after ``restart_backoff_seconds``
+            doubling per consecutive failure up to ``max_restart_backoff_seconds``; a child up
+            for ``stable_seconds`` starts again from the first delay.
+    """
 
     model_dir: str
     host: str = "127.0.0.1"
@@ -29,24 +45,45 @@ class SuiteConfig:
     with_offload: bool = True
     log_dir: str = ""
     extra_env: Mapping[str, str] = field(default_factory=dict)
+    supervise: bool = True
+    restart_backoff_seconds: float = 0.5
+    max_restart_backoff_seconds: float = 30.0
+    stable_seconds: float = 60.0
 
 
 class Suite:
-    """The running services; use as a context manager or call :meth:`stop`."""
+    """The running services; use as a context manager or call :meth:`stop`.
 
-    def __init__(self, config: SuiteConfig, startup_timeout: float = 300.0) -> None:
+    Args:
+        cancel: set from elsewhere (``kvmesh up``'s signal handler) to abandon the start-up or
+            stop supervising; :meth:`stop` sets it too.
+
+    Raises:
+        PortInUseError: the scheduler's port is taken (checked before any child starts).
+        ServiceStartError: a child failed to start, or ``cancel`` was set during start-up; the
+            children already started are stopped first.
+    """
+
+    def __init__(self, config: SuiteConfig, startup_timeout: float = 300.0,
+                 cancel: threading.Event | None = None) -> None:
         self.config = config
         self.services: dict[str, ServiceProcess] = {}
-        self._envs: dict[str, Mapping[str, str]] = {}
+        self.restarts: dict[str, int] = {}
+        self._failures: dict[str, int] = {}
+        self._stopping = cancel or threading.Event()
+        self._timeout = startup_timeout
+        self._monitor: threading.Thread | None = None
+        if config.scheduler_port:
+            check_port_free(config.host, config.scheduler_port)
         log_dir = config.log_dir or None
         base = {"KVMESH_MODEL_DIR": config.model_dir, **config.extra_env}
         try:
-            self._start("kv-cache-manager", config.kvm_port, base, log_dir, startup_timeout)
-            self._start("model-runner", config.runner_port, base, log_dir, startup_timeout)
+            self._start("kv-cache-manager", config.kvm_port, base, log_dir)
+            self._start("model-runner", config.runner_port, base, log_dir)
             if config.with_offload and os.path.exists(Path(__file__).parent / "offload_store" / "main.py"):
                 data = Path(log_dir or self.services["model-runner"].log_path.parent) / "offload-data"
                 env = {"KVMESH_OFFLOAD_DATA_DIR": str(data), **base}
-                self._start("offload-store", config.offload_port, env, log_dir, startup_timeout)
+                self._start("offload-store", config.offload_port, env, log_dir)
             sched_env = {
                 **base,
                 "KVMESH_SCHED_KVM_ADDRESS": self.services["kv-cache-manager"].address,
@@ -54,25 +91,70 @@ class Suite:
             }
             if "offload-store" in self.services:
                 sched_env["KVMESH_SCHED_OFFLOAD_ADDRESS"] = self.services["offload-store"].address
-            self._start("scheduler", config.scheduler_port, sched_env, log_dir, startup_timeout)
+            self._start("scheduler", config.scheduler_port, sched_env, log_dir)
         except BaseException:
             self.stop()
             raise
+        if config.supervise:
+            self._monitor = threading.Thread(target=self._supervise, name="kvmesh-supervisor", daemon=True)
+            self._monitor.start()
 
-    def _start(self, name: str, port: int, env: Mapping[str, str], log_dir: str | None, timeout: float) -> None:
-        self._envs[name] = env
+    def _start(self, name: str, port: int, env: Mapping[str, str], log_dir: str | None) -> None:
         self.services[name] = ServiceProcess(name, env=env, host=self.config.host, port=port,
-                                             startup_timeout=timeout, log_dir=log_dir)
+                                             startup_timeout=self._timeout, log_dir=log_dir,
+                                             cancel=self._stopping)
+        self.restarts.setdefault(name, 0)
+
+    def _supervise(self) -> None:
+        while not self._stopping.wait(0.2):
+            for name, proc in list(self.services.items()):
+                if proc.proc.poll() is not None and not self._stopping.is_set():
+                    self._restart(name, proc)
+
+    def _restart(self, name: str, dead: ServiceProcess) -> None:
+        """Restarts ``name`` on the port it had, after a backoff; a failed try is retried later."""
+        cfg = self.config
+        if time.monotonic() - dead.started_at >= cfg.stable_seconds:
+            self._failures[name] = 0
+        n = self._failures.get(name, 0)
+        delay = min(cfg.restart_backoff_seconds * 2 ** n, cfg.max_restart_backoff_seconds)
+        self._failures[name] = n + 1
+        dead.stop()
+        log.warning("kvmesh: %s exited with %s; restarting on port %d in %.1fs",
+                    name, dead.proc.returncode, dead.port, delay)
+        if self._stopping.wait(delay):
+            return
+        try:
+            proc = ServiceProcess(name, env=dead.env, host=dead.host, port=dead.port, startup_timeout=self._timeout,
+                                  log_dir=str(dead.log_path.parent), cancel=self._stopping)
+        except (ServiceStartError, TimeoutError, OSError) as exc:
+            log.warning("kvmesh: restarting %s failed: %s", name, str(exc).splitlines()[0])
+            return  # the dead entry stays: the next round tries again, after a longer backoff
+        self.services[name] = proc
+        self.restarts[name] += 1
+        log.warning("kvmesh: %s restarted on %s (restart %d)", name, proc.address, self.restarts[name])
 
     def restart(self, name: str, kill: bool = True, timeout: float = 120.0) -> ServiceProcess:
-        """Stops one service (SIGKILL, or SIGTERM when not ``kill``) and starts it again on the same
-        port with the same configuration: the fault tests' and the soak's process restart."""
+        """Stops one service (SIGKILL, or SIGTERM when not ``kill``) and has it started again on its
+        port with the same configuration: the fault tests' and the soak's process restart. While
+        supervising, the supervisor restarts it (as after a crash); otherwise this call does."""
         old = self.services[name]
+        before = self.restarts.get(name, 0)
         if kill:
             old.proc.kill()
-            old.proc.wait()
+        else:
+            old.proc.terminate()
+        old.proc.wait(timeout)
+        if self._monitor is not None:
+            deadline = time.monotonic() + timeout
+            while self.restarts.get(name, 0) == before:
+                if time.monotonic() > deadline:
+                    raise ServiceStartError(f"{name} was not restarted within {timeout}s")
+                time.sleep(0.05)
+            return self.services[name]
         old.stop()
-        self._start(name, old.port, self._envs[name], self.config.log_dir or None, timeout)
+        self._start(name, old.port, old.env, self.config.log_dir or None)
+        self.restarts[name] = before + 1
         return self.services[name]
 
     @property
@@ -82,6 +164,9 @@ class Suite:
 
     def stop(self) -> None:
         """Stops every service, scheduler first (so in-flight requests drain before their backends go)."""
+        self._stopping.set()
+        if self._monitor is not None and self._monitor is not threading.current_thread():
+            self._monitor.join(30.0)
         for name in reversed(list(self.services)):
             self.services[name].stop()
 

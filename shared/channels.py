@@ -34,6 +34,12 @@ CHANNEL_OPTIONS: tuple[tuple[str, Any], ...] = (
     ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
     ("grpc.keepalive_permit_without_calls", 0),
     ("grpc.http2.max_pings_without_data", 0),
+    # NOTE: a restarted peer is reached again within about a second (grpc's default reconnect
+    # backoff grows to two minutes while the peer is down, so requests kept failing long after
+    # a restarted dependency was back).
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 1000),
 )
 
 _default = TLSFiles()

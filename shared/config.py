@@ -35,6 +35,9 @@ class ServerConfig:
     tls_client_auth: bool = True
     tls_allowed_peers: str = ""  # comma-separated names; when set, the client cert's CN/SAN must be one
     health_port: int = -1
+    # Largest request message accepted (internal services exchange whole steps; the scheduler,
+    # facing clients, sets a smaller bound in its main.py).
+    max_receive_message_bytes: int = 64 << 20
 
 
 @dataclass(frozen=True)

@@ -4,13 +4,20 @@ A service supplies its servicer registrations; this module adds the standard
 ``grpc.health.v1`` service (so Kubernetes ``grpc:`` probes and grpcurl work), server reflection,
 an interceptor that turns :mod:`shared.errors` exceptions into status codes, and a SIGTERM /
 SIGINT handler that marks the server NOT_SERVING and drains in-flight calls before exiting.
+
+Servers bind without ``SO_REUSEPORT`` (a port in use is an error at start, never a silently shared
+port), accept messages up to a configured size, and answer malformed request bytes with
+``INVALID_ARGUMENT`` and one log line. See docs/lifecycle.md.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import signal
+import socket
 import threading
+import uuid
 from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
 from dataclasses import dataclass
@@ -29,24 +36,87 @@ from shared.tls import TLSFiles, server_credentials
 
 log = logging.getLogger(__name__)
 
-# NOTE: set on purpose (docs/security.md): 64 MiB messages like every channel (shared/channels.py);
-# clients' keepalive pings (30 s, only while calls are open) accepted instead of answered with
-# GOAWAY "too_many_pings"; the server pings idle connections every 60 s so a client that vanished
-# without a FIN ends its streams (and frees its blocks) instead of holding them forever.
-SERVER_OPTIONS: tuple[tuple[str, Any], ...] = (
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.keepalive_time_ms", 60_000),
-    ("grpc.keepalive_timeout_ms", 20_000),
-    ("grpc.http2.min_ping_interval_without_data_ms", 20_000),
+# A health name that stays SERVING while the process runs (readiness may not): the liveness
+# probe's target, so a dependency outage makes a pod unready without getting it restarted.
+LIVENESS_SERVICE = "kvmesh.liveness"
+_HEALTH_PREFIX = "/grpc.health.v1.Health/"
+# Keepalive: pings find dead peers (a killed pod, a dropped NAT entry) in bounded time; the
+# server tolerates client pings this frequent, and no more (too-chatty clients get GOAWAY).
+KEEPALIVE_OPTIONS: tuple[tuple[str, Any], ...] = (
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
     ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+    ("grpc.http2.max_pings_without_data", 0),
 )
+
+
+class PortInUseError(OSError):
+    """The configured port is taken: a server never shares a port (no ``SO_REUSEPORT``)."""
 
 
 def _status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     if isinstance(exc, KVMeshError):
         return getattr(grpc.StatusCode, exc.status), str(exc)
-    return grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
+    return grpc.StatusCode.INTERNAL, "internal error"
+
+
+def _internal(method: str, context: grpc.ServicerContext, exc: BaseException) -> None:
+    """Logs an unexpected exception under a fresh error id and aborts with a clean message.
+
+    NOTE: exception text can name internal addresses, paths and peers; clients get the id only,
+    operators find the details in the log by it.
+    """
+    error_id = uuid.uuid4().hex[:12]
+    log.error("unhandled error in %s (error id %s)", method, error_id, exc_info=exc)
+    context.abort(grpc.StatusCode.INTERNAL, f"internal error (error id {error_id})")
+
+
+class _Malformed:
+    """What a request deserializer returns for bytes that are not a valid message."""
+
+    __slots__ = ("error", "size")
+
+    def __init__(self, error: Exception, size: int) -> None:
+        self.error = error
+        self.size = size
+
+
+def _tolerant(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    """Wraps a request deserializer so a parse failure reaches the handler as a value.
+
+    grpc itself answers a raising deserializer with ``INTERNAL`` and a traceback per call.
+    """
+    if deserializer is None:
+        return None
+
+    def deserialize(data: bytes) -> Any:
+        try:
+            return deserializer(data)
+        except Exception as exc:  # DecodeError, and whatever a custom deserializer raises
+            return _Malformed(exc, len(data))
+
+    return deserialize
+
+
+def _refuse_malformed(method: str, request: Any, context: grpc.ServicerContext) -> None:
+    if isinstance(request, _Malformed):
+        log.warning("%s: malformed request message (%d bytes): %s", method, request.size, request.error)
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request: not a valid protobuf message for this method")
+
+
+class _Gate:
+    """Whether the server still takes new calls (health checks are always answered)."""
+
+    def __init__(self) -> None:
+        self._closed = threading.Event()
+
+    def close(self) -> None:
+        self._closed.set()
+
+    def refuse(self, method: str, context: grpc.ServicerContext) -> None:
+        if self._closed.is_set() and not method.startswith(_HEALTH_PREFIX):
+            context.abort(grpc.StatusCode.UNAVAILABLE, "server is shutting down; retry on another instance")
 
 
 def _already_aborted(context: grpc.ServicerContext) -> bool:
@@ -56,52 +126,60 @@ def _already_aborted(context: grpc.ServicerContext) -> bool:
 
 
 class ErrorMappingInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]
-    """Aborts the call with the status an exception names, instead of an opaque UNKNOWN."""
+    """Aborts the call with the status an exception names, instead of an opaque UNKNOWN.
+
+    Also refuses new calls once the server drains, and malformed request bytes, before the
+    handler runs.
+    """
+
+    def __init__(self, gate: _Gate | None = None) -> None:
+        self._gate = gate or _Gate()
 
     def intercept_service(self, continuation: Callable[[Any], Any], details: Any) -> Any:
         handler = continuation(details)
         if handler is None:
             return None
+        method: str = details.method
         if handler.unary_unary is not None:
             inner_uu = handler.unary_unary
 
             def unary_unary(request: Any, context: grpc.ServicerContext) -> Any:
+                self._gate.refuse(method, context)
+                _refuse_malformed(method, request, context)
                 try:
                     return inner_uu(request, context)
                 except KVMeshError as exc:
                     code, msg = _status_of(exc)
                     context.abort(code, msg)
                 except Exception as exc:
-                    if isinstance(exc, grpc.RpcError) or _already_aborted(context):
+                    if _already_aborted(context):
                         raise
-                    log.exception("unhandled error in %s", details.method)
-                    code, msg = _status_of(exc)
-                    context.abort(code, msg)
+                    _internal(method, context, exc)  # a downstream RpcError too: it names the peer
 
             return grpc.unary_unary_rpc_method_handler(
                 unary_unary,
-                request_deserializer=handler.request_deserializer,
+                request_deserializer=_tolerant(handler.request_deserializer),
                 response_serializer=handler.response_serializer,
             )
         if handler.unary_stream is not None:
             inner_us = handler.unary_stream
 
             def unary_stream(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+                self._gate.refuse(method, context)
+                _refuse_malformed(method, request, context)
                 try:
                     yield from inner_us(request, context)
                 except KVMeshError as exc:
                     code, msg = _status_of(exc)
                     context.abort(code, msg)
                 except Exception as exc:
-                    if isinstance(exc, grpc.RpcError) or _already_aborted(context):
+                    if _already_aborted(context):
                         raise
-                    log.exception("unhandled error in %s", details.method)
-                    code, msg = _status_of(exc)
-                    context.abort(code, msg)
+                    _internal(method, context, exc)  # a downstream RpcError too: it names the peer
 
             return grpc.unary_stream_rpc_method_handler(
                 unary_stream,
-                request_deserializer=handler.request_deserializer,
+                request_deserializer=_tolerant(handler.request_deserializer),
                 response_serializer=handler.response_serializer,
             )
         return handler
@@ -120,26 +198,104 @@ class RunningServer:
     """A started server: its bound port, health state and a blocking wait for shutdown."""
 
     def __init__(self, server: grpc.Server, port: int, health_servicer: health.HealthServicer,
-                 names: Sequence[str], grace: float) -> None:
+                 names: Sequence[str], grace: float, gate: _Gate | None = None) -> None:
         self.server = server
         self.port = port
         self._health = health_servicer
         self._names = list(names)
         self._grace = grace
+        self._gate = gate or _Gate()
+        self._stopping = threading.Event()
         self._stopped = threading.Event()
+        self._lock = threading.Lock()
 
-    def stop(self, grace: float | None = None) -> None:
-        """Marks every service NOT_SERVING, then stops accepting calls and drains in-flight ones."""
-        if self._stopped.is_set():
-            return
-        for name in ["", *self._names]:
-            self._health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-        self.server.stop(self._grace if grace is None else grace).wait()
-        self._stopped.set()
+    @property
+    def grace(self) -> float:
+        """Seconds in-flight calls get on stop."""
+        return self._grace
+
+    def set_serving(self, serving: bool) -> None:
+        """Readiness: SERVING or NOT_SERVING for the server and every service on it.
+
+        The liveness name (:data:`LIVENESS_SERVICE`) keeps SERVING; once the server stops
+        nothing turns it back to SERVING.
+        """
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        with self._lock:
+            if self._stopping.is_set():
+                return
+            for name in ["", *self._names]:
+                self._health.set(name, status)
+
+    def set_status(self, name: str, serving: bool) -> None:
+        """Health of an extra name (e.g. one dependency's state); ignored once stopping."""
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        with self._lock:
+            if not self._stopping.is_set():
+                self._health.set(name, status)
+
+    def stop(self, grace: float | None = None, drain: Callable[[float], object] | None = None) -> None:
+        """Stops in order: health NOT_SERVING, new calls refused (``UNAVAILABLE``), in-flight calls
+        drained for ``grace`` seconds, then the server closed.
+
+        Args:
+            drain: ends in-flight work itself within the grace it is given (e.g. the scheduler
+                finishes its streams with a final chunk); the server then closes, cancelling
+                whatever is left after one more second.
+        """
+        with self._lock:
+            if self._stopping.is_set():
+                self._stopped.wait()
+                return
+            self._stopping.set()
+            for name in ["", *self._names, LIVENESS_SERVICE]:
+                self._health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        self._gate.close()
+        grace = self._grace if grace is None else grace
+        try:
+            if drain is not None:
+                drain(grace)
+                grace = 1.0
+        except Exception:
+            log.exception("drain failed; closing the server")
+        finally:
+            self.server.stop(grace).wait()
+            self._stopped.set()
 
     def wait(self) -> None:
         """Blocks until the server has stopped."""
         self.server.wait_for_termination()
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Fails in one line when ``host:port`` is taken, before grpc logs its own bind error.
+
+    A plain bind with ``SO_REUSEADDR`` (as grpc binds) and without ``SO_REUSEPORT`` fails exactly
+    when a listener holds the port. Racy by nature; the server's own bind is the guarantee.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    bind_host = "" if host in ("0.0.0.0", "::", "[::]") else host.strip("[]")
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((bind_host, port))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise PortInUseError(f"port {port} on {host} is already in use") from None
+            raise
+
+
+def server_options(config: ServerConfig, extra: Sequence[tuple[str, Any]] = ()) -> list[tuple[str, Any]]:
+    """The options every server gets, then ``extra`` (which wins for the same key)."""
+    options: dict[str, Any] = {
+        # NOTE: grpc's default lets a second server bind a port in use and split the traffic.
+        "grpc.so_reuseport": 0,
+        "grpc.max_receive_message_length": config.max_receive_message_bytes,
+        "grpc.max_send_message_length": MAX_MESSAGE_BYTES,
+        **dict(KEEPALIVE_OPTIONS),
+    }
+    options.update(dict(extra))
+    return list(options.items())
 
 
 def start_server(
@@ -148,19 +304,23 @@ def start_server(
     interceptors: Sequence[grpc.ServerInterceptor] = (),
     options: Sequence[tuple[str, Any]] = (),
 ) -> RunningServer:
-    """Creates, binds and starts a server with health, reflection and error mapping."""
+    """Creates, binds and starts a server with health, reflection and error mapping.
+
+    Raises:
+        PortInUseError: the configured port is taken.
+    """
     tls = TLSFiles(config.tls_cert, config.tls_key, config.tls_ca)
     if tls.enabled:  # every RPC but health must come over TLS (the health-only port is plaintext)
         # Names are checked only where client certificates are required (not on the public port).
         names = config.tls_allowed_peers.split(",") if config.tls_client_auth and config.tls_ca else []
         allowed = frozenset(n.strip() for n in names if n.strip())
         interceptors = [PeerIdentityInterceptor(allowed), *interceptors]
-    given = {key for key, _ in options}
+    gate = _Gate()
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=config.max_workers),
         # NOTE: error mapping innermost, so outer interceptors (tracing) see the mapped status.
-        interceptors=[*interceptors, ErrorMappingInterceptor()],
-        options=[*(o for o in SERVER_OPTIONS if o[0] not in given), *options],
+        interceptors=[*interceptors, ErrorMappingInterceptor(gate)],
+        options=server_options(config, options),
     )
     for reg in registrations:
         reg.add_to_server(reg.servicer, server)
@@ -170,31 +330,45 @@ def start_server(
     reflection.enable_server_reflection(
         [*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server
     )
-    if tls.enabled:
-        port = server.add_secure_port(f"{config.host}:{config.port}",
-                                      server_credentials(tls, config.tls_client_auth))
-    else:
-        port = server.add_insecure_port(f"{config.host}:{config.port}")
+    if config.port:
+        check_port_free(config.host, config.port)
+    if config.health_port > 0:
+        check_port_free(config.host, config.health_port)
+    address = f"{config.host}:{config.port}"
+    try:
+        if tls.enabled:
+            port = server.add_secure_port(address, server_credentials(tls, config.tls_client_auth))
+        else:
+            port = server.add_insecure_port(address)
+    except RuntimeError as exc:  # grpc >= 1.50 raises instead of returning 0
+        raise PortInUseError(f"could not bind {address}: {exc}") from None
     if port == 0:
-        raise OSError(f"could not bind {config.host}:{config.port}")
-    if config.health_port >= 0 and server.add_insecure_port(f"{config.host}:{config.health_port}") == 0:
-        raise OSError(f"could not bind the health port {config.host}:{config.health_port}")
+        raise PortInUseError(f"could not bind {address}")
+    if config.health_port >= 0:
+        try:
+            health_bound = server.add_insecure_port(f"{config.host}:{config.health_port}")
+        except RuntimeError as exc:
+            raise PortInUseError(f"could not bind the health port {config.host}:{config.health_port}: {exc}") from None
+        if health_bound == 0:
+            raise PortInUseError(f"could not bind the health port {config.host}:{config.health_port}")
     server.start()
-    for name in ["", *names]:
+    for name in ["", *names, LIVENESS_SERVICE]:
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     if config.port_file:
         tmp = Path(config.port_file + ".tmp")
         tmp.write_text(str(port))
         tmp.replace(config.port_file)
-    return RunningServer(server, port, health_servicer, names, config.grace_seconds)
+    return RunningServer(server, port, health_servicer, names, config.grace_seconds, gate)
 
 
-def serve_forever(running: RunningServer, label: str, on_stop: Callable[[], None] | None = None) -> None:
+def serve_forever(running: RunningServer, label: str, on_stop: Callable[[], None] | None = None,
+                  drain: Callable[[float], object] | None = None) -> None:
     """Logs where the server listens and blocks until SIGTERM/SIGINT, then stops gracefully.
 
     Args:
         on_stop: runs before the drain, e.g. to end streams that never finish on their own
             (they would otherwise hold the drain for the whole grace period).
+        drain: passed to :meth:`RunningServer.stop`: ends in-flight work within the grace.
     """
     done = threading.Event()
 
@@ -208,5 +382,5 @@ def serve_forever(running: RunningServer, label: str, on_stop: Callable[[], None
     done.wait()
     if on_stop is not None:
         on_stop()
-    running.stop()
+    running.stop(drain=drain)
     log.info("%s: stopped", label)

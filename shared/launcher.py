@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -27,13 +28,20 @@ class ServiceStartError(RuntimeError):
     """The service exited or did not become healthy in time; carries its log tail."""
 
 
-def wait_healthy(address: str, timeout: float, service: str = "", tls: TLSFiles | None = None) -> None:
-    """Polls ``grpc.health.v1`` at ``address`` until SERVING or ``timeout`` seconds pass."""
+def wait_healthy(address: str, timeout: float, service: str = "", tls: TLSFiles | None = None,
+                 cancel: threading.Event | None = None) -> None:
+    """Polls ``grpc.health.v1`` at ``address`` until SERVING or ``timeout`` seconds pass.
+
+    Raises:
+        ServiceStartError: ``cancel`` was set while waiting.
+    """
     deadline = time.monotonic() + timeout
     last: Exception | None = None
     with open_channel(address, tls=tls) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
+            if cancel is not None and cancel.is_set():
+                raise ServiceStartError(f"{address}: start-up cancelled")
             try:
                 resp = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=1.0)
                 if resp.status == health_pb2.HealthCheckResponse.SERVING:
@@ -42,6 +50,33 @@ def wait_healthy(address: str, timeout: float, service: str = "", tls: TLSFiles 
                 last = exc
             time.sleep(0.05)
     raise TimeoutError(f"{address} not healthy after {timeout}s: {last}")
+
+
+class HealthProbe:
+    """One ``grpc.health.v1`` check of ``address`` per call, on a channel kept open between calls.
+
+    NOTE: the channel's short reconnect backoff (shared/channels.py) lets a restarted peer be seen
+    within about a second.
+    """
+
+    def __init__(self, address: str, timeout: float, service: str = "") -> None:
+        self.address = address
+        self.timeout = timeout
+        self._request = health_pb2.HealthCheckRequest(service=service)
+        self._channel = open_channel(address)
+        self._stub = health_pb2_grpc.HealthStub(self._channel)
+
+    def __call__(self) -> bool:
+        """Whether the peer answered SERVING within the timeout."""
+        try:
+            resp = self._stub.Check(self._request, timeout=self.timeout)
+        except grpc.RpcError:
+            return False
+        return bool(resp.status == health_pb2.HealthCheckResponse.SERVING)
+
+    def close(self) -> None:
+        """Closes the channel."""
+        self._channel.close()
 
 
 class ServiceProcess:
@@ -53,12 +88,20 @@ class ServiceProcess:
         host: address to bind.
         port: port to bind; 0 picks a free one.
         startup_timeout: seconds to wait for the port file and a SERVING health answer.
+        log_dir: folder of the log and port files; the log is appended to (a restarted service
+            keeps its predecessor's lines).
+        cancel: set by another thread (e.g. a signal handler) to abandon the start-up: the child
+            is stopped and :class:`ServiceStartError` raised.
     """
 
     def __init__(self, name: str, env: Mapping[str, str] | None = None, host: str = "127.0.0.1",
-                 port: int = 0, startup_timeout: float = 60.0, log_dir: str | None = None) -> None:
+                 port: int = 0, startup_timeout: float = 60.0, log_dir: str | None = None,
+                 cancel: threading.Event | None = None) -> None:
         self.name = name
         self.host = host
+        self._cancel = cancel
+        self.env = dict(env or {})
+        self.started_at = time.monotonic()
         self._dir = Path(log_dir or tempfile.mkdtemp(prefix=f"kvmesh-{name}-"))
         self._dir.mkdir(parents=True, exist_ok=True)
         self.log_path = self._dir / f"{name}.log"
@@ -70,7 +113,7 @@ class ServiceProcess:
         child_env["KVMESH_PORT"] = str(port)
         child_env["KVMESH_PORT_FILE"] = str(port_file)
         child_env.setdefault("PYTHONUNBUFFERED", "1")
-        self._log = open(self.log_path, "wb")  # noqa: SIM115 - lives as long as the process
+        self._log = open(self.log_path, "ab")  # noqa: SIM115 - lives as long as the process
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "services.cli", "serve", name],
             env=child_env, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -78,7 +121,8 @@ class ServiceProcess:
         try:
             self.port = self._wait_port(port_file, startup_timeout)
             # The child serves TLS when its environment names certificates: dial it the same way.
-            wait_healthy(self.address, startup_timeout, tls=from_env(TLSFiles, "KVMESH_TLS_", env=child_env))
+            wait_healthy(self.address, startup_timeout, tls=from_env(TLSFiles, "KVMESH_TLS_", env=child_env),
+                         cancel=cancel)
         except BaseException:
             self.stop(timeout=2.0)
             raise
@@ -96,6 +140,8 @@ class ServiceProcess:
     def _wait_port(self, port_file: Path, timeout: float) -> int:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
+            if self._cancel is not None and self._cancel.is_set():
+                raise ServiceStartError(f"{self.name}: start-up cancelled")
             if self.proc.poll() is not None:
                 raise ServiceStartError(f"{self.name} exited with {self.proc.returncode}:\n{self.log_tail()}")
             if port_file.exists():

@@ -32,6 +32,16 @@ class SchedulerConfig:
         trace_step_every: sampling period of step spans after the first ``trace_steps``.
         min_priority: the lowest (most urgent) priority a request may ask for, unless the keys
             file gives its tenant another floor (``INVALID_ARGUMENT`` below it).
+        max_bytes_per_token: bound on the UTF-8 bytes one token can stand for; a text or chat
+            prompt longer than ``max_model_len`` times this can never fit, so it is refused
+            before the tokenizer runs (docs/lifecycle.md).
+        max_request_id_bytes / max_cache_salt_bytes / max_stop_string_bytes: byte bounds of
+            those string fields; ``max_stop_strings``: how many stop strings a request may send.
+        max_chat_messages: most messages in a chat prompt.
+        max_concurrent_tokenizations: tokenizer runs (encode / chat template) at once; a request
+            that cannot start one within ``tokenize_wait_seconds`` gets ``RESOURCE_EXHAUSTED``.
+        dependency_check_seconds: how often readiness probes the runner, kv-cache-manager and
+            offload-store (each probe has this as its timeout too).
     """
 
     max_num_seqs: int = 64
@@ -51,6 +61,15 @@ class SchedulerConfig:
     trace_steps: int = 4
     trace_step_every: int = 64
     min_priority: int = 0
+    max_bytes_per_token: int = 32
+    max_request_id_bytes: int = 256
+    max_cache_salt_bytes: int = 256
+    max_stop_strings: int = 16
+    max_stop_string_bytes: int = 256
+    max_chat_messages: int = 1024
+    max_concurrent_tokenizations: int = 4
+    tokenize_wait_seconds: float = 2.0
+    dependency_check_seconds: float = 1.0
 
     def __post_init__(self) -> None:
         if self.max_num_seqs <= 0 or self.max_num_batched_tokens <= 0:
@@ -59,3 +78,5 @@ class SchedulerConfig:
             raise ValueError("owner_lease_seconds must be positive")
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode must be recompute or swap, got {self.preemption_mode!r}")
+        if self.max_bytes_per_token <= 0 or self.max_concurrent_tokenizations <= 0:
+            raise ValueError("max_bytes_per_token and max_concurrent_tokenizations must be positive")

@@ -219,11 +219,35 @@ class Engine:
         return self
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Stops the loop after the current step."""
+        """Stops the loop after the current step, then ends every request still live and frees
+        them in the kv-cache-manager, so a replacement scheduler finds nothing left behind."""
         self._stop.set()
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout)
+            if self._thread.is_alive():
+                log.warning("engine loop did not stop in %.1fs; its requests stay live", timeout)
+                return
+        # The loop has exited: this thread owns the scheduler now.
+        self._apply_commands()
+        for req in [*self.scheduler.running, *self.scheduler.waiting]:
+            self._on_dequeued(req)
+            if self.scheduler.finish(req.request_id, FinishReason.ABORT, "shutdown"):
+                self._emit_final(req, Unavailable("the scheduler stopped; retry"))
+        self._flush_frees()
+
+    def num_live(self) -> int:
+        """Requests added and not yet ended (their streams are still open)."""
+        with self._lock:
+            return len(self._queues)
+
+    def abort_all(self, stop_reason: str) -> int:
+        """Ends every live request at the next step boundary with an ``ABORT`` final; returns how many."""
+        with self._lock:
+            ids = list(self._queues)
+        for rid in ids:
+            self.abort(rid, FinishReason.ABORT, stop_reason)
+        return len(ids)
 
     def add_request(self, spec: RequestSpec) -> queue.SimpleQueue[EngineOutput]:
         """Queues a validated request; returns the queue its outputs arrive on.
@@ -410,18 +434,22 @@ class Engine:
     def _fail_step(self, step: ScheduledStep, exc: Exception) -> None:
         """The model-runner call failed: end the step's requests with an error."""
         reqs = [r for rid in step.num_scheduled if (r := self.scheduler.requests.get(rid)) is not None]
-        self._abort_with_error(reqs, exc, f"model-runner step {step.step_input.step_id}")
+        self._abort_with_error(reqs, exc, "model-runner", f"model-runner step {step.step_input.step_id}")
 
     def _fail_all(self, exc: Exception) -> None:
         """The kv-cache-manager call failed: end every live request with an error rather than let
         any wait forever; their blocks are freed with the next successful call."""
-        self._abort_with_error([*self.scheduler.running, *self.scheduler.waiting], exc, "kv-cache-manager step")
+        self._abort_with_error([*self.scheduler.running, *self.scheduler.waiting], exc, "kv-cache-manager",
+                               "kv-cache-manager step")
 
-    def _abort_with_error(self, reqs: list[Request], exc: Exception, what: str) -> None:
-        log.error("%s failed: %s", what, exc)
+    def _abort_with_error(self, reqs: list[Request], exc: Exception, component: str, what: str) -> None:
+        # NOTE: the exception text names internal addresses and peers: it goes to the log with the
+        # request ids; clients get a clean message with their own id only.
+        log.error("%s failed for requests %s: %s", what, [r.request_id for r in reqs], " ".join(str(exc).split()))
         self._suspect = True
-        err = exc if isinstance(exc, KVMeshError) else Unavailable(f"{what} failed: {exc}")
         for req in reqs:
+            err = exc if isinstance(exc, KVMeshError) else Unavailable(
+                f"{component} unavailable; request {req.request_id} failed, retry")
             self._on_dequeued(req)
             # NOTE: rollback: the failed step's allocations may have registered blocks it never filled.
             if self.scheduler.finish(req.request_id, FinishReason.ABORT, "error", rollback=True):

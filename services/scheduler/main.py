@@ -15,14 +15,16 @@ from services.scheduler.auth import AuthInterceptor, key_store_for
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.engine import Engine
 from services.scheduler.offload import RemoteOffload
+from services.scheduler.readiness import DependencyWatcher
 from services.scheduler.remote import RemoteKVCache, RemoteRunner
 from services.scheduler.servicer import SchedulerServicer
+from services.scheduler.shutdown import drain_engine
 from services.scheduler.tokenizer import Tokenizer
 from shared.auth import AuthConfig
 from shared.channels import configure as configure_channels
 from shared.config import ServerConfig, from_env
 from shared.grpc_server import ServiceRegistration, serve_forever, start_server
-from shared.launcher import wait_healthy
+from shared.launcher import HealthProbe, wait_healthy
 from shared.metrics import SchedulerMetrics, new_registry, start_metrics_server
 from shared.pb.kvmesh.v1 import scheduler_pb2_grpc
 from shared.telemetry import server_interceptors, setup_tracing
@@ -43,7 +45,11 @@ def main() -> int:
     # exceed the admission bound; otherwise excess requests queue inside gRPC, invisible to
     # admission control, instead of getting RESOURCE_EXHAUSTED at once.
     workers = config.max_waiting_requests + config.max_num_seqs + 16
-    server_cfg = from_env(ServerConfig, "KVMESH_", max_workers=int(env.get("KVMESH_MAX_WORKERS", workers)))
+    # The public API takes smaller messages than the internal services: its longest legitimate
+    # request is a prompt bounded by max_model_len x max_bytes_per_token.
+    receive = int(env.get("KVMESH_MAX_RECEIVE_MESSAGE_BYTES", 8 << 20))
+    server_cfg = from_env(ServerConfig, "KVMESH_", max_workers=int(env.get("KVMESH_MAX_WORKERS", workers)),
+                          max_receive_message_bytes=receive)
     if "KVMESH_TLS_CLIENT_AUTH" not in env:  # the public port: clients present API keys, not certificates
         server_cfg = dataclasses.replace(server_cfg, tls_client_auth=False)
     configure_channels(from_env(TLSFiles, "KVMESH_TLS_"))  # our certificate when dialing the services
@@ -67,9 +73,18 @@ def main() -> int:
     running = start_server(server_cfg, [
         ServiceRegistration("kvmesh.v1.Scheduler", servicer, scheduler_pb2_grpc.add_SchedulerServicer_to_server),
     ], interceptors=[*server_interceptors(), AuthInterceptor(keys)])
+    deps = {"kv-cache-manager": config.kvm_address, "model-runner": config.runner_address}
+    if config.offload_address:
+        deps["offload-store"] = config.offload_address
+    probes = {name: HealthProbe(address, config.dependency_check_seconds) for name, address in deps.items()}
+    watcher = DependencyWatcher(probes, ("kv-cache-manager", "model-runner"), running.set_serving,
+                                running.set_status, config.dependency_check_seconds).start()
     try:
-        serve_forever(running, "scheduler")
+        serve_forever(running, "scheduler", drain=lambda grace: drain_engine(engine, grace))
     finally:
+        watcher.stop()
+        for probe in probes.values():
+            probe.close()
         engine.stop()
         _release(kv, offload)
         kv.close()

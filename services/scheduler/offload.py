@@ -170,10 +170,7 @@ class RemoteOffload:
 
     def __init__(self, address: str, timeout: float = 30.0, owner_id: str = "",
                  lease_seconds: float = 10.0) -> None:
-        # Short reconnect backoff, as for the other peers (services.scheduler.remote.RECONNECT_OPTIONS).
-        self.channel = instrument_grpc_client(open_channel(address, options=[
-            ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
-            ("grpc.max_reconnect_backoff_ms", 1000)]))
+        self.channel = instrument_grpc_client(open_channel(address))  # short reconnect backoff: shared.channels
         self.stub = offload_store_pb2_grpc.OffloadStoreStub(self.channel)
         self.timeout = timeout
         self._metadata = ((OWNER_METADATA, owner_id),)

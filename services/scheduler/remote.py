@@ -45,10 +45,6 @@ from shared.pb.kvmesh.v1 import (
 )
 from shared.telemetry import instrument_grpc_client
 
-# NOTE: short reconnect backoff: after a peer restarts, gRPC's default (1 s growing to 120 s)
-# would fail calls for minutes against a peer that is already back.
-RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
-                     ("grpc.max_reconnect_backoff_ms", 1000)]
 # How long a probe (info, keep-alive) waits for a peer to (re)connect before it counts as down.
 PROBE_SECONDS = 2.0
 
@@ -104,7 +100,7 @@ class RemoteKVCache:
 
     def __init__(self, address: str, timeout: float = 60.0, owner_id: str = "",
                  lease_seconds: float = 10.0) -> None:
-        self.channel = instrument_grpc_client(open_channel(address, options=RECONNECT_OPTIONS))
+        self.channel = instrument_grpc_client(open_channel(address))
         self.stub = kvm_grpc.KVCacheManagerStub(self.channel)
         self.timeout = timeout
         self.metadata = ((OWNER_METADATA, owner_id),)
@@ -172,7 +168,7 @@ class RemoteRunner:
     """The model-runner over gRPC: one ``Execute`` call per step."""
 
     def __init__(self, address: str, timeout: float = 60.0) -> None:
-        self.channel = instrument_grpc_client(open_channel(address, options=RECONNECT_OPTIONS))
+        self.channel = instrument_grpc_client(open_channel(address))
         self.stub = runner_grpc.ModelRunnerStub(self.channel)
         self.timeout = timeout
         self.pool_id = ""  # the incarnation steps are planned for (bind)

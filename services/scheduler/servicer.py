@@ -13,9 +13,9 @@ from services.scheduler.auth import current_tenant
 from services.scheduler.engine import Engine
 from services.scheduler.request import FinishReason
 from services.scheduler.stream import Chunk, OutputStream, build_spec
-from services.scheduler.tokenizer import Tokenizer
+from services.scheduler.tokenizer import TokenizeGate, Tokenizer
 from services.scheduler.tracing import capture_context
-from services.scheduler.validation import validate_priority
+from services.scheduler.validation import validate_priority, validate_string_fields
 from shared.auth import tenant_cache_salt
 from shared.convert import sampling_from_proto
 from shared.errors import InvalidArgument
@@ -58,6 +58,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     def __init__(self, engine: Engine, tokenizer: Tokenizer | None) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
+        self.tokenize_gate = TokenizeGate(engine.config.max_concurrent_tokenizations,
+                                          engine.config.tokenize_wait_seconds)
 
     def _require_tokenizer(self, what: str) -> Tokenizer:
         if self.tokenizer is None:
@@ -66,13 +68,22 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
 
     def _prompt_ids(self, request: scheduler_pb2.GenerateRequest) -> list[int]:
         kind = request.WhichOneof("prompt")
+        # NOTE: every string is bounded before any of it is tokenized (docs/lifecycle.md).
+        validate_string_fields(
+            self.engine.info, self.engine.config, request_id=request.request_id, stop=request.stop,
+            cache_salt=request.cache_salt, text=request.text if kind == "text" else None,
+            chat=[(m.role, m.content) for m in request.chat.messages] if kind == "chat" else None)
         if kind == "text":
-            return self._require_tokenizer("text").encode(request.text)
+            tok = self._require_tokenizer("text")
+            with self.tokenize_gate.slot():
+                return tok.encode(request.text)
         if kind == "chat":
             msgs = [(m.role, m.content) for m in request.chat.messages]
             if not msgs:
                 raise InvalidArgument("prompt: chat.messages must not be empty")
-            return self._require_tokenizer("chat").apply_chat_template(msgs)
+            tok = self._require_tokenizer("chat")
+            with self.tokenize_gate.slot():
+                return tok.apply_chat_template(msgs)
         if kind == "token_ids":
             return list(request.token_ids.ids)
         raise InvalidArgument("prompt: one of text, chat or token_ids is required")
@@ -102,10 +113,16 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                  ) -> scheduler_pb2.TokenizeResponse:
         tok = self._require_tokenizer("text")
         kind = request.WhichOneof("input")
+        msgs = [(m.role, m.content) for m in request.chat.messages] if kind == "chat" else None
+        validate_string_fields(self.engine.info, self.engine.config,
+                               text=request.text if kind == "text" else None, chat=msgs)
         if kind == "chat":
-            ids = tok.apply_chat_template([(m.role, m.content) for m in request.chat.messages])
+            assert msgs is not None
+            with self.tokenize_gate.slot():
+                ids = tok.apply_chat_template(msgs)
         elif kind == "text":
-            ids = tok.encode(request.text, add_special_tokens=request.add_special_tokens)
+            with self.tokenize_gate.slot():
+                ids = tok.encode(request.text, add_special_tokens=request.add_special_tokens)
         else:
             raise InvalidArgument("input: text or chat is required")
         return scheduler_pb2.TokenizeResponse(token_ids=ids)
@@ -113,7 +130,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     def Detokenize(self, request: scheduler_pb2.DetokenizeRequest, context: grpc.ServicerContext
                    ) -> scheduler_pb2.DetokenizeResponse:
         tok = self._require_tokenizer("token_ids")
-        vocab = self.engine.info.vocab_size
+        vocab, max_len = self.engine.info.vocab_size, self.engine.info.max_model_len
+        if len(request.token_ids) > max_len:
+            raise InvalidArgument(f"token_ids: {len(request.token_ids)} ids exceed max_model_len {max_len}")
         bad = [t for t in request.token_ids if not 0 <= t < vocab]
         if bad:
             raise InvalidArgument(f"token_ids: {bad[0]} is outside the vocabulary [0, {vocab})")

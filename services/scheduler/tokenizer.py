@@ -2,10 +2,37 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
-from shared.errors import FailedPrecondition, InvalidArgument
+from shared.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+
+
+class TokenizeGate:
+    """Bounds how many tokenizations run at once, so a burst of prompts cannot take every core
+    (and, through the GIL, the engine's step loop) or grow memory without bound.
+
+    Args:
+        limit: tokenizations at once.
+        wait: seconds a request may wait for a slot before ``RESOURCE_EXHAUSTED``.
+    """
+
+    def __init__(self, limit: int, wait: float) -> None:
+        self.limit = limit
+        self.wait = wait
+        self._slots = threading.BoundedSemaphore(limit)
+
+    @contextmanager
+    def slot(self) -> Iterator[None]:
+        """Holds one slot for the block's duration."""
+        if not self._slots.acquire(timeout=self.wait):
+            raise ResourceExhausted(f"tokenizer busy ({self.limit} tokenizations running); retry later")
+        try:
+            yield
+        finally:
+            self._slots.release()
 
 
 class Tokenizer:
@@ -20,9 +47,16 @@ class Tokenizer:
 
         self.hf: Any = AutoTokenizer.from_pretrained(model_dir)
         self.has_chat_template = bool(getattr(self.hf, "chat_template", None))
+        self._lock = threading.Lock()
+        self.runs = 0  # encodes and chat renderings started: how tests see that a limit came first
+
+    def _count(self) -> None:
+        with self._lock:
+            self.runs += 1
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Plain text to token ids."""
+        self._count()
         ids: list[int] = self.hf.encode(text, add_special_tokens=add_special_tokens)
         return ids
 
@@ -33,6 +67,7 @@ class Tokenizer:
         for role, _ in messages:
             if role not in ("system", "user", "assistant"):
                 raise InvalidArgument(f"chat.messages.role: must be system, user or assistant, got {role!r}")
+        self._count()
         rendered = self.hf.apply_chat_template(
             [{"role": r, "content": c} for r, c in messages], add_generation_prompt=True, tokenize=True,
             return_dict=False,

@@ -59,3 +59,54 @@ def validate_priority(priority: int, tenant: Tenant, default_floor: int) -> None
     floor = tenant.min_priority if tenant.min_priority is not None else default_floor
     if priority < floor:
         raise InvalidArgument(f"priority: {priority} is below this tenant's minimum {floor} (lower runs first)")
+def check_bytes(field: str, value: str, limit: int) -> None:
+    """Raises :class:`InvalidArgument` naming ``field`` when ``value`` is over ``limit`` UTF-8 bytes.
+
+    NOTE: a character is at least one byte, so a string with more characters than the limit is
+    refused without encoding it.
+    """
+    if len(value) > limit or len(value.encode("utf-8", "surrogatepass")) > limit:
+        raise InvalidArgument(f"{field}: longer than the limit of {limit} bytes")
+
+
+def prompt_byte_limit(max_model_len: int, config: SchedulerConfig) -> int:
+    """Most UTF-8 bytes a text prompt (or all chat contents together) may have."""
+    return max_model_len * config.max_bytes_per_token
+
+
+def validate_string_fields(
+    info: RunnerInfo,
+    config: SchedulerConfig,
+    *,
+    request_id: str = "",
+    stop: Sequence[str] = (),
+    cache_salt: str = "",
+    text: str | None = None,
+    chat: Sequence[tuple[str, str]] | None = None,
+) -> None:
+    """Bounds every string of a public request, before anything tokenizes or copies it.
+
+    Text is bounded by what could ever fit the model (``max_model_len`` tokens of at most
+    ``max_bytes_per_token`` bytes each): a longer prompt would be refused after tokenizing anyway,
+    so refusing it first costs nothing and keeps a 4 MB prompt from costing seconds and memory.
+    """
+    check_bytes("request_id", request_id, config.max_request_id_bytes)
+    check_bytes("cache_salt", cache_salt, config.max_cache_salt_bytes)
+    if len(stop) > config.max_stop_strings:
+        raise InvalidArgument(f"stop: {len(stop)} strings exceed the limit of {config.max_stop_strings}")
+    for s in stop:
+        check_bytes("stop", s, config.max_stop_string_bytes)
+    limit = prompt_byte_limit(info.max_model_len, config)
+    if text is not None:
+        check_bytes("text", text, limit)
+    if chat is not None:
+        if len(chat) > config.max_chat_messages:
+            raise InvalidArgument(
+                f"chat.messages: {len(chat)} messages exceed the limit of {config.max_chat_messages}")
+        total = 0
+        for role, content in chat:
+            check_bytes("chat.messages.role", role, 16)
+            total += len(content) if len(content) > limit else len(content.encode("utf-8", "surrogatepass"))
+            if total > limit:
+                raise InvalidArgument(
+                    f"chat.messages.content: all messages together are longer than the limit of {limit} bytes")

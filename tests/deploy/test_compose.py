@@ -124,6 +124,28 @@ def test_scheduler_starts_after_healthy_dependencies(rendered: dict[str, Any]) -
         assert deps[name]["condition"] == "service_healthy"
 
 
+def _seconds(duration: str) -> float:
+    m = re.fullmatch(r"(?:(\d+)m)?(?:(\d+)s)?", duration)
+    assert m is not None and duration, duration
+    return int(m.group(1) or 0) * 60 + int(m.group(2) or 0)
+
+
+def test_services_are_restarted_and_drain_before_they_are_killed(rendered: dict[str, Any]) -> None:
+    """What docs/lifecycle.md promises: a kvmesh container that exits is restarted (the scheduler
+    re-attaches to it, so the scheduler is not restarted along with a dependency), the stop grace
+    covers the server's drain, and the healthcheck is the server's readiness on its health-only port."""
+    services = rendered["services"]
+    for name in PORTS:
+        svc = services[name]
+        assert svc["restart"] == "unless-stopped", name
+        grace = float(svc["environment"]["KVMESH_GRACE_SECONDS"])
+        assert grace + 3 < _seconds(svc["stop_grace_period"]), name
+        assert svc["healthcheck"]["test"][-1] == f"from shared.launcher import wait_healthy; " \
+            f"wait_healthy('127.0.0.1:{HEALTH_PORTS[name]}', 3)", name
+    for dep in services["scheduler"]["depends_on"].values():
+        assert not dep.get("restart", False)
+
+
 def test_bind_mounted_configs_exist(rendered: dict[str, Any]) -> None:
     for name, svc in rendered["services"].items():
         for vol in svc.get("volumes", []):

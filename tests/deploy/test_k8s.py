@@ -15,6 +15,8 @@ from typing import Any
 import pytest
 import yaml
 
+from shared.grpc_server import LIVENESS_SERVICE
+
 REPO = Path(__file__).resolve().parents[2]
 OVERLAYS = ("cpu", "gpu")
 # The oldest release we support (native preStop sleep is on by default from 1.30; grpc probes
@@ -86,8 +88,10 @@ def test_every_container_has_grpc_probes_on_its_own_health_port(overlay: tuple[s
             assert {p["containerPort"] for p in c["ports"]} == {port, METRICS_PORTS[c["name"]]}
             health = HEALTH_PORTS[c["name"]]
             assert _env(c)["KVMESH_HEALTH_PORT"] == str(health)
-            for probe in ("readinessProbe", "livenessProbe"):
-                assert c[probe]["grpc"] == {"port": health}, (c["name"], probe)
+            # Readiness follows dependencies; liveness asks for the name that stays SERVING while
+            # the process runs, so a dependency outage unreadies a pod without restarting it.
+            assert c["readinessProbe"]["grpc"] == {"port": health}, c["name"]
+            assert c["livenessProbe"]["grpc"] == {"port": health, "service": LIVENESS_SERVICE}, c["name"]
             if "startupProbe" in c:
                 assert c["startupProbe"]["grpc"] == {"port": health}
     assert seen == set(GRPC_PORTS)
@@ -205,9 +209,12 @@ def test_pods_drain_before_they_are_killed(overlay: tuple[str, str, list[Doc]]) 
     for dep_name, dep in _kind(docs, "Deployment").items():
         assert dep["spec"]["replicas"] == 1 and dep["spec"]["strategy"]["type"] == "Recreate"
         spec = dep["spec"]["template"]["spec"]
+        # A pod restarts whatever exits (kvmesh services re-attach to a restarted dependency).
+        assert spec.get("restartPolicy", "Always") == "Always", dep_name
         for c in spec["containers"]:
             sleep = c["lifecycle"]["preStop"]["sleep"]["seconds"]
-            assert sleep + grace < spec["terminationGracePeriodSeconds"], dep_name
+            # The drain: grace, then up to 3 s to end the remaining streams and close.
+            assert sleep + grace + 3 < spec["terminationGracePeriodSeconds"], dep_name
     (pdb,) = _kind(docs, "PodDisruptionBudget").values()
     assert pdb["spec"]["maxUnavailable"] == 1
     for _name2, meta, _spec in _pod_specs(docs):
