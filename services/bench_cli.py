@@ -98,6 +98,11 @@ def _serve(ns: argparse.Namespace) -> int:
         seed=ns.seed,
     )
     opts = run.ServeOptions(
+        backend=ns.backend,
+        base_url=ns.base_url,
+        model=ns.model,
+        api_key=ns.api_key,
+        vocab_size=ns.vocab_size,
         address=ns.address,
         workload=workload,
         driver=driver.DriverConfig(
@@ -185,8 +190,15 @@ def add_bench_subcommand(subparsers: Any) -> None:
     """Adds ``bench serve`` and ``bench compare`` to the ``kvmesh`` parser's subcommands."""
     bench = subparsers.add_parser("bench", help="serving benchmarks")
     sub = bench.add_subparsers(dest="bench_command", required=True)
-    serve = sub.add_parser("serve", help="benchmark a running suite over its public gRPC API")
-    serve.add_argument("--address", default=DEFAULT_ADDRESS)
+    serve = sub.add_parser("serve", help="benchmark a running suite (gRPC) or any OpenAI-compatible server")
+    serve.add_argument("--backend", choices=("grpc", "openai"), default="grpc",
+                       help="grpc: kvmesh's Generate at --address; openai: POST /v1/completions at --base-url")
+    serve.add_argument("--address", default=DEFAULT_ADDRESS, help="the scheduler (grpc backend)")
+    serve.add_argument("--base-url", default="http://127.0.0.1:8000", help="the HTTP server (openai backend)")
+    serve.add_argument("--model", default="", help="model name to send (openai backend; default: /v1/models' first)")
+    serve.add_argument("--api-key", default="", help="sent as Authorization: Bearer (openai backend)")
+    serve.add_argument("--vocab-size", type=int, default=0,
+                       help="for servers whose /v1/models has no vocab_size (openai backend)")
     _add_workload_args(serve)
     serve.add_argument("--request-rate", type=_rate, default=math.inf, help="requests/s (Poisson) or inf")
     serve.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight at once")
@@ -197,7 +209,8 @@ def add_bench_subcommand(subparsers: Any) -> None:
         help="always on: every request generates exactly its output length",
     )
     serve.add_argument("--goodput", nargs="+", metavar="NAME:MS", help="SLOs, e.g. ttft:500 tpot:50 e2el:5000")
-    serve.add_argument("--save-result", default="", help="write the summary and every request as JSON")
+    serve.add_argument("--save-result", default="",
+                       help="write vLLM's flat JSON keys, kvmesh's KV section and every request")
     serve.add_argument("--plot", default="", help="write a PNG of latency percentiles and throughput over time")
     serve.add_argument("--no-warmup", action="store_true", help="skip the warm-up request")
     serve.add_argument("--no-progress", action="store_true")

@@ -30,13 +30,14 @@ SERVICES: dict[str, str] = {
     "model-runner": "services.model_runner.main",
     "scheduler": "services.scheduler.main",
     "offload-store": "services.offload_store.main",
+    "gateway": "services.gateway.main",
+    "router": "services.router.main",
 }
-DEFAULT_ADDRESS = "127.0.0.1:50051"
 DEMO_QUESTION = "What is the capital of France? Answer in one sentence."
 
 
 def _serve(ns: argparse.Namespace) -> int:
-    from shared.grpc_server import PortInUseError
+    from shared.errors import PortInUseError
 
     module = importlib.import_module(SERVICES[ns.service])
     try:
@@ -47,9 +48,27 @@ def _serve(ns: argparse.Namespace) -> int:
     return result
 
 
+def _checkpoint_problem(folder: Path) -> str:
+    """Why ``folder`` is not a checkpoint the model-runner can load ("" when it is one)."""
+    if not folder.is_dir():
+        return "no such folder"
+    if not (folder / "config.json").is_file():
+        return "not a checkpoint folder (no config.json)"
+    if not any(folder.glob("*.safetensors")):
+        return "not a checkpoint folder (no *.safetensors weights)"
+    return ""
+
+
 def _model_dir(ns: argparse.Namespace) -> str:
-    if ns.model:
-        return str(Path(ns.model).resolve())
+    # NOTE: --model, else KVMESH_MODEL_DIR (as every service reads it), else the embedded model.
+    chosen = ns.model or os.environ.get("KVMESH_MODEL_DIR", "")
+    if chosen:
+        folder = Path(chosen).resolve()
+        problem = _checkpoint_problem(folder)
+        if problem:
+            source = "--model" if ns.model else "KVMESH_MODEL_DIR"
+            raise SystemExit(f"kvmesh: error: {source} {folder}: {problem}")
+        return str(folder)
     from services.model_runner.prepare import default_cache_dir, prepare_default_model
 
     return str(prepare_default_model(default_cache_dir(), progress=True))
@@ -61,8 +80,18 @@ def _start_suite(ns: argparse.Namespace, cancel: threading.Event | None = None, 
     model_dir = model_dir or _model_dir(ns)
     print(f"kvmesh: starting the suite for {model_dir} ...", flush=True)
     started = time.monotonic()
-    suite = Suite(SuiteConfig(model_dir=model_dir, scheduler_port=ns.port, with_offload=not ns.no_offload,
-                              log_dir=ns.log_dir or ""), cancel=cancel)
+    suite: Any
+    if getattr(ns, "replicas", 1) > 1:  # N suites behind a router (services/mesh.py)
+        from services.mesh import Mesh, MeshConfig
+
+        suite = Mesh(MeshConfig(model_dir=model_dir, replicas=ns.replicas, port=ns.port,
+                                with_offload=not ns.no_offload, log_dir=ns.log_dir or ""))
+    else:
+        suite = Suite(SuiteConfig(model_dir=model_dir, scheduler_port=ns.port, with_offload=not ns.no_offload,
+                                  log_dir=ns.log_dir or "",
+                                  gateway_port=None if ns.http_port < 0 else ns.http_port,
+                                  metrics_port=int(os.environ.get("KVMESH_METRICS_PORT", "0") or 0)),
+                      cancel=cancel)
     print(f"kvmesh: suite up in {time.monotonic() - started:.1f}s", flush=True)
     for name, proc in suite.services.items():
         print(f"  {name:<17} {proc.address:<22} log: {proc.log_path}", flush=True)
@@ -86,7 +115,7 @@ def _up(ns: argparse.Namespace) -> int:
     starts none and stays interruptible) and only sets an event that the start-up polls, so a
     signal at any moment stops whatever has started and leaves no child.
     """
-    from shared.grpc_server import PortInUseError
+    from shared.errors import PortInUseError
     from shared.launcher import ServiceStartError
 
     model_dir = _model_dir(ns)
@@ -106,6 +135,8 @@ def _up(ns: argparse.Namespace) -> int:
         return 1
     try:
         print(f"kvmesh: serving on {suite.address}; Ctrl-C to stop", flush=True)
+        if "gateway" in suite.services:
+            print(f"kvmesh: OpenAI-compatible API on http://{suite.services['gateway'].address}/v1", flush=True)
         while not stop.wait(0.5):
             pass
     finally:
@@ -114,59 +145,13 @@ def _up(ns: argparse.Namespace) -> int:
     return 0
 
 
-def _stream(address: str, prompt: Any, max_tokens: int, temperature: float, out: Any = sys.stdout,
-            ns: argparse.Namespace | None = None) -> str:
-    from shared.client import KVMeshClient
-    from shared.tls import TLSFiles
-
-    pieces: list[str] = []
-    api_key = getattr(ns, "api_key", None) or None
-    tls = TLSFiles(ca=ns.tls_ca, server_name=ns.tls_server_name) if ns is not None and ns.tls_ca else None
-    with KVMeshClient(address, api_key=api_key, tls=tls) as client:
-        for chunk in client.generate(prompt, max_tokens, temperature=temperature):
-            out.write(chunk.text)
-            out.flush()
-            pieces.append(chunk.text)
-            if chunk.HasField("final"):
-                f = chunk.final
-                t = f.timing
-                rate = (f.completion_tokens - 1) / (t.e2e_seconds - t.ttft_seconds) if f.completion_tokens > 1 and \
-                    t.e2e_seconds > t.ttft_seconds else 0.0
-                out.write(f"\n[{f.completion_tokens} tokens, prompt {f.prompt_tokens} ({f.cached_tokens} cached), "
-                          f"TTFT {t.ttft_seconds * 1000:.0f} ms, TPOT {t.tpot_seconds * 1000:.0f} ms, "
-                          f"{rate:.1f} tok/s]\n")
-    return "".join(pieces)
-
-
-def _generate(ns: argparse.Namespace) -> int:
-    prompt: Any = [("user", ns.prompt)] if ns.chat else ns.prompt
-    _stream(ns.address, prompt, ns.max_tokens, ns.temperature, ns=ns)
-    return 0
-
-
-def _chat(ns: argparse.Namespace) -> int:
-    history: list[tuple[str, str]] = []
-    if ns.system:
-        history.append(("system", ns.system))
-    while True:
-        try:
-            line = input("you> ").strip()
-        except (EOFError, KeyboardInterrupt):
-            print()
-            return 0
-        if not line:
-            continue
-        history.append(("user", line))
-        print("assistant> ", end="", flush=True)
-        answer = _stream(ns.address, history, ns.max_tokens, ns.temperature, ns=ns)
-        history.append(("assistant", answer))
-
-
 def _demo(ns: argparse.Namespace) -> int:
+    from services.client_cli import stream
+
     suite = _start_suite(ns)
     try:
         print(f"\nuser> {DEMO_QUESTION}\nassistant> ", end="", flush=True)
-        _stream(suite.address, [("user", DEMO_QUESTION)], ns.max_tokens, 0.0)
+        stream(suite.address, [("user", DEMO_QUESTION)], ns.max_tokens, temperature=0.0)
         if ns.exit_after_demo:
             return 0
         print(f"\nkvmesh: the suite keeps serving on {suite.address}; try in another terminal:\n"
@@ -179,8 +164,11 @@ def _demo(ns: argparse.Namespace) -> int:
 
 
 def _add_suite_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="", help="checkpoint folder (default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--port", type=int, default=50051, help="the public API's port")
+    p.add_argument("--model", default="",
+                   help="checkpoint folder (default: $KVMESH_MODEL_DIR, else the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--port", type=int, default=50051, help="the public gRPC API's port")
+    p.add_argument("--http-port", type=int, default=8000,
+                   help="the OpenAI-compatible HTTP API's port (0 = any free port, -1 = no gateway)")
     p.add_argument("--no-offload", action="store_true", help="run without the offload-store")
     p.add_argument("--log-dir", default="", help="where service logs go (default: a temp folder)")
 
@@ -197,32 +185,19 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(func=_serve)
     add_model_subcommand(sub)
     from services.bench_cli import add_bench_subcommand
+    from services.client_cli import add_client_subcommands
 
     add_bench_subcommand(sub)
     up = sub.add_parser("up", help="run the whole suite on loopback until Ctrl-C")
     _add_suite_args(up)
+    up.add_argument("--replicas", type=int, default=1, help="N suites behind a KV-aware router on --port")
     up.set_defaults(func=_up)
     demo = sub.add_parser("demo", help="up + one streamed chat answer")
     _add_suite_args(demo)
     demo.add_argument("--max-tokens", type=int, default=48)
     demo.add_argument("--exit-after-demo", action="store_true", help="stop the suite after the answer")
     demo.set_defaults(func=_demo)
-    for name, fn in (("generate", _generate), ("chat", _chat)):
-        p = sub.add_parser(name, help=f"{name} against a running suite")
-        if name == "generate":
-            p.add_argument("prompt")
-            p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
-        else:
-            p.add_argument("--system", default="", help="system prompt")
-        p.add_argument("--address", default=DEFAULT_ADDRESS)
-        p.add_argument("--max-tokens", type=int, default=128)
-        p.add_argument("--temperature", type=float, default=0.0)
-        p.add_argument("--api-key", default=os.environ.get("KVMESH_API_KEY", ""),
-                       help="API key sent as 'authorization: Bearer' (default: $KVMESH_API_KEY)")
-        p.add_argument("--tls-ca", default=os.environ.get("KVMESH_TLS_CA", ""),
-                       help="CA file: connect with TLS and verify the server (default: $KVMESH_TLS_CA)")
-        p.add_argument("--tls-server-name", default="", help="name to verify in the server's certificate")
-        p.set_defaults(func=fn)
+    add_client_subcommands(sub)
     return parser
 
 

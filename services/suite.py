@@ -1,7 +1,8 @@
 """``kvmesh up``: the whole suite as processes on loopback, started in dependency order.
 
 kv-cache-manager and model-runner first (the runner loads the model and sizes the pool), then
-the offload-store, then the scheduler, which sizes the kv-cache-manager from the runner's pool.
+the offload-store, then the scheduler, which sizes the kv-cache-manager from the runner's pool,
+then (when asked) the HTTP gateway in front of the scheduler.
 Each is a ``kvmesh serve <name>`` child; this process waits for each to answer health checks,
 prints where it listens, and stops them in reverse order (SIGTERM, graceful drain) on exit.
 
@@ -25,6 +26,8 @@ from shared.launcher import ServiceProcess, ServiceStartError
 
 log = logging.getLogger(__name__)
 
+METRICS_PORT_OFFSETS = {"scheduler": 0, "kv-cache-manager": 1, "model-runner": 2, "offload-store": 3}
+
 
 @dataclass(frozen=True)
 class SuiteConfig:
@@ -43,6 +46,8 @@ class SuiteConfig:
     runner_port: int = 0
     offload_port: int = 0
     with_offload: bool = True
+    gateway_port: int | None = None  # the OpenAI HTTP API; None = no gateway (``kvmesh up`` uses 8000)
+    metrics_port: int = 0  # >0: scheduler's /metrics here, kv-cache-manager +1, model-runner +2, offload-store +3
     log_dir: str = ""
     extra_env: Mapping[str, str] = field(default_factory=dict)
     supervise: bool = True
@@ -92,6 +97,9 @@ class Suite:
             if "offload-store" in self.services:
                 sched_env["KVMESH_SCHED_OFFLOAD_ADDRESS"] = self.services["offload-store"].address
             self._start("scheduler", config.scheduler_port, sched_env, log_dir)
+            if config.gateway_port is not None:
+                gw_env = {**base, "KVMESH_GATEWAY_SCHEDULER_ADDRESS": self.services["scheduler"].address}
+                self._start("gateway", config.gateway_port, gw_env, log_dir)
         except BaseException:
             self.stop()
             raise
@@ -100,6 +108,12 @@ class Suite:
             self._monitor.start()
 
     def _start(self, name: str, port: int, env: Mapping[str, str], log_dir: str | None) -> None:
+        # NOTE: one KVMESH_METRICS_PORT inherited by every child made all but the first crash
+        # (address in use); each gets its own port, in compose's order (9091 scheduler ... 9094).
+        offset = METRICS_PORT_OFFSETS.get(name)
+        if offset is not None:
+            metrics = str(self.config.metrics_port + offset) if self.config.metrics_port else "0"
+            env = {"KVMESH_METRICS_PORT": metrics, **env}
         self.services[name] = ServiceProcess(name, env=env, host=self.config.host, port=port,
                                              startup_timeout=self._timeout, log_dir=log_dir,
                                              cancel=self._stopping)

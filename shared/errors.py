@@ -60,3 +60,10 @@ class IntegrityError(KVMeshError):
     """Internal accounting is inconsistent: a bug, never the caller's fault."""
 
     status = "INTERNAL"
+
+
+class PortInUseError(OSError):
+    """The configured port is taken: a server never shares a port (no ``SO_REUSEPORT``).
+
+    NOTE: here rather than in grpc_server.py so entry points can name it without importing gRPC.
+    """

@@ -30,7 +30,7 @@ from grpc_reflection.v1alpha import reflection
 
 from shared.channels import MAX_MESSAGE_BYTES
 from shared.config import ServerConfig
-from shared.errors import KVMeshError
+from shared.errors import KVMeshError, PortInUseError
 from shared.peer_auth import PeerIdentityInterceptor
 from shared.tls import TLSFiles, server_credentials
 
@@ -50,9 +50,6 @@ KEEPALIVE_OPTIONS: tuple[tuple[str, Any], ...] = (
     ("grpc.http2.max_pings_without_data", 0),
 )
 
-
-class PortInUseError(OSError):
-    """The configured port is taken: a server never shares a port (no ``SO_REUSEPORT``)."""
 
 
 def _status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:

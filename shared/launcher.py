@@ -79,6 +79,28 @@ class HealthProbe:
         self._channel.close()
 
 
+def wait_http_healthy(address: str, timeout: float) -> None:
+    """Polls ``GET http://address/health`` until it answers 200 (the gateway speaks HTTP, not gRPC)."""
+    import urllib.error
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    last: Exception | None = None
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"http://{address}/health", timeout=1.0) as resp:
+                if resp.status == 200:
+                    return
+        except (OSError, urllib.error.URLError) as exc:
+            last = exc
+        time.sleep(0.05)
+    raise TimeoutError(f"{address} not healthy after {timeout}s: {last}")
+
+
+# Services that answer "are you up?" over HTTP (``GET /health``); the others speak grpc.health.v1.
+HTTP_SERVICES = frozenset({"gateway"})
+
+
 class ServiceProcess:
     """One ``kvmesh serve <name>`` child process on an ephemeral loopback port.
 
@@ -120,9 +142,12 @@ class ServiceProcess:
         )
         try:
             self.port = self._wait_port(port_file, startup_timeout)
-            # The child serves TLS when its environment names certificates: dial it the same way.
-            wait_healthy(self.address, startup_timeout, tls=from_env(TLSFiles, "KVMESH_TLS_", env=child_env),
-                         cancel=cancel)
+            if name in HTTP_SERVICES:
+                wait_http_healthy(self.address, startup_timeout)
+            else:
+                # The child serves TLS when its environment names certificates: dial it the same way.
+                wait_healthy(self.address, startup_timeout,
+                             tls=from_env(TLSFiles, "KVMESH_TLS_", env=child_env), cancel=cancel)
         except BaseException:
             self.stop(timeout=2.0)
             raise

@@ -26,7 +26,9 @@ Units follow Prometheus practice: seconds, tokens, blocks, bytes; ``*_perc`` is 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import PurePath
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import (
@@ -132,6 +134,14 @@ class SchedulerMetrics:
         self.request_queue_time = Histogram(
             PREFIX + "request_queue_time_seconds", "Arrival to first being scheduled.",
             labels, buckets=REQUEST_LATENCY_BUCKETS, registry=registry).labels(model_name)
+        # vLLM's phases of a request: queue, then prefill (first scheduled -> first token), then
+        # decode (first token -> last token); queue + prefill + decode = e2e.
+        self.request_prefill_time = Histogram(
+            PREFIX + "request_prefill_time_seconds", "First scheduled to first token (prompt read).",
+            labels, buckets=REQUEST_LATENCY_BUCKETS, registry=registry).labels(model_name)
+        self.request_decode_time = Histogram(
+            PREFIX + "request_decode_time_seconds", "First token to last token.",
+            labels, buckets=REQUEST_LATENCY_BUCKETS, registry=registry).labels(model_name)
         self.request_prompt_tokens = Histogram(
             PREFIX + "request_prompt_tokens", "Prompt length per finished request.",
             labels, buckets=tokens, registry=registry).labels(model_name)
@@ -174,6 +184,9 @@ class SchedulerMetrics:
         self.request_generation_tokens.observe(generation_tokens)
         if ttft_s is not None:
             self.time_to_first_token.observe(ttft_s)
+            if queue_s is not None:
+                self.request_prefill_time.observe(max(ttft_s - queue_s, 0.0))
+            self.request_decode_time.observe(max(e2e_s - ttft_s, 0.0))
             if generation_tokens > 1:
                 self.time_per_output_token.observe((e2e_s - ttft_s) / (generation_tokens - 1))
 
@@ -225,7 +238,7 @@ class RunnerMetrics:
             PREFIX + "model_forward_time_seconds", "Execute(): KV writes, attention, sampling of one step.",
             labels, buckets=STEP_BUCKETS, registry=registry).labels(model_name)
         self.iteration_tokens = Histogram(
-            PREFIX + "iteration_tokens", "Tokens computed per step (prefill chunks + decodes).",
+            PREFIX + "iteration_tokens_total", "Tokens computed per step (prefill chunks + decodes).",
             labels, buckets=token_buckets(max_num_batched_tokens), registry=registry).labels(model_name)
 
     def observe_step(self, seconds: float, num_tokens: int) -> None:
@@ -289,6 +302,31 @@ class OffloadMetrics:
     def set_stored_bytes(self, tier: str, nbytes: int) -> None:
         """Bytes currently held in ``tier``."""
         self._stored_bytes.labels(self._model, self._tier(tier)).set(nbytes)
+
+
+@dataclass(frozen=True)
+class MetricsConfig:
+    """Where a service exposes ``/metrics`` and the ``model_name`` label it uses.
+
+    Attributes:
+        port: ``KVMESH_METRICS_PORT``; 0 = no endpoint.
+        host: ``KVMESH_METRICS_HOST``, else the service's own ``KVMESH_HOST`` (so a suite on
+            loopback does not expose metrics on every interface).
+        model_name: ``KVMESH_MODEL_NAME``, else the folder name of ``KVMESH_MODEL_DIR`` (the
+            model-runner's default ``model_id``). Every service derives it the same way from the
+            same variables, so one deployment has one label value on every series.
+    """
+
+    port: int = 0
+    host: str = "127.0.0.1"
+    model_name: str = "default"
+
+
+def metrics_config(env: Mapping[str, str], server_host: str) -> MetricsConfig:
+    """Reads :class:`MetricsConfig` from ``env`` (called from a service's ``main.py`` only)."""
+    name = env.get("KVMESH_MODEL_NAME") or PurePath(env.get("KVMESH_MODEL_DIR", "").rstrip("/")).name
+    return MetricsConfig(port=int(env.get("KVMESH_METRICS_PORT", "0") or 0),
+                         host=env.get("KVMESH_METRICS_HOST") or server_host, model_name=name or "default")
 
 
 def start_metrics_server(port: int, registry: CollectorRegistry, addr: str = "0.0.0.0") -> WSGIServer | None:

@@ -9,6 +9,7 @@ JSON and the plot.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import json
 import math
 import sys
@@ -21,7 +22,7 @@ from bench.serve.datasets import WorkloadOptions, max_prompt_len
 from bench.serve.driver import Driver, DriverConfig
 from bench.serve.metrics import Summary, summarize
 from bench.serve.report import format_summary, result_json
-from bench.serve.transports import GrpcTransport, WireRequest
+from bench.serve.transports import GrpcTransport, OpenAITransport, ServerInfo, Transport, WireRequest
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,11 @@ class ServeOptions:
     save_result: str = ""
     plot: str = ""
     warmup: bool = True
+    backend: str = "grpc"  # or "openai": any OpenAI-compatible server at base_url
+    base_url: str = ""
+    model: str = ""
+    api_key: str = ""
+    vocab_size: int = 0
 
 
 class WorkloadTooLong(ValueError):
@@ -43,9 +49,8 @@ class WorkloadTooLong(ValueError):
 
 def run_serve(opts: ServeOptions) -> Summary:
     """Runs the benchmark and prints the report on stdout; returns the summary."""
-    transport = GrpcTransport(opts.address)
+    transport, info, target = _connect(opts)
     try:
-        info = transport.client.model_info()
         convs = opts.workload.build(info.vocab_size)
         longest = max(max_prompt_len(c) + c.turns[-1].output_len for c in convs)
         if longest > info.max_model_len:
@@ -58,7 +63,8 @@ def run_serve(opts: ServeOptions) -> Summary:
         rate = "inf" if math.isinf(opts.driver.request_rate) else f"{opts.driver.request_rate:g}"
         print(
             f"bench serve: {len(convs)} {opts.workload.dataset} prompts against {info.model_id} at "
-            f"{opts.address}, request rate {rate}, max concurrency {opts.driver.max_concurrency or 'unlimited'}",
+            f"{target} ({opts.backend}), request rate {rate}, "
+            f"max concurrency {opts.driver.max_concurrency or 'unlimited'}",
             file=sys.stderr,
             flush=True,
         )
@@ -68,7 +74,9 @@ def run_serve(opts: ServeOptions) -> Summary:
     summary = summarize(run.records, run.duration, opts.goodput)
     print(format_summary(summary), flush=True)
     config = {
-        "address": opts.address,
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y%m%d-%H%M%S"),
+        "backend": opts.backend,
+        "address": target,
         "model_id": info.model_id,
         "workload": dataclasses.asdict(opts.workload),
         "driver": _driver_json(opts.driver),
@@ -92,7 +100,21 @@ def _driver_json(cfg: DriverConfig) -> dict[str, Any]:
     return out
 
 
-def _warm_up(transport: GrpcTransport, vocab_size: int) -> None:
+def _connect(opts: ServeOptions) -> tuple[GrpcTransport | OpenAITransport, ServerInfo, str]:
+    """The transport of ``opts.backend``, what the server serves, and where (for the report)."""
+    if opts.backend == "openai":
+        http = OpenAITransport(opts.base_url, opts.model, opts.api_key, opts.vocab_size)
+        try:
+            return http, http.info(), opts.base_url
+        except BaseException:
+            http.close()
+            raise
+    grpc_ = GrpcTransport(opts.address)
+    m = grpc_.client.model_info()
+    return grpc_, ServerInfo(m.model_id, m.vocab_size, m.max_model_len), opts.address
+
+
+def _warm_up(transport: Transport, vocab_size: int) -> None:
     low = min(1000, vocab_size // 4)
     prompt = tuple(low + (i * 7919) % (vocab_size - low) for i in range(16))
     for _ in transport.stream(WireRequest(prompt, 2, cache_salt="kvmesh-bench-warmup")):

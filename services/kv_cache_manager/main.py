@@ -19,7 +19,7 @@ from services.kv_cache_manager.events import EventHub
 from services.kv_cache_manager.servicer import SERVICE_NAME, KVCacheManagerServicer
 from shared.config import ServerConfig, from_env
 from shared.grpc_server import ServiceRegistration, serve_forever, start_server
-from shared.metrics import KVCacheMetrics, new_registry, start_metrics_server
+from shared.metrics import KVCacheMetrics, metrics_config, new_registry, start_metrics_server
 from shared.pb.kvmesh.v1 import kv_cache_manager_pb2_grpc as pb_grpc
 from shared.telemetry import server_interceptors, setup_tracing
 
@@ -32,15 +32,16 @@ def main() -> int:
     setup_tracing(LABEL, os.environ)
     registry = new_registry()
     server_config = from_env(ServerConfig, "KVMESH_")
+    mcfg = metrics_config(os.environ, server_config.host)
     hub = EventHub()
     # A quarter of the workers at most may be held by (endless) event streams.
     binding = ManagerBinding(hub)
     servicer = KVCacheManagerServicer(binding, hub, max_subscribers=max(1, server_config.max_workers // 4),
-                                      metrics=KVCacheMetrics(registry, os.environ.get("KVMESH_MODEL_ID", "")))
+                                      metrics=KVCacheMetrics(registry, mcfg.model_name))
     running = start_server(server_config, [
         ServiceRegistration(SERVICE_NAME, servicer, pb_grpc.add_KVCacheManagerServicer_to_server),
     ], interceptors=server_interceptors())
-    start_metrics_server(int(os.environ.get("KVMESH_METRICS_PORT", "0")), registry)
+    start_metrics_server(mcfg.port, registry, addr=mcfg.host)
     log.info("%s: instance %s up, waiting for a scheduler's Initialize", LABEL, binding.instance_id)
     serve_forever(running, LABEL, on_stop=servicer.close)
     return 0

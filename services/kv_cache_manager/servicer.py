@@ -111,6 +111,7 @@ class KVCacheManagerServicer(pb_grpc.KVCacheManagerServicer):
         owner = owner_from_metadata(context.invocation_metadata())
         with self._lock:
             stats = self._binding.owned(owner).free(list(request.request_ids), list(request.rollback_request_ids))
+            self._export(stats)  # the engine frees idle requests here: usage must drop with them
         return pb.FreeResponse(stats=self._stats_pb(stats))
 
     def LookupPrefix(self, request: pb.LookupPrefixRequest,

@@ -12,13 +12,16 @@ class RunnerConfig:
     Attributes:
         model_dir: local folder with ``config.json`` and ``*.safetensors``.
         model_id: identity reported to the others (enters the prefix-hash seed); default: folder name.
-        dtype: weights dtype: ``float32``, ``float16`` or ``bfloat16``.
+        dtype: weights dtype: ``auto`` (bf16 on a CPU with AMX-BF16 / AVX512-BF16, float32
+            elsewhere; ``factory.select_dtype``), ``float32`` (the exact reference mode the parity
+            tests pin), ``float16`` or ``bfloat16``.
         kv_cache_dtype: ``auto`` (the weights dtype) or ``fp8_e4m3``.
         block_size: tokens per KV block.
         kv_cache_memory_bytes: budget of the KV pool; ``num_blocks = budget // bytes_per_block``.
         max_model_len: longest sequence; 0 = the model's ``max_position_embeddings``.
-        attention_backend: ``auto`` (triton on CUDA, torch on CPU), ``torch``, ``triton`` or ``cpu``
-            (decodes on the native C kernel that reads the paged cache in place; fp32, CPU).
+        attention_backend: ``auto`` (triton on CUDA; on the CPU ``cpu`` where the native kernels
+            build and take the model, fp32, else ``torch``; ``factory.select_backend``), ``torch``
+            (the reference), ``triton`` or ``cpu`` (the native C kernels; fp32, CPU).
         device: ``auto``, ``cpu`` or ``cuda[:N]``.
         num_threads: torch intra-op threads on CPU; 0 keeps torch's default.
         warmup: run a dummy step at start.
@@ -29,11 +32,16 @@ class RunnerConfig:
         pack_tied_head: give a head tied to the embedding its own packed copy (fp32 on the CPU):
             a third faster vocabulary projection for ``vocab x hidden x 4`` more bytes
             (113 MB for SmolLM2-135M); off keeps one copy of the weight.
+        batch_invariant: every query row attended as a decode of its own position on the native
+            kernels (needs them: fp32 on the CPU, built): chunked prefill, prefix-cache hits and
+            preemption then give bitwise a cold run's numbers, not only its greedy tokens, and
+            every step runs the one-call native stack; prefill attention is slower (see
+            docs/model_runner.md, "auto").
     """
 
     model_dir: str = ""
     model_id: str = ""
-    dtype: str = "float32"
+    dtype: str = "auto"
     kv_cache_dtype: str = "auto"
     block_size: int = 16
     kv_cache_memory_bytes: int = 512 << 20
@@ -44,6 +52,7 @@ class RunnerConfig:
     warmup: bool = True
     quantization: str = "none"
     pack_tied_head: bool = True
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         if self.quantization not in ("none", "int8", "fp16"):

@@ -1,10 +1,16 @@
-"""Builds a :class:`ModelRunnerCore` from a :class:`RunnerConfig`: device, model, pool, backend.
+"""Builds a :class:`ModelRunnerCore` from a :class:`RunnerConfig`: device, dtype, model, pool, backend.
 
 Shared by the service's ``main.py`` and the in-process engine, so both build the runner the same way.
+``dtype=auto`` and ``attention_backend=auto`` are resolved here, by pure functions of the device,
+the CPU's feature flags (read once from ``/proc/cpuinfo``), whether the native kernels built and
+the model's shape, so each choice can be tested for any machine (docs/model_runner.md, "auto").
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -13,7 +19,84 @@ from services.model_runner.attention.base import AttentionBackend
 from services.model_runner.config import RunnerConfig
 from services.model_runner.kv_pool import KVPool, kv_dtype_for
 from services.model_runner.loader import load_model, parse_dtype
+from services.model_runner.model.config import ModelConfig
+from services.model_runner.native import load_kernels
 from services.model_runner.runner import ModelRunnerCore
+
+log = logging.getLogger(__name__)
+
+# CPU flags (as /proc/cpuinfo spells them) of hardware that computes bf16 at more than fp32's rate:
+# AMX tiles (Sapphire Rapids and later) and AVX512-BF16 dot products (Cooper Lake, Zen 4). Without
+# them torch converts bf16 to fp32 around every op, slower than fp32 itself.
+BF16_FLAGS = ("amx_bf16", "avx512_bf16")
+# The native decode attention's limits (native/paged_decode.c: MAX_GROUP, MAX_HEAD_DIM).
+NATIVE_MAX_GROUP = 16
+NATIVE_MAX_HEAD_DIM = 256
+
+
+@dataclass(frozen=True)
+class Choice:
+    """A resolved setting and why it was chosen (shown in the log and ``GetModelInfo``)."""
+
+    value: str
+    reason: str
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags from ``/proc/cpuinfo`` (empty where there is none)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return frozenset(line.partition(":")[2].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def select_dtype(requested: str, device_type: str, flags: Iterable[str], quantization: str = "none") -> Choice:
+    """``dtype=auto``: bf16 on a CPU with bf16 hardware (vLLM's CPU default), fp32 elsewhere.
+
+    fp32 elsewhere because a CPU without AMX-BF16 / AVX512-BF16 computes bf16 by converting it to
+    fp32 (slower than fp32, and less exact); fp32 on CUDA too (bf16 there has not been measured
+    against the suite's tests); fp32 under ``quantization`` (its packed weights start from fp32).
+    """
+    if requested != "auto":
+        return Choice(requested, "set explicitly")
+    if device_type != "cpu":
+        return Choice("float32", f"auto on {device_type}: float32 (the reference dtype)")
+    if quantization != "none":
+        return Choice("float32", f"auto: quantization={quantization} packs fp32 weights")
+    have = sorted(set(flags) & set(BF16_FLAGS))
+    if have:
+        return Choice("bfloat16", f"auto: the CPU computes bf16 in hardware ({', '.join(have)})")
+    return Choice("float32", "auto: the CPU has no AMX-BF16 or AVX512-BF16 (bf16 would run as converted fp32)")
+
+
+def select_backend(
+    requested: str, device_type: str, dtype: str, native_built: bool, num_heads: int, num_kv_heads: int,
+    head_dim: int,
+) -> Choice:
+    """``attention_backend=auto``: Triton on CUDA; on the CPU the native kernels (``cpu``) where
+    they run this model exactly as tested (fp32, built here, a head layout their decode kernel
+    takes), else the torch reference."""
+    if requested != "auto":
+        if requested == "cpu" and not native_built:
+            return Choice("cpu", "set explicitly; the native kernels are not in use (not built here, or not "
+                                 "float32): every op takes the torch path")
+        return Choice(requested, "set explicitly")
+    if device_type == "cuda":
+        return Choice("triton", "auto on cuda: the Triton kernels")
+    if device_type != "cpu":
+        return Choice("torch", f"auto on {device_type}: the torch reference")
+    if dtype != "float32":
+        return Choice("torch", f"auto: the native kernels take float32 only, the model is {dtype}")
+    if not native_built:
+        return Choice("torch", "auto: the native kernels did not build here (no C compiler, or it failed)")
+    if num_kv_heads <= 0 or num_heads % num_kv_heads or num_heads // num_kv_heads > NATIVE_MAX_GROUP \
+            or head_dim > NATIVE_MAX_HEAD_DIM:
+        return Choice("torch", f"auto: the native decode kernel does not take {num_heads} heads over "
+                               f"{num_kv_heads} KV heads of {head_dim}")
+    return Choice("cpu", "auto: the native CPU kernels (built here, float32)")
 
 
 def resolve_device(name: str) -> torch.device:
@@ -23,8 +106,9 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def make_backend(name: str, device: torch.device) -> AttentionBackend:
-    """``auto``: the Triton kernels on CUDA, the torch reference on CPU."""
+def make_backend(name: str, device: torch.device, batch_invariant: bool = False) -> AttentionBackend:
+    """``auto``: the Triton kernels on CUDA, the torch reference on CPU (``build_runner`` resolves
+    ``auto`` with :func:`select_backend` before it gets here); ``batch_invariant`` for ``cpu``."""
     if name == "auto":
         name = "triton" if device.type == "cuda" else "torch"
     if name == "triton":
@@ -34,32 +118,56 @@ def make_backend(name: str, device: torch.device) -> AttentionBackend:
     if name == "cpu":
         from services.model_runner.attention.cpu_backend import CpuAttentionBackend
 
-        return CpuAttentionBackend()
+        return CpuAttentionBackend(batch_invariant=batch_invariant)
     from services.model_runner.attention.torch_backend import TorchAttentionBackend
 
     return TorchAttentionBackend()
 
 
-def build_runner(config: RunnerConfig) -> ModelRunnerCore:
-    """Loads the model, allocates the pool from the memory budget, picks the backend."""
+def build_runner(config: RunnerConfig, flags: Iterable[str] | None = None) -> ModelRunnerCore:
+    """Loads the model, allocates the pool from the memory budget, picks the backend.
+
+    Args:
+        config: what to build; ``auto`` settings are resolved by :func:`select_dtype` and
+            :func:`select_backend`.
+        flags: the CPU's feature flags; default: this machine's (:func:`cpu_flags`).
+    """
     if config.num_threads > 0:
         torch.set_num_threads(config.num_threads)
     device = resolve_device(config.device)
-    dtype = parse_dtype(config.dtype)
+    dtype_choice = select_dtype(config.dtype, device.type, cpu_flags() if flags is None else flags,
+                                config.quantization)
+    dtype = parse_dtype(dtype_choice.value)
     model, mcfg = load_model(config.model_dir, dtype=dtype, device=device)
+    backend_choice = _select_backend(config.attention_backend, device, str(dtype).removeprefix("torch."), mcfg)
+    if config.batch_invariant and (backend_choice.value != "cpu" or dtype != torch.float32
+                                   or load_kernels() is None):
+        raise ValueError(f"batch_invariant needs the native CPU kernels on float32 weights; here: dtype "
+                         f"{dtype_choice.value}, attention backend {backend_choice.value} ({backend_choice.reason})")
+    log.info("dtype %s (%s); attention backend %s (%s)%s", dtype_choice.value, dtype_choice.reason,
+             backend_choice.value, backend_choice.reason, "; batch invariant" if config.batch_invariant else "")
     pool = KVPool(
         num_layers=mcfg.num_layers, num_kv_heads=mcfg.num_kv_heads, head_dim=mcfg.head_dim,
         block_size=config.block_size, memory_bytes=config.kv_cache_memory_bytes,
         dtype=kv_dtype_for(config.kv_cache_dtype, dtype), device=device,
     )
     core = ModelRunnerCore(
-        model, pool, make_backend(config.attention_backend, device),
+        model, pool, make_backend(backend_choice.value, device, config.batch_invariant),
         model_id=config.model_id or Path(config.model_dir).name,
         max_model_len=config.max_model_len or None, quantization=config.quantization,
-        pack_tied_head=config.pack_tied_head,
+        pack_tied_head=config.pack_tied_head, dtype_reason=dtype_choice.reason,
+        attention_backend_reason=backend_choice.reason,
     )
     if pool.is_fp8:
         core.calibrate_kv_scales()
     if config.warmup:
         core.warmup()
     return core
+
+
+def _select_backend(requested: str, device: torch.device, dtype: str, mcfg: ModelConfig) -> Choice:
+    # NOTE: the kernels are built (or found built) only when the choice depends on them.
+    needs_build = device.type == "cpu" and dtype == "float32" and requested in ("auto", "cpu")
+    native_built = needs_build and load_kernels() is not None
+    return select_backend(requested, device.type, dtype, native_built, mcfg.num_heads, mcfg.num_kv_heads,
+                          mcfg.head_dim)

@@ -15,7 +15,7 @@ from services.model_runner.factory import build_runner
 from services.model_runner.servicer import ModelRunnerServicer
 from shared.config import ServerConfig, from_env
 from shared.grpc_server import ServiceRegistration, serve_forever, start_server
-from shared.metrics import RunnerMetrics, new_registry, start_metrics_server
+from shared.metrics import RunnerMetrics, metrics_config, new_registry, start_metrics_server
 from shared.pb.kvmesh.v1 import model_runner_pb2_grpc
 from shared.telemetry import server_interceptors, setup_tracing
 
@@ -35,11 +35,14 @@ def main() -> int:
         raise SystemExit("model-runner: set KVMESH_MODEL_DIR (or KVMESH_RUNNER_MODEL_DIR) to a checkpoint folder")
     core = build_runner(config)
     info = core.model_info()
-    log.info("model %s: %d blocks of %d tokens (%s KV, %s attention, %s)", info.model_id, info.num_blocks,
-             info.block_size, info.kv_cache_dtype, info.attention_backend, info.device)
-    metrics = RunnerMetrics(registry, info.model_id)
-    start_metrics_server(int(env.get("KVMESH_METRICS_PORT", "0")), registry)
-    running = start_server(from_env(ServerConfig, "KVMESH_"), [
+    log.info("model %s: %d blocks of %d tokens (%s weights: %s; %s KV; %s attention: %s; %s)", info.model_id,
+             info.num_blocks, info.block_size, info.dtype, info.dtype_reason, info.kv_cache_dtype,
+             info.attention_backend, info.attention_backend_reason, info.device)
+    server_cfg = from_env(ServerConfig, "KVMESH_")
+    mcfg = metrics_config(env, server_cfg.host)
+    metrics = RunnerMetrics(registry, mcfg.model_name)
+    start_metrics_server(mcfg.port, registry, addr=mcfg.host)
+    running = start_server(server_cfg, [
         ServiceRegistration("kvmesh.v1.ModelRunner", ModelRunnerServicer(core, metrics),
                             model_runner_pb2_grpc.add_ModelRunnerServicer_to_server),
     ], interceptors=server_interceptors(), options=_GRPC_OPTIONS)

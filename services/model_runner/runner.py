@@ -60,6 +60,8 @@ class ModelRunnerCore:
         max_model_len: int | None = None,
         quantization: str = "none",
         pack_tied_head: bool = True,
+        dtype_reason: str = "",
+        attention_backend_reason: str = "",
     ):
         """
         Args:
@@ -71,6 +73,8 @@ class ModelRunnerCore:
             max_model_len: longest sequence; default and cap: the model's.
             quantization: ``none``, ``fp16`` or ``int8`` (``RunnerConfig.quantization``).
             pack_tied_head: see :func:`prepare_model` (``RunnerConfig.pack_tied_head``).
+            dtype_reason, attention_backend_reason: why the factory chose the model's dtype and
+                the backend (reported by :meth:`model_info`).
         """
         # NOTE: a backend on the native kernels ("cpu") brings the native norms, rotary, SwiGLU
         # and GEMMs with it: the model is prepared for the kernels the backend runs on.
@@ -84,6 +88,7 @@ class ModelRunnerCore:
         self.max_model_len = min(max_model_len or self.config.max_model_len, self.config.max_model_len)
         self.geometry = PoolGeometry(pool.num_blocks, pool.block_size, self.config.vocab_size, self.max_model_len)
         self._requests: dict[str, _Request] = {}
+        self._reasons = (dtype_reason, attention_backend_reason)
 
     @property
     def request_ids(self) -> frozenset[str]:
@@ -213,6 +218,8 @@ class ModelRunnerCore:
             attention_backend=self.backend.name,
             bytes_per_block=self.pool.bytes_per_block,
             device=str(self.device),
+            dtype_reason=self._reasons[0],
+            attention_backend_reason=self._reasons[1],
         )
 
     def warmup(self, num_tokens: int = 64, num_decodes: int = 4) -> float:

@@ -42,7 +42,8 @@ class ModelRunnerServicer(model_runner_pb2_grpc.ModelRunnerServicer):
             block_size=mi.block_size, num_layers=mi.num_layers, num_kv_heads=mi.num_kv_heads,
             head_dim=mi.head_dim, dtype=mi.dtype, kv_cache_dtype=mi.kv_cache_dtype,
             attention_backend=mi.attention_backend, bytes_per_block=mi.bytes_per_block, device=mi.device,
-            bos_token_id=mi.bos_token_id, pool_id=self.core.pool.generation,
+            bos_token_id=mi.bos_token_id, dtype_reason=mi.dtype_reason,
+            attention_backend_reason=mi.attention_backend_reason, pool_id=self.core.pool.generation,
         )
 
     def Warmup(self, request: model_runner_pb2.WarmupRequest, context: grpc.ServicerContext

@@ -98,3 +98,5 @@ class ModelInfo:
     attention_backend: str
     bytes_per_block: int
     device: str
+    dtype_reason: str = ""  # why this dtype (``factory.select_dtype``)
+    attention_backend_reason: str = ""  # why this backend (``factory.select_backend``)

@@ -18,7 +18,7 @@ from services.offload_store.servicer import OffloadStoreServicer
 from services.offload_store.store import OffloadStoreCore
 from shared.config import ServerConfig, from_env
 from shared.grpc_server import ServiceRegistration, serve_forever, start_server
-from shared.metrics import OffloadMetrics, new_registry, start_metrics_server
+from shared.metrics import OffloadMetrics, metrics_config, new_registry, start_metrics_server
 from shared.pb.kvmesh.v1 import offload_store_pb2, offload_store_pb2_grpc
 from shared.telemetry import server_interceptors, setup_tracing
 
@@ -32,17 +32,18 @@ def main() -> int:
     registry = new_registry()
     config = from_env(OffloadConfig, "KVMESH_OFFLOAD_")
     server_config = from_env(ServerConfig, "KVMESH_")
+    mcfg = metrics_config(os.environ, server_config.host)
     if config.torch_threads > 0:
         torch.set_num_threads(config.torch_threads)
     core = OffloadStoreCore(config)
     log.info("offload-store: data dir %s, reconcile %s", config.data_dir, core.reconcile_report)
     try:
         registration = ServiceRegistration(
-            SERVICE_NAME, OffloadStoreServicer(core, OffloadMetrics(registry, os.environ.get("KVMESH_MODEL_ID", ""))),
+            SERVICE_NAME, OffloadStoreServicer(core, OffloadMetrics(registry, mcfg.model_name)),
             offload_store_pb2_grpc.add_OffloadStoreServicer_to_server,
         )
         running = start_server(server_config, [registration], interceptors=server_interceptors())
-        start_metrics_server(int(os.environ.get("KVMESH_METRICS_PORT", "0")), registry)
+        start_metrics_server(mcfg.port, registry, addr=mcfg.host)
         serve_forever(running, "offload-store")
     finally:
         core.close()

@@ -34,6 +34,10 @@ class RunnerInfo:
     num_blocks: int  # including the null block
     block_size: int
     pool_id: str = ""  # the runner's pool incarnation (new at every runner start)
+    dtype: str = ""  # the runner's choices and why (ModelInfo), for GetModelInfo
+    attention_backend: str = ""
+    dtype_reason: str = ""
+    attention_backend_reason: str = ""
 
 
 class KVCacheBackend(Protocol):
@@ -129,6 +133,8 @@ class InProcessRunner:
             model_id=mi.model_id, vocab_size=mi.vocab_size, max_model_len=mi.max_model_len,
             eos_token_ids=tuple(mi.eos_token_ids), num_blocks=mi.num_blocks, block_size=mi.block_size,
             pool_id=self.core.pool.generation,
+            dtype=mi.dtype, attention_backend=mi.attention_backend, dtype_reason=mi.dtype_reason,
+            attention_backend_reason=mi.attention_backend_reason,
         )
 
     def execute(self, step: StepInput) -> StepOutput:

@@ -294,6 +294,7 @@ class Engine:
                     continue
                 if not self.scheduler.has_work:
                     self._flush_frees()
+                    self._publish_queues()  # an abort or expiry may have emptied them without a step
                     self._wake.wait(0.05)
                     self._wake.clear()
                     continue
@@ -380,13 +381,18 @@ class Engine:
             if stepped is not None:
                 stepped.num_steps += 1
         self._dispatch(step, output)
+        self._publish_queues()
+
+    def _publish_queues(self) -> None:
+        """Queue gauges as they stand after the step's finished requests left (not before)."""
+        if self.metrics is not None:
+            self.metrics.set_queues(len(self.scheduler.running), len(self.scheduler.waiting))
 
     def _record_step(self, step: ScheduledStep, output: Any) -> None:
         assert self.metrics is not None
         sched = self.scheduler
         decodes = len(step.step_input.cached_requests)
         self.metrics.add_step_tokens(max(step.total_tokens - decodes, 0), len(output.sampled))
-        self.metrics.set_queues(len(sched.running), len(sched.waiting))
         if sched.num_preemptions > self._preemptions_seen:
             self.metrics.num_preemptions.inc(sched.num_preemptions - self._preemptions_seen)
             self._preemptions_seen = sched.num_preemptions
@@ -400,11 +406,11 @@ class Engine:
             finished_reason=reason, e2e_s=m.e2e_seconds, queue_s=m.queue_seconds,
             ttft_s=m.ttft_seconds if m.completion_tokens else None, prompt_tokens=m.prompt_tokens,
             generation_tokens=m.completion_tokens)
-        if m.max_itl_seconds > 0:
-            self.metrics.observe_inter_token(m.max_itl_seconds)
 
     def _dispatch(self, step: ScheduledStep, output: Any) -> None:
         events = self.scheduler.update(step, output)
+        if self.metrics is not None:  # every gap between two tokens, as it happens
+            self.metrics.observe_inter_token([g for ev in events if (g := ev.request.times.last_gap) is not None])
         for ev in events:
             q = self._queues.get(ev.request_id)
             if q is None:

@@ -25,7 +25,7 @@ from shared.channels import configure as configure_channels
 from shared.config import ServerConfig, from_env
 from shared.grpc_server import ServiceRegistration, serve_forever, start_server
 from shared.launcher import HealthProbe, wait_healthy
-from shared.metrics import SchedulerMetrics, new_registry, start_metrics_server
+from shared.metrics import SchedulerMetrics, metrics_config, new_registry, start_metrics_server
 from shared.pb.kvmesh.v1 import scheduler_pb2_grpc
 from shared.telemetry import server_interceptors, setup_tracing
 from shared.tls import TLSFiles
@@ -65,8 +65,9 @@ def main() -> int:
         offload = RemoteOffload(config.offload_address, config.rpc_timeout_seconds, owner_id,
                                 config.owner_lease_seconds)
     tokenizer = Tokenizer(config.model_dir) if config.model_dir else None
-    metrics = SchedulerMetrics(registry, runner.info().model_id, runner.info().max_model_len)
-    start_metrics_server(int(env.get("KVMESH_METRICS_PORT", "0")), registry)
+    mcfg = metrics_config(env, server_cfg.host)
+    metrics = SchedulerMetrics(registry, mcfg.model_name, runner.info().max_model_len)
+    start_metrics_server(mcfg.port, registry, addr=mcfg.host)
     engine = Engine(config, kv, runner, offload, metrics)  # binds the suite (waits out a dead predecessor's lease)
     engine.start()
     servicer = SchedulerServicer(engine, tokenizer)

@@ -182,6 +182,8 @@ class RemoteRunner:
             model_id=mi.model_id, vocab_size=mi.vocab_size, max_model_len=mi.max_model_len,
             eos_token_ids=tuple(mi.eos_token_ids), num_blocks=mi.num_blocks, block_size=mi.block_size,
             pool_id=mi.pool_id,
+            dtype=mi.dtype, attention_backend=mi.attention_backend, dtype_reason=mi.dtype_reason,
+            attention_backend_reason=mi.attention_backend_reason,
         )
 
     def bind(self, pool_id: str) -> None:

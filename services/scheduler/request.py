@@ -54,13 +54,16 @@ class RequestTimes:
     first_token: float | None = None
     last_token: float | None = None
     max_itl: float = 0.0
+    last_gap: float | None = None  # the gap the latest token closed (None for the first token)
 
     def on_token(self, now: float) -> None:
         """Records one output token's arrival."""
+        self.last_gap = None
         if self.first_token is None:
             self.first_token = now
         elif self.last_token is not None:
-            self.max_itl = max(self.max_itl, now - self.last_token)
+            self.last_gap = now - self.last_token
+            self.max_itl = max(self.max_itl, self.last_gap)
         self.last_token = now
 
 

@@ -147,4 +147,6 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             block_size=info.block_size, num_blocks=info.num_blocks, max_num_seqs=cfg.max_num_seqs,
             max_num_batched_tokens=cfg.max_num_batched_tokens, max_logprobs=cfg.max_logprobs,
             has_chat_template=self.tokenizer is not None and self.tokenizer.has_chat_template,
+            dtype=info.dtype, attention_backend=info.attention_backend, dtype_reason=info.dtype_reason,
+            attention_backend_reason=info.attention_backend_reason,
         )

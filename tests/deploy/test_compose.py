@@ -88,6 +88,20 @@ def test_scheduler_dials_the_others_by_service_name(rendered: dict[str, Any]) ->
     assert bound == [(50051, "50051", "127.0.0.1")]
 
 
+def test_gateway_fronts_the_scheduler_over_http(rendered: dict[str, Any]) -> None:
+    gw = rendered["services"]["gateway"]
+    assert gw["image"] == "kvmesh:dev" and gw["command"] == ["serve", "gateway"]
+    assert gw["environment"]["KVMESH_PORT"] == "8000"
+    assert gw["environment"]["KVMESH_GATEWAY_SCHEDULER_ADDRESS"] == f"scheduler:{PORTS['scheduler'][0]}"
+    assert [(p["target"], p["published"], p.get("host_ip")) for p in gw["ports"]] == [(8000, "8000", "127.0.0.1")]
+    assert gw["depends_on"]["scheduler"]["condition"] == "service_healthy"
+    assert "wait_http_healthy('127.0.0.1:8000'" in " ".join(gw["healthcheck"]["test"])
+    assert gw["user"] == "10001:10001" and gw["read_only"] is True and gw["cap_drop"] == ["ALL"]
+    config = yaml.safe_load((LOCAL / "prometheus.yml").read_text())
+    targets = {t for job in config["scrape_configs"] for sc in job["static_configs"] for t in sc["targets"]}
+    assert "gateway:8000" in targets
+
+
 def test_runner_and_store_share_ipc_and_shm(rendered: dict[str, Any]) -> None:
     runner, store = rendered["services"]["model-runner"], rendered["services"]["offload-store"]
     assert runner["ipc"] == "shareable"

@@ -26,6 +26,7 @@ GRPC_PORTS = {"scheduler": 50051, "kv-cache-manager": 50052, "model-runner": 500
 # Plaintext ports answering grpc.health.v1 only: the kubelet's probes cannot present a certificate.
 HEALTH_PORTS = {"scheduler": 50061, "kv-cache-manager": 50062, "model-runner": 50063, "offload-store": 50064}
 METRICS_PORTS = {"scheduler": 9091, "kv-cache-manager": 9092, "model-runner": 9093, "offload-store": 9094}
+HTTP_PORT = 8000  # the gateway: HTTP API, /health and /metrics on one port
 UID = 10001
 
 Doc = dict[str, Any]
@@ -79,7 +80,9 @@ def test_overlay_validates_against_the_api_schema(overlay: tuple[str, str, list[
 def test_every_container_has_grpc_probes_on_its_own_health_port(overlay: tuple[str, str, list[Doc]]) -> None:
     _name, _text, docs = overlay
     seen = set()
-    for _dep, _meta, spec in _pod_specs(docs):
+    for dep, _meta, spec in _pod_specs(docs):
+        if dep == "gateway":
+            continue
         for c in spec["containers"]:
             port = GRPC_PORTS[c["name"]]
             seen.add(c["name"])
@@ -95,6 +98,23 @@ def test_every_container_has_grpc_probes_on_its_own_health_port(overlay: tuple[s
             if "startupProbe" in c:
                 assert c["startupProbe"]["grpc"] == {"port": health}
     assert seen == set(GRPC_PORTS)
+
+
+def test_gateway_has_http_probes_on_health_and_dials_the_scheduler(overlay: tuple[str, str, list[Doc]]) -> None:
+    _name, _text, docs = overlay
+    spec = _kind(docs, "Deployment")["gateway"]["spec"]["template"]["spec"]
+    (c,) = spec["containers"]
+    assert c["args"] == ["serve", "gateway"]
+    assert _env(c)["KVMESH_PORT"] == str(HTTP_PORT)
+    assert [(p["name"], p["containerPort"]) for p in c["ports"]] == [("http", HTTP_PORT)]
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert c[probe]["httpGet"] == {"path": "/health", "port": "http"}, probe
+    assert _values(docs)["KVMESH_GATEWAY_SCHEDULER_ADDRESS"] == f"scheduler:{GRPC_PORTS['scheduler']}"
+    svc = _kind(docs, "Service")["gateway"]
+    assert [(p["port"], p["targetPort"]) for p in svc["spec"]["ports"]] == [(HTTP_PORT, "http")]
+    (policy,) = [p for p in _kind(docs, "NetworkPolicy").values()
+                 if p["spec"]["podSelector"]["matchLabels"].get("app.kubernetes.io/component") == "gateway"]
+    assert [p["port"] for r in policy["spec"]["ingress"] for p in r["ports"]] == [HTTP_PORT]
 
 
 def _assert_restricted(ctx: Doc, where: str) -> None:
@@ -186,8 +206,10 @@ def test_services_reach_the_right_pods_and_ports(overlay: tuple[str, str, list[D
     _name, _text, docs = overlay
     pods = {name: (meta["labels"], spec) for name, meta, spec in _pod_specs(docs)}
     services = _kind(docs, "Service")
-    assert set(services) == set(GRPC_PORTS)
+    assert set(services) == set(GRPC_PORTS) | {"gateway"}
     for name, svc in services.items():
+        if name == "gateway":
+            continue
         selector = {"matchLabels": svc["spec"]["selector"]}
         matched = [p for p, (labels, _) in pods.items() if _selects(selector, labels)]
         assert len(matched) == 1, name
@@ -238,7 +260,7 @@ def test_overlay_specific_settings(overlay: tuple[str, str, list[Doc]]) -> None:
     gpus = [c["resources"]["limits"].get("nvidia.com/gpu") for c in spec["containers"]]
     if name == "cpu":
         assert values["KVMESH_RUNNER_DEVICE"] == "cpu"
-        assert values["KVMESH_RUNNER_ATTENTION_BACKEND"] == "torch"
+        assert values["KVMESH_RUNNER_ATTENTION_BACKEND"] == "auto"
         assert gpus == [None, None]
         assert "nodeSelector" not in spec
         assert runner["image"] == "kvmesh:0.1.0"
@@ -272,11 +294,14 @@ def test_mutual_tls_and_api_keys_are_on(overlay: tuple[str, str, list[Doc]]) -> 
             assert mounts[tls_dir]["readOnly"] is True
             secrets_by_pod.setdefault(dep, set()).add(tls["secret"]["secretName"])
             env = _env(c)
-            if c["name"] == "scheduler":
+            if c["name"] == "gateway":
+                assert "KVMESH_TLS_ALLOWED_PEERS" not in env  # public HTTP; it only dials the scheduler
+            elif c["name"] == "scheduler":
                 assert "KVMESH_TLS_ALLOWED_PEERS" not in env  # the public port: API keys, not certificates
                 assert env["KVMESH_AUTH_MODE"] == "on"
                 keys_dir = str(Path(env["KVMESH_AUTH_KEYS_FILE"]).parent)
                 assert volumes[mounts[keys_dir]["name"]]["secret"]["secretName"] == "kvmesh-api-keys"
             else:
                 assert env["KVMESH_TLS_ALLOWED_PEERS"] == "scheduler"
-    assert secrets_by_pod == {dep: {f"kvmesh-tls-{dep}"} for dep in ("scheduler", "kv-cache-manager", "model-runner")}
+    assert secrets_by_pod == {dep: {f"kvmesh-tls-{dep}"}
+                              for dep in ("scheduler", "kv-cache-manager", "model-runner", "gateway")}

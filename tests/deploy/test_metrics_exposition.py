@@ -123,7 +123,7 @@ def test_runner_step_metrics() -> None:
     runner = RunnerMetrics(registry, MODEL)
     runner.observe_step(0.08, num_tokens=33)
     assert _value(registry, "kvmesh:model_forward_time_seconds_sum") == pytest.approx(0.08)
-    assert _value(registry, "kvmesh:iteration_tokens_bucket", le="50.0") == 1
+    assert _value(registry, "kvmesh:iteration_tokens_total_bucket", le="50.0") == 1
 
 
 def test_token_buckets_are_1_2_5() -> None:

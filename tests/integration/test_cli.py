@@ -19,11 +19,11 @@ from shared.pb.kvmesh.v1 import kv_cache_manager_pb2, kv_cache_manager_pb2_grpc,
 
 def test_demo_starts_the_suite_streams_an_answer_and_stops(tiny_llama_dir: Path, tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "services.cli", "demo", "--model", str(tiny_llama_dir), "--port", "0",
-           "--exit-after-demo", "--max-tokens", "5", "--log-dir", str(tmp_path)]
+           "--http-port", "0", "--exit-after-demo", "--max-tokens", "5", "--log-dir", str(tmp_path)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, stdin=subprocess.DEVNULL)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
-    for service in ("kv-cache-manager", "model-runner", "offload-store", "scheduler"):
+    for service in ("kv-cache-manager", "model-runner", "offload-store", "scheduler", "gateway"):
         assert re.search(rf"^  {service}\s+127\.0\.0\.1:\d+", out, re.M), out
     assert "user> What is the capital of France?" in out
     assert re.search(r"\[\d+ tokens, prompt \d+ \(0 cached\), TTFT \d+ ms", out), out

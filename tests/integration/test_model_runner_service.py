@@ -23,12 +23,15 @@ from shared.pb.kvmesh.v1 import model_runner_pb2_grpc as pb_grpc
 from shared.tensor_handle import SharedTensorHandle, handle_from_proto, handle_to_proto
 
 BLOCK = 4
+# The exact reference mode the transformers comparison needs (the defaults are per machine).
+REFERENCE_MODE = {"KVMESH_RUNNER_DTYPE": "float32", "KVMESH_RUNNER_ATTENTION_BACKEND": "torch"}
 
 
 @pytest.fixture(scope="module")
 def runner(tiny_llama_dir: Path) -> Iterator[tuple[ServiceProcess, pb_grpc.ModelRunnerStub]]:
     env = {"KVMESH_MODEL_DIR": str(tiny_llama_dir), "KVMESH_RUNNER_BLOCK_SIZE": str(BLOCK),
-           "KVMESH_RUNNER_KV_CACHE_MEMORY_BYTES": str(32 * 2048), "KVMESH_RUNNER_WARMUP": "0"}
+           "KVMESH_RUNNER_KV_CACHE_MEMORY_BYTES": str(32 * 2048), "KVMESH_RUNNER_WARMUP": "0",
+           **REFERENCE_MODE}
     proc = ServiceProcess("model-runner", env=env)
     yield proc, pb_grpc.ModelRunnerStub(grpc.insecure_channel(proc.address))
     proc.stop()
@@ -46,6 +49,8 @@ def test_info_and_greedy_steps_match_transformers(runner: tuple[ServiceProcess, 
     info = stub.GetModelInfo(pb.GetModelInfoRequest())
     assert (info.num_blocks, info.block_size, info.vocab_size) == (32, BLOCK, 384)
     assert info.attention_backend == "torch" and info.device == "cpu" and info.bytes_per_block == 2048
+    assert (info.dtype, info.dtype_reason, info.attention_backend_reason) == ("float32", "set explicitly",
+                                                                              "set explicitly")
     prompt = list(range(10, 21))  # 11 tokens -> 3 blocks, then decodes fill the third and a fourth
     out = stub.Execute(pb.ExecuteRequest(step_id=1, new_requests=[_new("a", prompt, [1, 2, 3])]))
     tokens = [out.sampled[0].token_id]
@@ -110,7 +115,8 @@ def test_pool_handle_maps_zero_copy_and_blocks_copy_through_staging(
 
 def test_sigterm_removes_the_pool_file(tiny_llama_dir: Path) -> None:
     env = {"KVMESH_MODEL_DIR": str(tiny_llama_dir), "KVMESH_RUNNER_BLOCK_SIZE": str(BLOCK),
-           "KVMESH_RUNNER_KV_CACHE_MEMORY_BYTES": str(8 * 2048), "KVMESH_RUNNER_WARMUP": "0"}
+           "KVMESH_RUNNER_KV_CACHE_MEMORY_BYTES": str(8 * 2048), "KVMESH_RUNNER_WARMUP": "0",
+           **REFERENCE_MODE}
     proc = ServiceProcess("model-runner", env=env)
     stub = pb_grpc.ModelRunnerStub(grpc.insecure_channel(proc.address))
     path = Path(stub.GetKVPoolHandle(pb.GetKVPoolHandleRequest()).path)

@@ -54,7 +54,9 @@ def db_url(request: pytest.FixtureRequest, postgres_url: str | None, tmp_path: P
 
 def _suite(model_dir: Path, data_dir: Path, db: tuple[str, str], dram_bytes: int,
            preemption: str = "recompute", pool_blocks: int = POOL_BLOCKS) -> InProcessSuite:
-    rc = RunnerConfig(model_dir=str(model_dir), block_size=BLOCK, warmup=False,
+    # float32 pinned (the backend stays the default): cold and warm must agree bitwise, which
+    # only fp32 is shown to do (docs/model_runner.md, "auto"); bf16 would be the default on AMX.
+    rc = RunnerConfig(model_dir=str(model_dir), block_size=BLOCK, warmup=False, dtype="float32",
                       kv_cache_memory_bytes=pool_blocks * BYTES_PER_BLOCK)
     sc = SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=8, preemption_mode=preemption)
     oc = OffloadConfig(data_dir=str(data_dir), db_url=db[0], db_table=db[1], dram_bytes=dram_bytes,

@@ -52,6 +52,9 @@ def suite(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
         "KVMESH_RUNNER_BLOCK_SIZE": "4",
         "KVMESH_RUNNER_KV_CACHE_MEMORY_BYTES": str(48 * 2048),
         "KVMESH_RUNNER_WARMUP": "0",
+        # The exact reference mode (the defaults are per machine): compared with generate() below.
+        "KVMESH_RUNNER_DTYPE": "float32",
+        "KVMESH_RUNNER_ATTENTION_BACKEND": "torch",
         "KVMESH_SCHED_MAX_NUM_BATCHED_TOKENS": "96",
         "KVMESH_SCHED_MAX_WAITING_REQUESTS": "32",
     }

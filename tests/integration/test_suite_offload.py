@@ -25,6 +25,7 @@ def suite(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
         "KVMESH_RUNNER_BLOCK_SIZE": "4",
         "KVMESH_RUNNER_KV_CACHE_MEMORY_BYTES": str(30 * 2048),  # 29 usable blocks
         "KVMESH_RUNNER_WARMUP": "0",
+        "KVMESH_RUNNER_DTYPE": "float32",  # warm == cold is shown for fp32 (bf16 is AMX machines' default)
         "KVMESH_OFFLOAD_DRAM_BYTES": str(1 << 20),
     }
     s = Suite(SuiteConfig(model_dir=str(tiny_llama_dir), scheduler_port=0, with_offload=True,

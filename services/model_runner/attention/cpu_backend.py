@@ -8,6 +8,8 @@ op reads a paged cache), which moves every K/V byte two to three times. The nati
 It is not bitwise SDPA (another summation order and exp), so greedy outputs agree with the torch
 path and with transformers as any two fp32 implementations do: token for token except at
 near-ties of the top two logits (tested on the tiny models and SmolLM2, see docs/model_runner.md).
+With ``batch_invariant`` the prefill rows take the decode kernel too, one decode per position, so
+no row's numbers depend on how its prompt was chunked (docs/model_runner.md, "auto").
 """
 
 from __future__ import annotations
@@ -37,9 +39,19 @@ class CpuAttentionBackend(TorchAttentionBackend):
 
     name = "cpu"
 
-    def __init__(self, portable: bool = False) -> None:
-        """``portable``: use the plain-C build without the AVX-512 paths (tests)."""
+    def __init__(self, portable: bool = False, batch_invariant: bool = False) -> None:
+        """
+        Args:
+            portable: use the plain-C build without the AVX-512 paths (tests).
+            batch_invariant: attend every query row, prefill rows included, as a decode of its
+                own position (``RunnerConfig.batch_invariant``): a row's numbers then depend on
+                nothing but its sequence and position, so chunked prefill, prefix-cache hits and
+                preemption's recompute are bitwise a cold run's, and every step (prefills, mixed
+                steps) runs the one-call native stack. Prefill attention is slower so (a decode
+                per row instead of SDPA's blocked GEMMs; docs/model_runner.md, "auto").
+        """
         super().__init__()
+        self.batch_invariant = batch_invariant
         # None when the kernels cannot be built here: every call then takes the torch path.
         self.native_kernels: NativeKernels | None = load_kernels(portable)
         self._native_plan: tuple[AttentionMetadata, NativeDecodePlan] | None = None
@@ -111,7 +123,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
 
         The native decode stack (``model/native_stack.py``) runs a whole layer stack from it.
         """
-        if self.native_kernels is None or meta.max_query_len != 1:
+        if self.native_kernels is None or (meta.max_query_len != 1 and not self.batch_invariant):
             return None
         plan = self._plan_native(meta, block_size)
         return plan if not plan.chunks and plan.rows.shape[0] == num_tokens else None
@@ -122,16 +134,26 @@ class CpuAttentionBackend(TorchAttentionBackend):
             return cached[1]
         starts: list[int] = meta.query_start_loc.tolist()
         seq_lens: list[int] = meta.seq_lens.tolist()
-        decodes = [i for i in range(len(seq_lens)) if starts[i + 1] - starts[i] == 1]
         tables = meta.block_tables.to(torch.int32)
-        if len(decodes) != len(seq_lens):
-            tables = tables[torch.tensor(decodes, dtype=torch.long)]
+        if self.batch_invariant:
+            # Every query row is a decode of its own position: row j of a q-row chunk at the end
+            # of a seq_len context sees seq_len - q + 1 + j keys.
+            seqs = [i for i in range(len(seq_lens)) for _ in range(starts[i], starts[i + 1])]
+            rows = list(range(starts[-1])) if starts else []
+            lens = [seq_lens[i] - (starts[i + 1] - r) + 1 for r, i in zip(rows, seqs, strict=True)]
+            chunks: list[Chunk] = []
+        else:
+            seqs = [i for i in range(len(seq_lens)) if starts[i + 1] - starts[i] == 1]
+            rows, lens = [starts[i] for i in seqs], [seq_lens[i] for i in seqs]
+            chunks = make_chunks(meta, starts, seq_lens, block_size)
+        if seqs != list(range(len(seq_lens))):
+            tables = tables[torch.tensor(seqs, dtype=torch.long)]
         plan = NativeDecodePlan(
-            rows=torch.tensor([starts[i] for i in decodes], dtype=torch.int32),
-            seq_lens=torch.tensor([seq_lens[i] for i in decodes], dtype=torch.int32),
+            rows=torch.tensor(rows, dtype=torch.int32),
+            seq_lens=torch.tensor(lens, dtype=torch.int32),
             tables=tables.contiguous(),
-            max_len=max((seq_lens[i] for i in decodes), default=0),
-            chunks=make_chunks(meta, starts, seq_lens, block_size),
+            max_len=max(lens, default=0),
+            chunks=chunks,
         )
         self._native_plan = (meta, plan)
         return plan

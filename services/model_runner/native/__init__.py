@@ -9,7 +9,8 @@ What is here, and why torch alone was not enough (measurements in docs/model_run
   sizes torch runs each as several tiny ops with an OpenMP fork each;
 * ``gemm.c`` — fp32 linear layers on weights packed into column panels, with the next panel
   prefetched while the current one is computed: a decode step's skinny GEMMs are as much a memory
-  stream as FLOPs, and oneDNN's inner product does the two one after the other;
+  stream as FLOPs, and oneDNN's inner product does the two one after the other (AVX-512, AVX2 +
+  FMA and plain-C tiles, each row's result independent of the rows beside it);
 * ``decode_stack.c`` — a decode-only step's whole layer stack in one call: the kernels above in
   the per-layer order, without the Python between them (``model/native_stack.py``);
 * ``exp_math.h`` — the exponential they use; ``kernels.h`` — the entry points' declarations;
@@ -50,7 +51,8 @@ HEADERS = tuple(sorted(Path(__file__).parent.glob("*.h")))
 # process when it is loaded. No -Werror either: another compiler's new warning must not disable
 # the kernels on a user's machine (the tests build with -Werror to keep the sources clean).
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11", "-Wall")
-# The portable C loops only (what a CPU without AVX-512 runs); the tests check both variants.
+# What a CPU without AVX-512 runs (the GEMM's AVX2 tile where it has AVX2 + FMA, the plain C
+# loops otherwise); the tests check both variants.
 PORTABLE_CFLAGS = ("-mno-avx512f",)
 _I64 = ctypes.c_int64
 _PTR = ctypes.c_void_p

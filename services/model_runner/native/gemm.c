@@ -15,7 +15,8 @@
  * kvmesh_linear_panel_width(), so the two cannot disagree.
  *
  * Kernel: rows of x in tiles of 8, a tile x one panel = 8 x 48 accumulators (24 zmm registers),
- * each k step one broadcast of x per row and three panel loads for 24 FMAs. Rows come in chunks
+ * each k step one broadcast of x per row and three panel loads for 24 FMAs (AVX2 + FMA: 6 x 16
+ * tiles, three per panel; plain C elsewhere). Rows come in chunks
  * of ROW_CHUNK, so a prefill's x chunk stays in L2 while the panels stream past it.
  *
  * Numerics: each output is sum_k x[k] * w[k] in k order with FMA, plus the bias: IEEE fp32 in
@@ -31,12 +32,16 @@
 #include "kernels.h"
 #include "pairs.h"
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
 
 #define PANEL 48
+#if defined(__AVX512F__) || !(defined(__AVX2__) && defined(__FMA__))
 #define ROW_TILE 8
+#else
+#define ROW_TILE 6  /* AVX2: 6 rows x 16 columns = 12 ymm accumulators, 2 for the panel, 1 for x */
+#endif
 #define ROW_CHUNK 256
 
 int64_t kvmesh_linear_panel_width(void) { return PANEL; }
@@ -96,6 +101,70 @@ static void tile_dispatch(const float *x, int64_t x_stride, int64_t k, const flo
     case 3: tile_avx512(x, x_stride, k, panel, bias, out, out_stride, 3, cols, pf); break;
     case 2: tile_avx512(x, x_stride, k, panel, bias, out, out_stride, 2, cols, pf); break;
     default: tile_avx512(x, x_stride, k, panel, bias, out, out_stride, 1, cols, pf); break;
+    }
+}
+
+#elif defined(__AVX2__) && defined(__FMA__)
+
+/* One row tile (mr <= 6 rows) times one panel, AVX2 + FMA: the panel in three passes of 16
+ * columns (one 64-byte line of each k row), each a 6 x 16 tile in 12 named ymm accumulators
+ * (BLIS's AVX2 shape: each panel load feeds six FMAs; an array of accumulators was kept in
+ * memory by the compiler, one store per FMA). A tile of fewer rows repeats its last row in the
+ * missing ones and stores only its own; one row has its own loop (no repeated rows: a batch-1
+ * decode streams the weight). Either way the arithmetic per output is the AVX-512 tile's (FMA in
+ * k order from zero, then the bias), so a row's result never depends on the rows beside it.
+ * Without it an AVX2 CPU ran the portable loops below, whose 8 x 48 accumulators do not fit 16
+ * registers (several times slower: docs/model_runner.md). */
+static void tile_dispatch(const float *x, int64_t x_stride, int64_t k, const float *panel, const float *bias,
+                          float *out, int64_t out_stride, int mr, int64_t cols, void *unused)
+{
+    (void)unused;
+    float tmp[ROW_TILE][16];
+    for (int h = 0; h < 3; h++) {
+        const int64_t left = cols - h * 16;
+        if (left <= 0) break;
+        const int64_t n = left < 16 ? left : 16;
+        const float *b = panel + h * 16;
+        if (mr == 1) {
+            __m256 c0 = _mm256_setzero_ps(), c1 = c0;
+            for (int64_t kk = 0; kk < k; kk++, b += PANEL) {
+                const __m256 a = _mm256_broadcast_ss(x + kk);
+                c0 = _mm256_fmadd_ps(a, _mm256_loadu_ps(b), c0);
+                c1 = _mm256_fmadd_ps(a, _mm256_loadu_ps(b + 8), c1);
+            }
+            _mm256_storeu_ps(tmp[0], c0);
+            _mm256_storeu_ps(tmp[0] + 8, c1);
+        } else {
+            const float *x0 = x, *x1 = x + (mr > 1 ? 1 : mr - 1) * x_stride, *x2 = x + (mr > 2 ? 2 : mr - 1) * x_stride,
+                        *x3 = x + (mr > 3 ? 3 : mr - 1) * x_stride, *x4 = x + (mr > 4 ? 4 : mr - 1) * x_stride,
+                        *x5 = x + (mr > 5 ? 5 : mr - 1) * x_stride;
+            __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
+            __m256 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
+            for (int64_t kk = 0; kk < k; kk++, b += PANEL) {
+                const __m256 b0 = _mm256_loadu_ps(b), b1 = _mm256_loadu_ps(b + 8);
+                __m256 a = _mm256_broadcast_ss(x0 + kk);
+                c00 = _mm256_fmadd_ps(a, b0, c00); c01 = _mm256_fmadd_ps(a, b1, c01);
+                a = _mm256_broadcast_ss(x1 + kk);
+                c10 = _mm256_fmadd_ps(a, b0, c10); c11 = _mm256_fmadd_ps(a, b1, c11);
+                a = _mm256_broadcast_ss(x2 + kk);
+                c20 = _mm256_fmadd_ps(a, b0, c20); c21 = _mm256_fmadd_ps(a, b1, c21);
+                a = _mm256_broadcast_ss(x3 + kk);
+                c30 = _mm256_fmadd_ps(a, b0, c30); c31 = _mm256_fmadd_ps(a, b1, c31);
+                a = _mm256_broadcast_ss(x4 + kk);
+                c40 = _mm256_fmadd_ps(a, b0, c40); c41 = _mm256_fmadd_ps(a, b1, c41);
+                a = _mm256_broadcast_ss(x5 + kk);
+                c50 = _mm256_fmadd_ps(a, b0, c50); c51 = _mm256_fmadd_ps(a, b1, c51);
+            }
+            const __m256 acc[ROW_TILE][2] = {{c00, c01}, {c10, c11}, {c20, c21}, {c30, c31}, {c40, c41}, {c50, c51}};
+            for (int r = 0; r < mr; r++) {
+                _mm256_storeu_ps(tmp[r], acc[r][0]);
+                _mm256_storeu_ps(tmp[r] + 8, acc[r][1]);
+            }
+        }
+        for (int r = 0; r < mr; r++) {
+            float *o = out + r * out_stride + h * 16;
+            for (int64_t j2 = 0; j2 < n; j2++) o[j2] = tmp[r][j2] + (bias != NULL ? bias[h * 16 + j2] : 0.0f);
+        }
     }
 }
 

@@ -47,7 +47,9 @@ def reference(tiny_llama_dir: Path) -> dict[int, list[int]]:
 
 
 def _suite(model_dir: Path, prefix: bool, blocks_bytes: int) -> InProcessSuite:
-    rc = RunnerConfig(model_dir=str(model_dir), block_size=4, kv_cache_memory_bytes=blocks_bytes, warmup=False)
+    # dtype and backend pinned: the exact reference mode (the defaults are per machine).
+    rc = RunnerConfig(model_dir=str(model_dir), block_size=4, kv_cache_memory_bytes=blocks_bytes, warmup=False,
+                      dtype="float32", attention_backend="torch")
     sc = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8, enable_prefix_caching=prefix)
     return build_inprocess(rc, sc)
 

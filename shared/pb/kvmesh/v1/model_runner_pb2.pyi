@@ -61,6 +61,8 @@ class ModelInfo(_message.Message):
     DEVICE_FIELD_NUMBER: _builtins.int
     BOS_TOKEN_ID_FIELD_NUMBER: _builtins.int
     POOL_ID_FIELD_NUMBER: _builtins.int
+    DTYPE_REASON_FIELD_NUMBER: _builtins.int
+    ATTENTION_BACKEND_REASON_FIELD_NUMBER: _builtins.int
     model_id: _builtins.str
     """Model identity (folder name or configured id); enters the prefix-hash seed."""
     architecture: _builtins.str
@@ -84,7 +86,7 @@ class ModelInfo(_message.Message):
     kv_cache_dtype: _builtins.str
     """KV cache dtype, e.g. "float32" or "fp8_e4m3"."""
     attention_backend: _builtins.str
-    """Attention backend in use: "torch" or "triton"."""
+    """Attention backend in use: "torch", "triton" or "cpu" (the native CPU kernels)."""
     bytes_per_block: _builtins.int
     """Bytes of one block across all layers (K and V)."""
     device: _builtins.str
@@ -95,6 +97,10 @@ class ModelInfo(_message.Message):
     """Random id of this process's KV pool (new at every start): block ids and cached KV are only
     meaningful within one incarnation. Equals the pool handle's generation.
     """
+    dtype_reason: _builtins.str
+    """Why this dtype, e.g. "auto: the CPU computes bf16 in hardware (amx_bf16)" or "set explicitly"."""
+    attention_backend_reason: _builtins.str
+    """Why this attention backend, e.g. "auto: the native CPU kernels (built here, float32)"."""
     @_builtins.property
     def eos_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """End-of-sequence token ids."""
@@ -119,10 +125,12 @@ class ModelInfo(_message.Message):
         device: _builtins.str = ...,
         bos_token_id: _builtins.int = ...,
         pool_id: _builtins.str = ...,
+        dtype_reason: _builtins.str = ...,
+        attention_backend_reason: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["architecture", b"architecture", "attention_backend", b"attention_backend", "block_size", b"block_size", "bos_token_id", b"bos_token_id", "bytes_per_block", b"bytes_per_block", "device", b"device", "dtype", b"dtype", "eos_token_ids", b"eos_token_ids", "head_dim", b"head_dim", "kv_cache_dtype", b"kv_cache_dtype", "max_model_len", b"max_model_len", "model_id", b"model_id", "num_blocks", b"num_blocks", "num_kv_heads", b"num_kv_heads", "num_layers", b"num_layers", "pool_id", b"pool_id", "vocab_size", b"vocab_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["architecture", b"architecture", "attention_backend", b"attention_backend", "attention_backend_reason", b"attention_backend_reason", "block_size", b"block_size", "bos_token_id", b"bos_token_id", "bytes_per_block", b"bytes_per_block", "device", b"device", "dtype", b"dtype", "dtype_reason", b"dtype_reason", "eos_token_ids", b"eos_token_ids", "head_dim", b"head_dim", "kv_cache_dtype", b"kv_cache_dtype", "max_model_len", b"max_model_len", "model_id", b"model_id", "num_blocks", b"num_blocks", "num_kv_heads", b"num_kv_heads", "num_layers", b"num_layers", "pool_id", b"pool_id", "vocab_size", b"vocab_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -448,6 +448,10 @@ class SchedulerModelInfo(_message.Message):
     MAX_NUM_BATCHED_TOKENS_FIELD_NUMBER: _builtins.int
     MAX_LOGPROBS_FIELD_NUMBER: _builtins.int
     HAS_CHAT_TEMPLATE_FIELD_NUMBER: _builtins.int
+    DTYPE_FIELD_NUMBER: _builtins.int
+    ATTENTION_BACKEND_FIELD_NUMBER: _builtins.int
+    DTYPE_REASON_FIELD_NUMBER: _builtins.int
+    ATTENTION_BACKEND_REASON_FIELD_NUMBER: _builtins.int
     model_id: _builtins.str
     """Model identity."""
     vocab_size: _builtins.int
@@ -466,6 +470,14 @@ class SchedulerModelInfo(_message.Message):
     """Most logprobs a request may ask for."""
     has_chat_template: _builtins.bool
     """Whether a chat template is available."""
+    dtype: _builtins.str
+    """The runner's weights dtype, e.g. "float32" (ModelInfo.dtype)."""
+    attention_backend: _builtins.str
+    """The runner's attention backend: "torch", "triton" or "cpu" (ModelInfo.attention_backend)."""
+    dtype_reason: _builtins.str
+    """Why that dtype (ModelInfo.dtype_reason)."""
+    attention_backend_reason: _builtins.str
+    """Why that backend (ModelInfo.attention_backend_reason)."""
     def __init__(
         self,
         *,
@@ -478,10 +490,14 @@ class SchedulerModelInfo(_message.Message):
         max_num_batched_tokens: _builtins.int = ...,
         max_logprobs: _builtins.int = ...,
         has_chat_template: _builtins.bool = ...,
+        dtype: _builtins.str = ...,
+        attention_backend: _builtins.str = ...,
+        dtype_reason: _builtins.str = ...,
+        attention_backend_reason: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "has_chat_template", b"has_chat_template", "max_logprobs", b"max_logprobs", "max_model_len", b"max_model_len", "max_num_batched_tokens", b"max_num_batched_tokens", "max_num_seqs", b"max_num_seqs", "model_id", b"model_id", "num_blocks", b"num_blocks", "vocab_size", b"vocab_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attention_backend", b"attention_backend", "attention_backend_reason", b"attention_backend_reason", "block_size", b"block_size", "dtype", b"dtype", "dtype_reason", b"dtype_reason", "has_chat_template", b"has_chat_template", "max_logprobs", b"max_logprobs", "max_model_len", b"max_model_len", "max_num_batched_tokens", b"max_num_batched_tokens", "max_num_seqs", b"max_num_seqs", "model_id", b"model_id", "num_blocks", b"num_blocks", "vocab_size", b"vocab_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,0 +1,267 @@
+"""The replicas as the router reaches them: scheduler stubs, health/stats probes, event streams.
+
+Each replica gets two daemon threads:
+
+- a probe loop: every ``health_interval_seconds``, the scheduler's ``grpc.health.v1`` check and
+  the kv-cache-manager's GetStats (KV usage). A replica that does not answer is skipped by the
+  scorer until it answers again.
+- an event loop: SubscribeEvents on the kv-cache-manager. Once the stream is registered (its
+  initial metadata), the replica's index entries are cleared and relearned from the events that
+  follow; on a gap in the batch numbers, an overflow or a broken stream, the entries are cleared
+  again and the stream is re-opened with exponential backoff. Clearing loses what the replica
+  held before (those prefixes miss once), but the index never claims a block the replica lacks
+  for longer than a reconnect (docs/mesh.md: no snapshot RPC yet).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Iterator
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.kv_cache_manager.types import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, KVEventBatch
+from services.router.config import RouterConfig
+from services.router.index import PrefixIndex
+from services.router.metrics import RouterMetrics
+from services.router.prefix import replica_hash_seed
+from services.router.types import ReplicaAddress, ReplicaLoad
+from shared.channels import open_channel
+from shared.hashing import BlockHash, hash_blocks
+from shared.pb.kvmesh.v1 import kv_cache_manager_pb2 as kvm_pb2
+from shared.pb.kvmesh.v1 import kv_cache_manager_pb2_grpc as kvm_grpc
+from shared.pb.kvmesh.v1 import scheduler_pb2, scheduler_pb2_grpc
+from shared.telemetry import instrument_grpc_client
+
+log = logging.getLogger(__name__)
+Metadata = tuple[tuple[str, str | bytes], ...]
+
+
+def batch_from_pb(msg: kvm_pb2.KVEventBatch) -> KVEventBatch:
+    """A streamed batch as the kv-cache-manager's own dataclasses (what the index consumes)."""
+    events: list[KVEvent] = []
+    for e in msg.events:
+        kind = e.WhichOneof("event")
+        if kind == "stored":
+            s = e.stored
+            events.append(BlockStored(tuple(BlockHash(h) for h in s.block_hashes),
+                                      BlockHash(s.parent_block_hash) if s.parent_block_hash else None,
+                                      s.block_size, s.num_tokens, tuple(s.block_ids)))
+        elif kind == "removed":
+            events.append(BlockRemoved(tuple(BlockHash(h) for h in e.removed.block_hashes)))
+        elif kind == "cleared":
+            events.append(AllBlocksCleared())
+    return KVEventBatch(msg.seq, tuple(events))
+
+
+class Replica:
+    """One replica: its stubs, what the probes last saw, the streams the router has open on it."""
+
+    def __init__(self, address: ReplicaAddress, config: RouterConfig, index: PrefixIndex,
+                 metrics: RouterMetrics | None = None) -> None:
+        self.address = address
+        self.id = address.id
+        self._config = config
+        self._index = index
+        self._metrics = metrics
+        self.channel = instrument_grpc_client(open_channel(address.scheduler_address))
+        self.stub = scheduler_pb2_grpc.SchedulerStub(self.channel)
+        self._kvm_channel = open_channel(address.kvm_address)
+        self._kvm = kvm_grpc.KVCacheManagerStub(self._kvm_channel)
+        self._health = health_pb2_grpc.HealthStub(self.channel)
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._call: grpc.Call | None = None
+        self.healthy = False
+        self.subscribed = False
+        self.subscriptions = 0
+        self.kv_usage = 0.0
+        self.info: scheduler_pb2.SchedulerModelInfo | None = None
+        self._in_flight = 0
+        self._threads = [threading.Thread(target=self._probe_loop, name=f"router-probe-{self.id}", daemon=True),
+                         threading.Thread(target=self._event_loop, name=f"router-events-{self.id}", daemon=True)]
+
+    def start(self) -> None:
+        """Starts the probe and event threads."""
+        for t in self._threads:
+            t.start()
+
+    @property
+    def in_flight(self) -> int:
+        """Generate streams open on this replica now."""
+        return self._in_flight
+
+    def load(self) -> ReplicaLoad:
+        """What the scorer weighs."""
+        return ReplicaLoad(self._in_flight, self.kv_usage)
+
+    @contextlib.contextmanager
+    def track(self) -> Iterator[None]:
+        """Counts one open Generate stream for as long as the block runs."""
+        with self._lock:
+            self._in_flight += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._in_flight -= 1
+
+    def mark_failed(self) -> None:
+        """A forwarded call found it unreachable: skip it until the next probe answers."""
+        self.healthy = False
+        if self._metrics is not None:
+            self._metrics.healthy.labels(self.id).set(0)
+
+    # ------------------------------------------------------------------ probes
+
+    def probe(self) -> None:
+        """One health + stats probe (also run once synchronously at start).
+
+        NOTE: the scheduler's health service is open, but its API needs a caller's key, so the
+        model info (model id, block size) is fetched with the first caller's metadata instead
+        (:meth:`model_info`).
+        """
+        timeout = self._config.rpc_timeout_seconds
+        try:
+            health = self._health.Check(health_pb2.HealthCheckRequest(), timeout=timeout)
+            stats = self._kvm.GetStats(kvm_pb2.GetStatsRequest(), timeout=timeout)
+            self.kv_usage = (stats.num_blocks - stats.num_free_blocks) / stats.num_blocks if stats.num_blocks else 0.0
+            self.healthy = health.status == health_pb2.HealthCheckResponse.SERVING
+        except grpc.RpcError as exc:
+            if self.healthy:
+                log.warning("router: replica %s unreachable: %s", self.id, exc.code())
+            self.healthy = False
+        if self._metrics is not None:
+            self._metrics.healthy.labels(self.id).set(1 if self.healthy else 0)
+            self._metrics.indexed_blocks.labels(self.id).set(self._index.num_blocks(self.id))
+
+    def model_info(self, metadata: Metadata) -> scheduler_pb2.SchedulerModelInfo:
+        """The replica's model info, asked once with the caller's metadata, then kept until it reconnects."""
+        info = self.info
+        if info is None:
+            info = self.stub.GetModelInfo(scheduler_pb2.SchedulerModelInfoRequest(), metadata=metadata,
+                                          timeout=self._config.rpc_timeout_seconds)
+            self._check_seed(info)
+            self.info = info
+        return info
+
+    def _check_seed(self, info: scheduler_pb2.SchedulerModelInfo) -> None:
+        """Compares our hashes of a probe block with the replica's own (as the scheduler does at start).
+
+        A mismatch only logs: the replica still serves correctly, the router just cannot see its hits.
+        """
+        probe = list(range(info.block_size))
+        try:
+            theirs = list(self._kvm.LookupPrefix(kvm_pb2.LookupPrefixRequest(token_ids=probe),
+                                                 timeout=self._config.rpc_timeout_seconds).block_hashes)
+        except grpc.RpcError as exc:
+            log.warning("router: replica %s: cannot check its hash seed (%s)", self.id, exc.code())
+            return
+        ours = hash_blocks(replica_hash_seed(self._config.deployment_key, info.model_id), probe, info.block_size)
+        if theirs != ours:
+            log.error("router: replica %s hashes prefixes with another seed: set the same KVMESH_DEPLOYMENT_KEY "
+                      "for the router and every replica (its prefix hits cannot be seen)", self.id)
+
+    def _probe_loop(self) -> None:
+        while not self._stop.wait(self._config.health_interval_seconds):
+            self.probe()
+
+    # ------------------------------------------------------------------ events
+
+    def _resync(self, reason: str) -> None:
+        self._index.clear_replica(self.id)
+        if self._metrics is not None:
+            self._metrics.resyncs.labels(self.id, reason).inc()
+
+    def _event_loop(self) -> None:
+        cfg = self._config
+        backoff = cfg.reconnect_min_seconds
+        while not self._stop.is_set():
+            call = self._kvm.SubscribeEvents(kvm_pb2.SubscribeEventsRequest())
+            self._call = call
+            reason = "disconnect"
+            try:
+                call.initial_metadata()  # the stream is registered: every later event reaches us
+                self._index.clear_replica(self.id)
+                self.info = None  # a restarted replica may serve another model: ask again
+                self.subscribed = True
+                self.subscriptions += 1
+                backoff = cfg.reconnect_min_seconds
+                for msg in call:
+                    if not self._index.apply(self.id, batch_from_pb(msg)):
+                        log.warning("router: replica %s event gap after batch %d (got %d): resubscribing",
+                                    self.id, self._index.last_seq(self.id), msg.seq)
+                        reason = "gap"
+                        call.cancel()
+                        break
+            except grpc.RpcError as exc:
+                if not self._stop.is_set():
+                    log.info("router: replica %s event stream ended (%s): resubscribing", self.id, exc.code())
+            finally:
+                self.subscribed = False
+            if self._stop.is_set():
+                return
+            self._resync(reason)
+            if reason != "gap":
+                self._stop.wait(backoff)
+                backoff = min(backoff * 2, cfg.reconnect_max_seconds)
+
+    def close(self) -> None:
+        """Stops the threads and closes the channels."""
+        self._stop.set()
+        if self._call is not None:
+            self._call.cancel()
+        self._kvm_channel.close()
+        self.channel.close()
+
+
+class ReplicaSet:
+    """Every configured replica, in configuration order."""
+
+    def __init__(self, config: RouterConfig, index: PrefixIndex, metrics: RouterMetrics | None = None) -> None:
+        self.replicas = [Replica(a, config, index, metrics) for a in config.replica_addresses()]
+        self.by_id = {r.id: r for r in self.replicas}
+
+    def start(self) -> None:
+        """Probes each replica once, then starts their threads."""
+        for r in self.replicas:
+            r.probe()
+            r.start()
+
+    def wait_ready(self, timeout: float) -> bool:
+        """Waits until every replica is healthy and subscribed; False when ``timeout`` passes first."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if all(r.healthy and r.subscribed for r in self.replicas):
+                return True
+            time.sleep(0.05)
+        return False
+
+    def healthy(self) -> list[Replica]:
+        """The replicas to route to now."""
+        return [r for r in self.replicas if r.healthy]
+
+    def model_info(self, candidates: list[Replica], metadata: Metadata) -> scheduler_pb2.SchedulerModelInfo:
+        """The served model's info (every replica serves the same model): a cached one, else asked."""
+        for r in candidates:
+            if r.info is not None:
+                return r.info
+        last: grpc.RpcError | None = None
+        for r in candidates:
+            try:
+                return r.model_info(metadata)
+            except grpc.RpcError as exc:
+                if exc.code() != grpc.StatusCode.UNAVAILABLE:
+                    raise
+                r.mark_failed()
+                last = exc
+        raise last if last is not None else RuntimeError("no candidate replica")
+
+    def close(self) -> None:
+        """Stops every replica's threads and channels."""
+        for r in self.replicas:
+            r.close()

@@ -1,0 +1,66 @@
+"""The router's frozen configuration (read from ``KVMESH_ROUTER_*`` in main.py only)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.router.types import ReplicaAddress
+
+POLICIES = ("kv_aware", "round_robin")
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """Which replicas, how to pick one, how often to look at them.
+
+    Attributes:
+        replicas: comma-separated ``id=scheduler_host:port/kv_cache_manager_host:port`` entries
+            (``id=`` optional: ``r0``, ``r1``, ... by position).
+        policy: ``kv_aware`` (least cost, below) or ``round_robin`` (the plain load balancer).
+        prefill_weight: cost of one block the chosen replica must compute (a miss).
+        request_weight: cost of one Generate stream already open on the replica, in blocks.
+        kv_usage_weight: cost of a full pool (usage 1.0), in blocks; scales linearly.
+        deployment_key: the replicas' deployment key: it roots the hash chain and the tenant salt.
+        model_dir: tokenizer folder (the replicas' model); empty: ask a replica's Tokenize RPC.
+        health_interval_seconds: how often each replica's health and KV stats are probed.
+        rpc_timeout_seconds: deadline of a probe or a unary forward.
+        reconnect_min_seconds / reconnect_max_seconds: backoff of event-stream reconnects.
+        ready_timeout_seconds: at start, how long to wait for every replica before serving anyway.
+    """
+
+    replicas: str = ""
+    policy: str = "kv_aware"
+    prefill_weight: float = 1.0
+    request_weight: float = 4.0
+    kv_usage_weight: float = 8.0
+    deployment_key: str = "kvmesh-dev"
+    model_dir: str = ""
+    health_interval_seconds: float = 1.0
+    rpc_timeout_seconds: float = 10.0
+    reconnect_min_seconds: float = 0.1
+    reconnect_max_seconds: float = 5.0
+    ready_timeout_seconds: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"KVMESH_ROUTER_POLICY must be one of {POLICIES}, got {self.policy!r}")
+        if min(self.prefill_weight, self.request_weight, self.kv_usage_weight) < 0:
+            raise ValueError("router weights must be >= 0")
+        if self.health_interval_seconds <= 0 or self.reconnect_min_seconds <= 0:
+            raise ValueError("router intervals must be positive")
+        self.replica_addresses()  # fail at start on a malformed list
+
+    def replica_addresses(self) -> tuple[ReplicaAddress, ...]:
+        """The parsed replica list; raises ValueError naming the bad entry."""
+        out: list[ReplicaAddress] = []
+        for i, raw in enumerate(e.strip() for e in self.replicas.split(",")):
+            if not raw:
+                continue
+            rid, sep, rest = raw.rpartition("=")
+            sched, slash, kvm = rest.partition("/")
+            if not slash or not sched or not kvm:
+                raise ValueError(f"KVMESH_ROUTER_REPLICAS entry {raw!r}: expected id=scheduler/kv_cache_manager")
+            out.append(ReplicaAddress(rid if sep else f"r{i}", sched, kvm))
+        if len({r.id for r in out}) != len(out):
+            raise ValueError("KVMESH_ROUTER_REPLICAS: replica ids must be unique")
+        return tuple(out)

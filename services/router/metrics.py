@@ -1,0 +1,46 @@
+"""The router's Prometheus metrics: every decision, its prefix match, retries and index resyncs.
+
+Routing hit rate = ``rate(kvmesh:router_matched_blocks_total) / rate(kvmesh:router_prompt_blocks_total)``:
+the share of prompt blocks the chosen replica already held when the request was routed.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from services.router.types import Decision
+from shared.metrics import PREFIX
+
+RETRY_REASONS = ("unavailable", "refused")
+RESYNC_REASONS = ("gap", "disconnect")
+
+
+class RouterMetrics:
+    """One group, owned by the router process (shared/metrics.py keeps the services' groups)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.decisions = Counter(PREFIX + "router_decisions", "Requests routed, by chosen replica and policy.",
+                                 ["replica", "policy"], registry=registry)
+        self.matched_blocks = Counter(PREFIX + "router_matched_blocks",
+                                      "Prompt blocks the chosen replica held when routed.", ["replica"],
+                                      registry=registry)
+        self.prompt_blocks = Counter(PREFIX + "router_prompt_blocks", "Full prompt blocks of routed requests.",
+                                     registry=registry)
+        self.retries = Counter(PREFIX + "router_retries",
+                               "Generate attempts moved to another replica before the first token.",
+                               ["reason"], registry=registry)
+        self.resyncs = Counter(PREFIX + "router_index_resyncs",
+                               "Times a replica's index entries were cleared to be relearned.",
+                               ["replica", "reason"], registry=registry)
+        self.indexed_blocks = Gauge(PREFIX + "router_indexed_blocks", "Block hashes indexed per replica.",
+                                    ["replica"], registry=registry)
+        self.healthy = Gauge(PREFIX + "router_replica_healthy", "1 when the replica answered its last probe.",
+                             ["replica"], registry=registry)
+
+    def record(self, decision: Decision) -> None:
+        """One routing decision (its first candidate is where the request went first)."""
+        if not decision.scores:
+            return
+        self.decisions.labels(decision.replica_id, decision.policy).inc()
+        self.matched_blocks.labels(decision.replica_id).inc(decision.matched_blocks)
+        self.prompt_blocks.inc(decision.total_blocks)

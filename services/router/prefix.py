@@ -1,0 +1,33 @@
+"""A request's chained block hashes, computed exactly as its replica will compute them.
+
+Three inputs must match the replica's: the hash seed (:func:`replica_hash_seed`), the tenant's
+cache salt (:func:`shared.auth.tenant_cache_salt`, the same call the scheduler's servicer makes)
+and the token ids (the replicas' tokenizer and chat template). The hashing itself is
+:func:`shared.hashing.hash_blocks`, the one implementation every tier keys on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from shared.auth import tenant_cache_salt
+from shared.hashing import BlockHash, hash_blocks, hash_seed
+
+
+def replica_hash_seed(deployment_key: str, model_id: str) -> BlockHash:
+    """The chain root a replica's kv-cache-manager uses.
+
+    NOTE: the one place the router knows who owns the seed. Today every kv-cache-manager derives
+    it from the deployment key (``KVMESH_DEPLOYMENT_KEY``) and the model id the scheduler
+    initialises it with (the runner's, which the scheduler's GetModelInfo reports). If the seed's
+    owner changes, this function changes; the router checks it against each replica's
+    LookupPrefix at connect time (``client.py``), so a mismatch is logged, not silent.
+    """
+    return hash_seed(deployment_key.encode(), model_id)
+
+
+def request_hashes(deployment_key: str, model_id: str, block_size: int, token_ids: Sequence[int],
+                   tenant_id: str, client_salt: str = "") -> list[BlockHash]:
+    """The hashes of the prompt's full blocks, salted for the tenant as the scheduler salts them."""
+    salt = tenant_cache_salt(deployment_key, tenant_id, client_salt.encode())
+    return hash_blocks(replica_hash_seed(deployment_key, model_id), token_ids, block_size, salt)

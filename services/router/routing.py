@@ -1,0 +1,75 @@
+"""A request's tokens and tenant -> a :class:`Decision` over the healthy replicas (no grpc here).
+
+Glue of the three core parts: :mod:`prefix` (the request's block hashes, as its replica will
+compute them), :mod:`index` (who holds which) and :mod:`scoring` (hits against load). The
+decision goes to the log, the current (server) span's attributes and the metrics, in one place.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Protocol
+
+from opentelemetry import trace
+
+from services.router.config import RouterConfig
+from services.router.index import PrefixIndex
+from services.router.metrics import RouterMetrics
+from services.router.prefix import request_hashes
+from services.router.scoring import Scorer
+from services.router.types import Decision, ReplicaLoad
+
+log = logging.getLogger(__name__)
+
+
+class Candidate(Protocol):
+    """What routing needs of a replica (``client.Replica`` is one)."""
+
+    id: str
+
+    def load(self) -> ReplicaLoad: ...
+
+
+class Router:
+    """Decides where each request goes; thread-safe (its parts are)."""
+
+    def __init__(self, config: RouterConfig, index: PrefixIndex, metrics: RouterMetrics | None = None) -> None:
+        self.config = config
+        self.index = index
+        self.scorer = Scorer(config)
+        self.metrics = metrics
+
+    def decide(self, candidates: Sequence[Candidate], token_ids: Sequence[int], tenant_id: str,
+               client_salt: str, model_id: str, block_size: int, *, record: bool = True) -> Decision:
+        """Scores ``candidates`` for the prompt ``token_ids`` of ``tenant_id``.
+
+        Args:
+            record: log it and count it in the metrics (False for Explain, which routes nothing).
+        """
+        cfg = self.config
+        hashes = request_hashes(cfg.deployment_key, model_id, block_size, token_ids, tenant_id, client_salt)
+        ids = [c.id for c in candidates]
+        decision = self.scorer.decide(len(hashes), ids, self.index.match(hashes, ids),
+                                      {c.id: c.load() for c in candidates})
+        if record:
+            self._record(decision)
+        return decision
+
+    def _record(self, decision: Decision) -> None:
+        parts = " ".join(f"{s.replica_id}:matched={s.matched_blocks},in_flight={s.in_flight},"
+                         f"kv={s.kv_usage:.2f},cost={s.cost:.1f}" for s in decision.scores)
+        log.info("route %s -> %s (%d/%d blocks held) [%s]", decision.policy, decision.replica_id or "-",
+                 decision.matched_blocks, decision.total_blocks, parts)
+        current = trace.get_current_span()  # the Generate call's server span
+        if current.is_recording():
+            # NOTE: ids from the router's configuration and counts only: no request content.
+            current.set_attributes({
+                "kvmesh.router.replica": decision.replica_id, "kvmesh.router.policy": decision.policy,
+                "kvmesh.router.matched_blocks": decision.matched_blocks,
+                "kvmesh.router.total_blocks": decision.total_blocks,
+                "kvmesh.router.cost": decision.scores[0].cost if decision.scores else 0.0,
+                "kvmesh.router.candidates": len(decision.scores),
+            })
+        if self.metrics is not None:
+            self.metrics.record(decision)

@@ -1,0 +1,197 @@
+"""The public ``kvmesh.v1.Scheduler`` API in front of the replicas, and the ``kvmesh.v1.Router`` view.
+
+Generate is scored by :class:`~services.router.routing.Router` and forwarded, unchanged and with
+the caller's metadata (``authorization`` included: the replica authenticates again), as a stream
+to the best replica. Fault rules (docs/mesh.md): a replica that is unreachable before the first
+response is marked down and the request retried once on the next candidate; a replica that
+refuses (``RESOURCE_EXHAUSTED``: its admission control) hands the request to the next one, and
+only when every candidate refuses does the caller see ``RESOURCE_EXHAUSTED``; after the first
+response nothing is replayed: the stream ends with the replica's status. Any other status (bad
+input, deadline, auth) is the caller's answer as the replica gave it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import TypeVar
+
+import grpc
+
+from services.router.client import Metadata, Replica, ReplicaSet
+from services.router.routing import Router
+from services.router.types import Decision
+from services.scheduler.auth import current_tenant
+from services.scheduler.tokenizer import Tokenizer
+from shared.errors import InvalidArgument, Unavailable
+from shared.pb.kvmesh.v1 import router_pb2, router_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+
+T = TypeVar("T")
+# Caller metadata not passed on: transport headers, and the trace context (the router's client
+# instrumentation injects its own span as the parent instead).
+_NOT_FORWARDED = frozenset({"user-agent", "traceparent", "tracestate"})
+TRAILER_REPLICA = "kvmesh-replica"
+TRAILER_MATCHED = "kvmesh-matched-blocks"
+
+
+def forwarded_metadata(context: grpc.ServicerContext) -> Metadata:
+    """The caller's metadata minus transport and trace headers."""
+    return tuple((k, v) for k, v in context.invocation_metadata() or ()
+                 if not k.startswith((":", "grpc-")) and k not in _NOT_FORWARDED)
+
+
+def _timeout(context: grpc.ServicerContext) -> float | None:
+    remaining = context.time_remaining()
+    return remaining if remaining is not None and remaining < 1e8 else None
+
+
+def decision_to_pb(decision: Decision) -> router_pb2.RouteDecision:
+    """A decision as the Router API's message."""
+    return router_pb2.RouteDecision(
+        replica_id=decision.replica_id, policy=decision.policy, total_blocks=decision.total_blocks,
+        matched_blocks=decision.matched_blocks,
+        scores=[router_pb2.ReplicaScore(id=s.replica_id, matched_blocks=s.matched_blocks, cost=s.cost,
+                                        in_flight=s.in_flight, kv_usage=s.kv_usage) for s in decision.scores])
+
+
+class RouterFront:
+    """What both servicers share: the replicas, the router core, the tokenizer."""
+
+    def __init__(self, replicas: ReplicaSet, router: Router, tokenizer: Tokenizer | None) -> None:
+        self.replicas = replicas
+        self.router = router
+        self.tokenizer = tokenizer
+
+    def candidates(self) -> list[Replica]:
+        """The healthy replicas, or UNAVAILABLE."""
+        healthy = self.replicas.healthy()
+        if not healthy:
+            raise Unavailable("no healthy replica; retry later")
+        return healthy
+
+    def unary(self, call: Callable[[Replica], T]) -> T:
+        """A unary forward to the first healthy replica that is reachable (its other statuses pass)."""
+        last: grpc.RpcError | None = None
+        for replica in self.candidates():
+            try:
+                return call(replica)
+            except grpc.RpcError as exc:
+                if exc.code() != grpc.StatusCode.UNAVAILABLE:
+                    raise
+                replica.mark_failed()
+                last = exc
+        raise Unavailable(f"no replica reachable: {last.details() if last else ''}")
+
+    def prompt_ids(self, request: scheduler_pb2.GenerateRequest, metadata: Metadata) -> list[int]:
+        """The prompt's token ids as the replica will see them (local tokenizer, else a replica's)."""
+        kind = request.WhichOneof("prompt")
+        if kind == "token_ids":
+            return list(request.token_ids.ids)
+        if kind not in ("text", "chat"):
+            raise InvalidArgument("prompt: one of text, chat or token_ids is required")
+        if kind == "chat" and not request.chat.messages:
+            raise InvalidArgument("prompt: chat.messages must not be empty")
+        if self.tokenizer is not None:
+            if kind == "text":
+                return self.tokenizer.encode(request.text)
+            return self.tokenizer.apply_chat_template([(m.role, m.content) for m in request.chat.messages])
+        tok = (scheduler_pb2.TokenizeRequest(text=request.text, add_special_tokens=True) if kind == "text"
+               else scheduler_pb2.TokenizeRequest(chat=request.chat))
+        resp = self.unary(lambda r: r.stub.Tokenize(tok, metadata=metadata,
+                                                    timeout=self.router.config.rpc_timeout_seconds))
+        return list(resp.token_ids)
+
+    def decide(self, request: scheduler_pb2.GenerateRequest, context: grpc.ServicerContext,
+               record: bool) -> tuple[Decision, list[Replica]]:
+        candidates = self.candidates()
+        metadata = forwarded_metadata(context)
+        try:
+            info = self.replicas.model_info(candidates, metadata)
+        except grpc.RpcError as exc:  # e.g. UNAUTHENTICATED: the replica's answer is the caller's
+            context.abort(exc.code(), exc.details() or "")
+        ids = self.prompt_ids(request, metadata)
+        decision = self.router.decide(candidates, ids, current_tenant().id, request.cache_salt, info.model_id,
+                                      info.block_size, record=record)
+        return decision, [self.replicas.by_id[s.replica_id] for s in decision.scores]
+
+
+class RouterSchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
+    """``kvmesh.v1.Scheduler`` served by routing: a client cannot tell one replica from many."""
+
+    def __init__(self, front: RouterFront) -> None:
+        self.front = front
+
+    def Generate(self, request: scheduler_pb2.GenerateRequest, context: grpc.ServicerContext
+                 ) -> Iterator[scheduler_pb2.GenerateResponse]:
+        decision, order = self.front.decide(request, context, record=True)
+        metadata = forwarded_metadata(context)
+        unreachable, refused = 0, 0
+        last: grpc.RpcError | None = None
+        for attempt, replica in enumerate(order):
+            if unreachable > 1:
+                break
+            started = False
+            with replica.track():
+                call = replica.stub.Generate(request, metadata=metadata, timeout=_timeout(context))
+                context.add_callback(call.cancel)
+                try:
+                    for msg in call:
+                        started = True
+                        yield msg
+                except grpc.RpcError as exc:
+                    if started or exc.code() not in (grpc.StatusCode.UNAVAILABLE,
+                                                     grpc.StatusCode.RESOURCE_EXHAUSTED):
+                        context.abort(exc.code(), exc.details() or "")
+                    last = exc
+                    if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                        replica.mark_failed()
+                        unreachable += 1
+                        reason = "unavailable"
+                    else:
+                        refused += 1
+                        reason = "refused"
+                    if self.front.router.metrics is not None and attempt + 1 < len(order):
+                        self.front.router.metrics.retries.labels(reason).inc()
+                    continue
+            matched = next(s.matched_blocks for s in decision.scores if s.replica_id == replica.id)
+            context.set_trailing_metadata(((TRAILER_REPLICA, replica.id), (TRAILER_MATCHED, str(matched))))
+            return
+        if unreachable == 0 and last is not None:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"every replica refused the request ({refused}): {last.details()}")
+        context.abort(grpc.StatusCode.UNAVAILABLE, f"no replica could take the request: "
+                      f"{last.details() if last else 'none healthy'}")
+
+    def Tokenize(self, request: scheduler_pb2.TokenizeRequest, context: grpc.ServicerContext
+                 ) -> scheduler_pb2.TokenizeResponse:
+        md, timeout = forwarded_metadata(context), _timeout(context)
+        return self.front.unary(lambda r: r.stub.Tokenize(request, metadata=md, timeout=timeout))
+
+    def Detokenize(self, request: scheduler_pb2.DetokenizeRequest, context: grpc.ServicerContext
+                   ) -> scheduler_pb2.DetokenizeResponse:
+        md, timeout = forwarded_metadata(context), _timeout(context)
+        return self.front.unary(lambda r: r.stub.Detokenize(request, metadata=md, timeout=timeout))
+
+    def GetModelInfo(self, request: scheduler_pb2.SchedulerModelInfoRequest, context: grpc.ServicerContext
+                     ) -> scheduler_pb2.SchedulerModelInfo:
+        md, timeout = forwarded_metadata(context), _timeout(context)
+        return self.front.unary(lambda r: r.stub.GetModelInfo(request, metadata=md, timeout=timeout))
+
+
+class RouterServicer(router_pb2_grpc.RouterServicer):
+    """``kvmesh.v1.Router``: the replica set and the index, for operators and tests."""
+
+    def __init__(self, front: RouterFront) -> None:
+        self.front = front
+
+    def GetReplicas(self, request: router_pb2.GetReplicasRequest, context: grpc.ServicerContext
+                    ) -> router_pb2.GetReplicasResponse:
+        index = self.front.router.index
+        return router_pb2.GetReplicasResponse(replicas=[router_pb2.ReplicaState(
+            id=r.id, scheduler_address=r.address.scheduler_address, healthy=r.healthy, subscribed=r.subscribed,
+            last_seq=index.last_seq(r.id), num_indexed_blocks=index.num_blocks(r.id), in_flight=r.in_flight,
+            kv_usage=r.kv_usage, subscriptions=r.subscriptions) for r in self.front.replicas.replicas])
+
+    def Explain(self, request: scheduler_pb2.GenerateRequest, context: grpc.ServicerContext
+                ) -> router_pb2.RouteDecision:
+        decision, _ = self.front.decide(request, context, record=False)
+        return decision_to_pb(decision)

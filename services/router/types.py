@@ -1,0 +1,57 @@
+"""The router core's API as frozen dataclasses (no protobuf, no grpc)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ReplicaAddress:
+    """Where one replica is: its public scheduler and its kv-cache-manager (for events, stats)."""
+
+    id: str
+    scheduler_address: str
+    kvm_address: str
+
+
+@dataclass(frozen=True)
+class ReplicaLoad:
+    """What the scorer knows of a replica's load when it scores.
+
+    Attributes:
+        in_flight: Generate streams the router has open on it (known exactly, at once).
+        kv_usage: share of its pool referenced by requests, 0..1 (from the last stats probe).
+    """
+
+    in_flight: int = 0
+    kv_usage: float = 0.0
+
+
+@dataclass(frozen=True)
+class ReplicaScore:
+    """One candidate's score: the parts and their weighted sum (lower wins)."""
+
+    replica_id: str
+    matched_blocks: int
+    cost: float
+    in_flight: int
+    kv_usage: float
+
+
+@dataclass(frozen=True)
+class Decision:
+    """A routing decision: candidates best first (the first is the choice, the rest fallbacks)."""
+
+    policy: str
+    total_blocks: int
+    scores: tuple[ReplicaScore, ...]
+
+    @property
+    def replica_id(self) -> str:
+        """The chosen replica ('' when there was no candidate)."""
+        return self.scores[0].replica_id if self.scores else ""
+
+    @property
+    def matched_blocks(self) -> int:
+        """Blocks of the request the chosen replica holds."""
+        return self.scores[0].matched_blocks if self.scores else 0

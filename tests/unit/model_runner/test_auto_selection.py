@@ -1,0 +1,163 @@
+"""``dtype=auto`` and ``attention_backend=auto``: what each machine gets, and why.
+
+The choices are pure functions of the device, the CPU's flags, whether the native kernels built
+and the model's heads, so each machine class is tested here from its flags (those below are
+the relevant part of ``/proc/cpuinfo`` on each), and ``build_runner`` once for real.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from services.model_runner.config import RunnerConfig
+from services.model_runner.factory import build_runner, cpu_flags, select_backend, select_dtype
+from services.model_runner.native import load_kernels
+from services.model_runner.types import CachedRequestData, NewRequestData, StepInput
+from shared.sampling_params import SamplingParams
+
+BASE = {"fpu", "sse2", "avx", "avx2", "fma", "f16c"}
+# Intel Xeon, Sapphire Rapids (the issue's machine): AVX-512 with bf16 and AMX tiles.
+AMX = frozenset(BASE | {"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16",
+                        "amx_int8"})
+# Intel Xeon, Skylake-SP / Cascade Lake: AVX-512 without bf16.
+AVX512 = frozenset(BASE | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"})
+# AMD EPYC Zen 4: AVX-512 with bf16 dot products, no AMX.
+ZEN4 = frozenset(BASE | {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"})
+# AMD EPYC Zen 2/3 (this machine's class): AVX2 + FMA only.
+EPYC_AVX2 = frozenset(BASE | {"sse4a", "clzero"})
+LLAMA = {"num_heads": 4, "num_kv_heads": 2, "head_dim": 16}
+
+
+@pytest.mark.parametrize(("flags", "dtype", "reason_part"), [
+    (AMX, "bfloat16", "amx_bf16, avx512_bf16"),
+    (ZEN4, "bfloat16", "(avx512_bf16)"),
+    (AVX512, "float32", "no AMX-BF16 or AVX512-BF16"),
+    (EPYC_AVX2, "float32", "no AMX-BF16 or AVX512-BF16"),
+    (frozenset(), "float32", "no AMX-BF16 or AVX512-BF16"),
+])  # fmt: skip
+def test_auto_dtype_is_bf16_only_with_bf16_hardware(flags: frozenset[str], dtype: str, reason_part: str) -> None:
+    choice = select_dtype("auto", "cpu", flags)
+    assert choice.value == dtype
+    assert reason_part in choice.reason and choice.reason.startswith("auto: ")
+
+
+def test_explicit_dtype_cuda_and_quantization_keep_float32_rules() -> None:
+    assert select_dtype("float32", "cpu", AMX) == select_dtype("float32", "cpu", EPYC_AVX2)
+    assert (select_dtype("float32", "cpu", AMX).value, select_dtype("float32", "cpu", AMX).reason) == (
+        "float32", "set explicitly")
+    assert select_dtype("bfloat16", "cpu", EPYC_AVX2).value == "bfloat16"  # asked for: given, if slow
+    assert select_dtype("auto", "cuda", AMX).value == "float32"
+    # quantization packs fp32 weights: bf16 would be refused by prepare_model
+    assert select_dtype("auto", "cpu", AMX, quantization="int8").value == "float32"
+
+
+@pytest.mark.parametrize(("flags", "built", "backend", "reason_part"), [
+    (AMX, True, "torch", "float32 only, the model is bfloat16"),  # bf16 chosen: the torch path
+    (AVX512, True, "cpu", "native CPU kernels"),
+    (EPYC_AVX2, True, "cpu", "native CPU kernels"),
+    (EPYC_AVX2, False, "torch", "did not build"),  # no compiler, or the build failed
+])  # fmt: skip
+def test_auto_backend_per_machine(flags: frozenset[str], built: bool, backend: str, reason_part: str) -> None:
+    dtype = select_dtype("auto", "cpu", flags).value
+    choice = select_backend("auto", "cpu", dtype, built, **LLAMA)
+    assert choice.value == backend and reason_part in choice.reason
+
+
+def test_auto_backend_falls_back_for_shapes_the_native_decode_does_not_take() -> None:
+    assert select_backend("auto", "cpu", "float32", True, num_heads=32, num_kv_heads=2, head_dim=64).value == "cpu"
+    assert select_backend("auto", "cpu", "float32", True, num_heads=34, num_kv_heads=2, head_dim=64).value == "torch"
+    assert select_backend("auto", "cpu", "float32", True, num_heads=4, num_kv_heads=2, head_dim=512).value == "torch"
+    assert select_backend("auto", "cpu", "float16", True, **LLAMA).value == "torch"
+
+
+def test_explicit_and_cuda_backends() -> None:
+    assert select_backend("torch", "cpu", "float32", True, **LLAMA).value == "torch"
+    assert select_backend("auto", "cuda", "float32", False, **LLAMA).value == "triton"
+    forced = select_backend("cpu", "cpu", "float32", False, **LLAMA)
+    assert forced.value == "cpu" and "torch path" in forced.reason
+
+
+def test_cpu_flags_reads_this_machine() -> None:
+    flags = cpu_flags()
+    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    line = next((x for x in text.splitlines() if x.startswith("flags")), "flags :")
+    assert flags == frozenset(line.partition(":")[2].split())
+
+
+def _greedy(runner: object, prompt: list[int], steps: int) -> list[int]:
+    new = NewRequestData("r", tuple(prompt), len(prompt), (1, 2, 3, 4), 0, len(prompt), SamplingParams())
+    out = runner.execute(StepInput(0, new_requests=(new,)))  # type: ignore[attr-defined]
+    tokens = [out.sampled[0].token_id]
+    for i in range(1, steps):
+        step = CachedRequestData("r", (), len(prompt) + i - 1, 1)
+        tokens.append(runner.execute(StepInput(i, cached_requests=(step,))).sampled[0].token_id)  # type: ignore[attr-defined]
+    return tokens
+
+
+def test_build_runner_default_per_machine(tiny_llama_dir: Path) -> None:
+    """The defaults, built for real: this machine's class (AVX2) gets fp32 on the native kernels
+    where they build, and its output equals the torch fp32 reference; an AMX machine's flags give
+    a bf16 model on the torch path (which runs here too, slowly)."""
+    common = dict(model_dir=str(tiny_llama_dir), block_size=4, kv_cache_memory_bytes=16 * 2048, warmup=False)
+    prompt = [5, 9, 17, 33, 65, 129, 7]
+    runners = []
+    try:
+        default = build_runner(RunnerConfig(**common), flags=EPYC_AVX2)  # type: ignore[arg-type]
+        runners.append(default)
+        info = default.model_info()
+        built = load_kernels() is not None
+        assert (info.dtype, info.attention_backend) == ("float32", "cpu" if built else "torch")
+        assert info.dtype_reason == "auto: the CPU has no AMX-BF16 or AVX512-BF16 (bf16 would run as converted fp32)"
+        assert info.attention_backend_reason == (
+            "auto: the native CPU kernels (built here, float32)" if built
+            else "auto: the native kernels did not build here (no C compiler, or it failed)")
+        reference = build_runner(RunnerConfig(**common, dtype="float32", attention_backend="torch"),  # type: ignore[arg-type]
+                                 flags=EPYC_AVX2)
+        runners.append(reference)
+        assert reference.model_info().attention_backend == "torch"
+        assert _greedy(default, prompt, 6) == _greedy(reference, prompt, 6)
+
+        amx = build_runner(RunnerConfig(**common), flags=AMX)  # type: ignore[arg-type]
+        runners.append(amx)
+        info = amx.model_info()
+        assert (info.dtype, info.kv_cache_dtype, info.attention_backend) == ("bfloat16", "bfloat16", "torch")
+        assert amx.model.model.norm.weight.dtype == torch.bfloat16
+        assert all(0 <= t < info.vocab_size for t in _greedy(amx, prompt, 3))
+    finally:
+        for r in runners:
+            r.pool.close()
+
+
+def test_batch_invariant_plan_makes_every_row_a_decode_of_its_position() -> None:
+    """A step of one 3-row prefill chunk after 5 cached tokens and one decode: the invariant plan
+    has one decode entry per row (context 6, 7, 8 and the decode's 4) and no SDPA chunk, so the
+    one-call stack takes it; the default plan keeps the chunk for SDPA and the step off the stack."""
+    from services.model_runner.attention.base import AttentionMetadata
+    from services.model_runner.attention.cpu_backend import CpuAttentionBackend
+
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor([21, 22, 23, 40], dtype=torch.int64),
+        query_start_loc=torch.tensor([0, 3, 4], dtype=torch.int32),
+        seq_lens=torch.tensor([8, 4], dtype=torch.int32),
+        block_tables=torch.tensor([[4, 5], [10, 0]], dtype=torch.int32),
+        max_query_len=3, max_seq_len=8,
+    )  # fmt: skip
+    invariant = CpuAttentionBackend(batch_invariant=True)
+    if invariant.native_kernels is None:
+        pytest.skip("the native kernels did not build here")
+    plan = invariant.decode_only_plan(meta, 4, 4)
+    assert plan is not None and not plan.chunks and plan.max_len == 8
+    assert plan.rows.tolist() == [0, 1, 2, 3] and plan.seq_lens.tolist() == [6, 7, 8, 4]
+    assert plan.tables.tolist() == [[4, 5], [4, 5], [4, 5], [10, 0]]
+    assert CpuAttentionBackend().decode_only_plan(meta, 4, 4) is None
+
+
+def test_batch_invariant_without_the_native_kernels_is_refused(tiny_llama_dir: Path) -> None:
+    config = RunnerConfig(model_dir=str(tiny_llama_dir), attention_backend="torch", batch_invariant=True,
+                          kv_cache_memory_bytes=16 * 2048, block_size=4, warmup=False)
+    with pytest.raises(ValueError, match="batch_invariant needs the native CPU kernels on float32 weights; here: "
+                                         "dtype float32, attention backend torch"):
+        build_runner(config, flags=EPYC_AVX2)
