@@ -32,10 +32,10 @@ class KVCacheManagerServicer(pb_grpc.KVCacheManagerServicer):
     """Serves one :class:`ManagerBinding` (the manager once a scheduler bound it).
 
     Who may call what (docs/reliability.md): ``Initialize`` binds the caller as the owner;
-    ``AllocateSlots``, ``Free``, ``LookupPrefix`` (it reveals block ids), ``GetBlockTable``,
-    ``ResetPrefixCache`` and ``Release`` are the owner's only; ``GetStats``, ``CheckIntegrity``
-    and ``SubscribeEvents`` are read-only aggregates open to monitoring (``GetStats`` answers
-    before ``Initialize`` too, with ``num_blocks`` 0).
+    ``AllocateSlots``, ``Free``, ``GetBlockTable``, ``ResetPrefixCache`` and ``Release`` are the
+    owner's only; ``LookupPrefix`` answers anyone, but block ids and hashes only to the owner;
+    ``GetStats``, ``CheckIntegrity`` and ``SubscribeEvents`` are read-only aggregates open to
+    monitoring (``GetStats`` answers before ``Initialize`` too, with ``num_blocks`` 0).
 
     NOTE: gRPC calls handlers from a thread pool, and the core is not thread-safe; one lock
     serialises every call (each is microseconds to a millisecond, so it is not a bottleneck
@@ -118,7 +118,11 @@ class KVCacheManagerServicer(pb_grpc.KVCacheManagerServicer):
                      context: grpc.ServicerContext) -> pb.LookupPrefixResponse:
         owner = owner_from_metadata(context.invocation_metadata())
         with self._lock:
-            lookup = self._binding.owned(owner).lookup_prefix(list(request.token_ids), request.cache_salt)
+            is_owner = bool(owner) and owner == self._binding.lease.owner
+            manager = self._binding.owned(owner) if is_owner else self._binding.manager()
+            lookup = manager.lookup_prefix(list(request.token_ids), request.cache_salt)
+        if not is_owner:  # monitoring and routers learn how much is cached, never where
+            return pb.LookupPrefixResponse(num_cached_tokens=lookup.num_cached_tokens)
         return convert.lookup_to_pb(lookup)
 
     def GetBlockTable(self, request: pb.GetBlockTableRequest,

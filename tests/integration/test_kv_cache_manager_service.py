@@ -179,7 +179,6 @@ def test_only_the_owner_may_change_or_read_request_state(stub: pb_grpc.KVCacheMa
     calls = [
         ("Initialize", lambda s: s.Initialize(init_request(num_blocks=4), timeout=TIMEOUT)),
         ("ResetPrefixCache", lambda s: s.ResetPrefixCache(pb.ResetPrefixCacheRequest(), timeout=TIMEOUT)),
-        ("LookupPrefix", lambda s: s.LookupPrefix(pb.LookupPrefixRequest(token_ids=A), timeout=TIMEOUT)),
         ("AllocateSlots", lambda s: step(s, [], [new("x", B)])),
         ("Free", lambda s: s.Free(pb.FreeRequest(), timeout=TIMEOUT)),
         ("Release", lambda s: s.Release(pb.ReleaseRequest(), timeout=TIMEOUT)),
@@ -193,7 +192,11 @@ def test_only_the_owner_may_change_or_read_request_state(stub: pb_grpc.KVCacheMa
             assert info.value.code() == expected, (who, name, info.value.details())
             assert observable(stub, []) == before, (who, name)
     assert "owned by another scheduler" in _details(lambda: calls[0][1](stranger))
-    assert "not the owner" in _details(lambda: calls[2][1](stranger))
+    assert "not the owner" in _details(lambda: calls[1][1](stranger))
+    # A prefix query answers how much is cached, but only the owner learns the block ids and hashes.
+    for s in (stranger, anonymous):
+        assert s.LookupPrefix(pb.LookupPrefixRequest(token_ids=A), timeout=TIMEOUT) == \
+            pb.LookupPrefixResponse(num_cached_tokens=48)
     # Aggregates stay open to monitoring; the owner still serves.
     assert stranger.GetStats(pb.GetStatsRequest(), timeout=TIMEOUT).num_cached_blocks == 3
     assert stub.LookupPrefix(pb.LookupPrefixRequest(token_ids=A), timeout=TIMEOUT).num_cached_tokens == 48

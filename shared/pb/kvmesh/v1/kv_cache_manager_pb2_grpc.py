@@ -33,7 +33,8 @@ class KVCacheManagerStub:
     every call; Initialize makes it the owner with a lease that every owner call renews. Every
     call but GetStats, CheckIntegrity and SubscribeEvents is refused with FAILED_PRECONDITION
     before Initialize ("not initialized") or from anyone but the owner ("not the owner"). GetStats
-    answers before Initialize too (num_blocks 0: unbound).
+    answers before Initialize too (num_blocks 0: unbound). LookupPrefix answers anyone, but its
+    block_ids and block_hashes only to the owner.
     """
 
     def __init__(self, channel):
@@ -102,7 +103,8 @@ class KVCacheManagerServicer:
     every call; Initialize makes it the owner with a lease that every owner call renews. Every
     call but GetStats, CheckIntegrity and SubscribeEvents is refused with FAILED_PRECONDITION
     before Initialize ("not initialized") or from anyone but the owner ("not the owner"). GetStats
-    answers before Initialize too (num_blocks 0: unbound).
+    answers before Initialize too (num_blocks 0: unbound). LookupPrefix answers anyone, but its
+    block_ids and block_hashes only to the owner.
     """
 
     def Initialize(self, request, context):
@@ -250,7 +252,8 @@ class KVCacheManager:
     every call; Initialize makes it the owner with a lease that every owner call renews. Every
     call but GetStats, CheckIntegrity and SubscribeEvents is refused with FAILED_PRECONDITION
     before Initialize ("not initialized") or from anyone but the owner ("not the owner"). GetStats
-    answers before Initialize too (num_blocks 0: unbound).
+    answers before Initialize too (num_blocks 0: unbound). LookupPrefix answers anyone, but its
+    block_ids and block_hashes only to the owner.
     """
 
     @staticmethod

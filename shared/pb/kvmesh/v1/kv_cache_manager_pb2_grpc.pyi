@@ -36,7 +36,8 @@ class KVCacheManagerStub:
     every call; Initialize makes it the owner with a lease that every owner call renews. Every
     call but GetStats, CheckIntegrity and SubscribeEvents is refused with FAILED_PRECONDITION
     before Initialize ("not initialized") or from anyone but the owner ("not the owner"). GetStats
-    answers before Initialize too (num_blocks 0: unbound).
+    answers before Initialize too (num_blocks 0: unbound). LookupPrefix answers anyone, but its
+    block_ids and block_hashes only to the owner.
     """
 
     @_typing.overload
@@ -82,7 +83,8 @@ class KVCacheManagerAsyncStub(KVCacheManagerStub):
     every call; Initialize makes it the owner with a lease that every owner call renews. Every
     call but GetStats, CheckIntegrity and SubscribeEvents is refused with FAILED_PRECONDITION
     before Initialize ("not initialized") or from anyone but the owner ("not the owner"). GetStats
-    answers before Initialize too (num_blocks 0: unbound).
+    answers before Initialize too (num_blocks 0: unbound). LookupPrefix answers anyone, but its
+    block_ids and block_hashes only to the owner.
     """
 
     def __init__(self, channel: _aio.Channel) -> None: ...
@@ -124,7 +126,8 @@ class KVCacheManagerServicer(metaclass=_abc_1.ABCMeta):
     every call; Initialize makes it the owner with a lease that every owner call renews. Every
     call but GetStats, CheckIntegrity and SubscribeEvents is refused with FAILED_PRECONDITION
     before Initialize ("not initialized") or from anyone but the owner ("not the owner"). GetStats
-    answers before Initialize too (num_blocks 0: unbound).
+    answers before Initialize too (num_blocks 0: unbound). LookupPrefix answers anyone, but its
+    block_ids and block_hashes only to the owner.
     """
 
     @_abc_1.abstractmethod
