@@ -51,6 +51,7 @@ from services.kv_cache_manager.types import AllocationSpec  # noqa: E402
 from shared.config import CacheConfig  # noqa: E402
 from shared.hashing import hash_blocks, hash_seed  # noqa: E402
 from shared.launcher import ServiceProcess  # noqa: E402
+from shared.owner_channel import with_owner  # noqa: E402
 from shared.pb.kvmesh.v1 import kv_cache_manager_pb2 as pb  # noqa: E402
 from shared.pb.kvmesh.v1 import kv_cache_manager_pb2_grpc as pb_grpc  # noqa: E402
 
@@ -86,7 +87,7 @@ def process_cpu_ns(pid: int) -> int:
 def per_request(prompts: list[list[int]], config: CacheConfig) -> dict[str, float]:
     """Admit then free each request alone; median CPU microseconds per phase."""
     manager = KVCacheManager(config)
-    seed = hash_seed(config.deployment_key.encode(), config.model_id)
+    seed = config.hash_seed
     clock = time.thread_time_ns
     hash_ns: list[int] = []
     alloc_ns: list[int] = []
@@ -171,7 +172,8 @@ def steps_grpc(
 ) -> dict[str, float]:
     def reset() -> None:
         init = pb.InitializeRequest(
-            num_blocks=config.num_blocks, block_size=config.block_size, max_model_len=config.max_model_len
+            num_blocks=config.num_blocks, block_size=config.block_size, max_model_len=config.max_model_len,
+            hash_seed=config.hash_seed, lease_seconds=600,
         )
         stub.Initialize(init, timeout=30)
 
@@ -233,7 +235,9 @@ def decode_grpc(
     config: CacheConfig,
 ) -> dict[str, float]:
     """The same decode steps, one AllocateSlots RPC each."""
-    stub.Initialize(pb.InitializeRequest(num_blocks=config.num_blocks), timeout=30)
+    stub.Initialize(pb.InitializeRequest(num_blocks=config.num_blocks, block_size=config.block_size,
+                                         max_model_len=config.max_model_len, hash_seed=config.hash_seed,
+                                         lease_seconds=600), timeout=30)
     admit = pb.AllocateSlotsRequest()
     for rid, tokens in batch:
         admit.allocations.add(
@@ -276,7 +280,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-grpc", action="store_true", help="skip the service process")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "kv_manager.json")
     args = parser.parse_args(argv)
-    config = CacheConfig(block_size=BLOCK_SIZE, num_blocks=args.num_blocks, max_model_len=max(args.prompt_len, 2048))
+    config = CacheConfig(block_size=BLOCK_SIZE, num_blocks=args.num_blocks, max_model_len=max(args.prompt_len, 2048),
+                         hash_seed=hash_seed(b"bench", "bench"))
     workloads = {f"{s:.2f}": workload(args.requests, args.prompt_len, s, seed=1) for s in args.shares}
     warm = workload(200, args.prompt_len, 0.5, seed=99)
     decode_batch = batches(workload(args.step_size, args.prompt_len, 0.5, seed=3), args.step_size)[0]
@@ -294,13 +299,9 @@ def main(argv: list[str] | None = None) -> int:
     results["decode"] = {"in_process": decode_in_process(decode_batch, decode_steps, config)}
 
     if not args.no_grpc:
-        env = {
-            "KVMESH_KVM_BLOCK_SIZE": str(BLOCK_SIZE),
-            "KVMESH_KVM_NUM_BLOCKS": str(args.num_blocks),
-            "KVMESH_KVM_MAX_MODEL_LEN": str(config.max_model_len),
-        }
+        env: dict[str, str] = {}  # the manager reads no geometry: Initialize brings it
         with ServiceProcess("kv-cache-manager", env=env) as proc, grpc.insecure_channel(proc.address) as channel:
-            stub = pb_grpc.KVCacheManagerStub(channel)
+            stub = pb_grpc.KVCacheManagerStub(with_owner(channel, "bench"))
             steps_grpc(stub, proc.proc.pid, warm, config, args.step_size, 1)
             for share, prompts in workloads.items():
                 g = steps_grpc(stub, proc.proc.pid, prompts, config, args.step_size, args.repeat)

@@ -43,6 +43,7 @@ from services.router.scoring import Scorer
 from services.router.types import ReplicaLoad
 from shared.auth import tenant_cache_salt
 from shared.config import CacheConfig
+from shared.hashing import hash_seed
 
 KEY, MODEL, BS = "mesh-sim-key", "mesh-sim-model", 16
 
@@ -90,7 +91,7 @@ def make_trace(n: int, args: argparse.Namespace, rate: float, seed: int) -> list
 
 def new_manager(num_blocks: int, hub: EventHub | None) -> KVCacheManager:
     return KVCacheManager(CacheConfig(block_size=BS, num_blocks=num_blocks + 1, max_model_len=8192,
-                                      model_id=MODEL, deployment_key=KEY), hub)
+                                      model_id=MODEL, hash_seed=hash_seed(KEY.encode(), MODEL)), hub)
 
 
 def salt(tenant: str) -> bytes:

@@ -148,6 +148,29 @@ class Suite:
         self.restarts[name] += 1
         log.warning("kvmesh: %s restarted on %s (restart %d)", name, proc.address, self.restarts[name])
 
+    def restart(self, name: str, kill: bool = True, timeout: float = 120.0) -> ServiceProcess:
+        """Stops one service (SIGKILL, or SIGTERM when not ``kill``) and has it started again on its
+        port with the same configuration: the fault tests' and the soak's process restart. While
+        supervising, the supervisor restarts it (as after a crash); otherwise this call does."""
+        old = self.services[name]
+        before = self.restarts.get(name, 0)
+        if kill:
+            old.proc.kill()
+        else:
+            old.proc.terminate()
+        old.proc.wait(timeout)
+        if self._monitor is not None:
+            deadline = time.monotonic() + timeout
+            while self.restarts.get(name, 0) == before:
+                if time.monotonic() > deadline:
+                    raise ServiceStartError(f"{name} was not restarted within {timeout}s")
+                time.sleep(0.05)
+            return self.services[name]
+        old.stop()
+        self._start(name, old.port, old.env, self.config.log_dir or None)
+        self.restarts[name] = before + 1
+        return self.services[name]
+
     @property
     def address(self) -> str:
         """The public API's ``host:port``."""

@@ -267,6 +267,12 @@ class OffloadMetrics:
                                    tiered, registry=registry)
         self.misses = Counter(PREFIX + "offload_misses", "Blocks asked for and found in no tier.",
                               [MODEL_LABEL], registry=registry).labels(model_name)
+        self.pool_attached = Gauge(PREFIX + "offload_pool_attached",
+                                   "1 while a runner KV pool is mapped; 0: every save and load is refused.",
+                                   [MODEL_LABEL], registry=registry).labels(model_name)
+        self.refused_no_pool = Counter(PREFIX + "offload_refused_no_pool",
+                                       "Save and Load calls refused because no KV pool was attached.",
+                                       [MODEL_LABEL], registry=registry).labels(model_name)
         # Touch every tier so dashboards show 0 instead of "no data" before the first event.
         for tier in OFFLOAD_TIERS:
             for family in (self._hits, self._saves, self._corruptions, self._stored_bytes):

@@ -14,7 +14,6 @@ A new request's table, with a pool hit on two blocks and an external (offload-st
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 
 from services.kv_cache_manager.block_pool import BlockPool, KVCacheBlock
@@ -38,7 +37,7 @@ from services.kv_cache_manager.types import (
 from services.kv_cache_manager.validation import validate_free, validate_step, validate_token_ids
 from shared.config import CacheConfig
 from shared.errors import FailedPrecondition, InvalidArgument, NotFound
-from shared.hashing import BlockHash, hash_blocks, hash_seed
+from shared.hashing import BlockHash, hash_blocks
 
 _OK = AllocationStatus.OK
 
@@ -58,7 +57,7 @@ class KVCacheManager:
     def _reset(self, config: CacheConfig) -> None:
         self._config = config
         self._block_size = config.block_size
-        self._seed = hash_seed(config.deployment_key.encode(), config.model_id)
+        self._seed = config.hash_seed
         self._pool = BlockPool(config.num_blocks)
         self._requests: dict[str, RequestState] = {}
         self._prefix_queries = self._prefix_hits = 0
@@ -74,39 +73,30 @@ class KVCacheManager:
         """The block pool, for inspection (tests, integrity); mutate it only through the manager."""
         return self._pool
 
-    def initialize(self, num_blocks: int, block_size: int = 0, max_model_len: int = 0,
-                   model_id: str = "") -> KVCacheStats:
-        """Recreates the pool (new geometry or model); forgets the cache and the counters.
+    def initialize(self, config: CacheConfig, keep_cache: bool = False) -> tuple[KVCacheStats, bool, int]:
+        """Rebinds the pool to ``config``: every live request is freed first.
 
-        Args:
-            num_blocks: pool size including the null block (>= 2).
-            block_size: tokens per block; 0 keeps the configured value.
-            max_model_len: longest sequence; 0 keeps the configured value.
-            model_id: enters the hash seed; empty keeps the configured one.
+        Called when the owning scheduler (re)binds: at its start, after it took over from a dead
+        predecessor, or when it found a new runner incarnation. None of the live requests can go
+        on (their scheduler forgot them), so all are released *with a rollback*: their latest
+        allocation may never have run, and a block registered for KV nobody computed must not stay
+        cached. The cache survives only when ``keep_cache`` (same runner pool incarnation) and the
+        geometry and seed are unchanged; otherwise the pool is recreated and counters restart.
 
-        Raises:
-            InvalidArgument: an out-of-range size.
-            FailedPrecondition: some request is live (its table would name blocks of the old pool).
+        Returns:
+            The stats afterwards, whether the cache was kept, and how many requests were freed.
         """
-        current = self._config
-        try:
-            config = dataclasses.replace(
-                current,
-                num_blocks=num_blocks,
-                block_size=block_size or current.block_size,
-                max_model_len=max_model_len or current.max_model_len,
-                model_id=model_id or current.model_id,
-            )
-        except ValueError as exc:
-            raise InvalidArgument(str(exc)) from exc
-        if self._requests:
-            raise FailedPrecondition(f"{len(self._requests)} requests are live; free them first")
         events = self._begin_events()
-        self._reset(config)
-        if events is not None:
-            events.append(AllBlocksCleared())
+        num_freed = len(self._requests)
+        kept = keep_cache and config == self._config
+        if kept:
+            self._free_all([], list(self._requests), events)
+        else:
+            self._reset(config)
+            if events is not None:
+                events.append(AllBlocksCleared())
         self._publish(events)
-        return self.stats()
+        return self.stats(), kept, num_freed
 
     # ------------------------------------------------------------------ steps
 

@@ -12,11 +12,13 @@ from collections.abc import Iterator
 import grpc
 
 from services.kv_cache_manager import convert
+from services.kv_cache_manager.binding import ManagerBinding
 from services.kv_cache_manager.events import EventHub
-from services.kv_cache_manager.manager import KVCacheManager
 from services.kv_cache_manager.types import KVCacheStats
-from shared.errors import ResourceExhausted
+from shared.config import CacheConfig
+from shared.errors import InvalidArgument, ResourceExhausted
 from shared.metrics import KVCacheMetrics
+from shared.ownership import owner_from_metadata
 from shared.pb.kvmesh.v1 import kv_cache_manager_pb2 as pb
 from shared.pb.kvmesh.v1 import kv_cache_manager_pb2_grpc as pb_grpc
 
@@ -27,22 +29,28 @@ SUBSCRIBED_METADATA = (("kvmesh-subscribed", "1"),)
 
 
 class KVCacheManagerServicer(pb_grpc.KVCacheManagerServicer):
-    """Serves one :class:`KVCacheManager`.
+    """Serves one :class:`ManagerBinding` (the manager once a scheduler bound it).
+
+    Who may call what (docs/reliability.md): ``Initialize`` binds the caller as the owner;
+    ``AllocateSlots``, ``Free``, ``GetBlockTable``, ``ResetPrefixCache`` and ``Release`` are the
+    owner's only; ``LookupPrefix`` answers anyone, but block ids and hashes only to the owner;
+    ``GetStats``, ``CheckIntegrity`` and ``SubscribeEvents`` are read-only aggregates open to
+    monitoring (``GetStats`` answers before ``Initialize`` too, with ``num_blocks`` 0).
 
     NOTE: gRPC calls handlers from a thread pool, and the core is not thread-safe; one lock
     serialises every call (each is microseconds to a millisecond, so it is not a bottleneck
     next to the scheduler's one call per step).
 
     Args:
-        manager: the core.
+        binding: the core and its owner.
         hub: the manager's event hub.
         max_subscribers: concurrent SubscribeEvents streams allowed. Each holds a server worker
             thread for its whole life, so an unbounded number would starve the scheduler's calls.
     """
 
-    def __init__(self, manager: KVCacheManager, hub: EventHub, max_subscribers: int = 4,
+    def __init__(self, binding: ManagerBinding, hub: EventHub, max_subscribers: int = 4,
                  metrics: KVCacheMetrics | None = None) -> None:
-        self._manager = manager
+        self._binding = binding
         self._hub = hub
         self._max_subscribers = max_subscribers
         self._lock = threading.Lock()
@@ -60,54 +68,88 @@ class KVCacheManagerServicer(pb_grpc.KVCacheManagerServicer):
             self._metrics.record_prefix_lookup(dq, dh)
         self._seen = (queries, hits)
 
+    def _stats_pb(self, stats: KVCacheStats) -> pb.KVCacheStats:
+        msg = convert.stats_to_pb(stats)
+        msg.instance_id = self._binding.instance_id
+        msg.pool_id = self._binding.pool_id
+        return msg
+
     def Initialize(self, request: pb.InitializeRequest, context: grpc.ServicerContext) -> pb.InitializeResponse:
+        owner = owner_from_metadata(context.invocation_metadata())
+        try:
+            config = CacheConfig(num_blocks=request.num_blocks, block_size=request.block_size,
+                                 max_model_len=request.max_model_len, model_id=request.model_id,
+                                 hash_seed=request.hash_seed)
+        except ValueError as exc:
+            raise InvalidArgument(str(exc)) from exc
         with self._lock:
-            stats = self._manager.initialize(request.num_blocks, request.block_size, request.max_model_len,
-                                             request.model_id)
-        return pb.InitializeResponse(stats=convert.stats_to_pb(stats))
+            result = self._binding.initialize(owner, config, request.pool_id, request.lease_seconds)
+            self._seen = (result.stats.prefix_cache_queries, result.stats.prefix_cache_hits)
+        return pb.InitializeResponse(stats=self._stats_pb(result.stats), kept_cache=result.kept_cache,
+                                     num_freed_requests=result.num_freed_requests)
+
+    def Release(self, request: pb.ReleaseRequest, context: grpc.ServicerContext) -> pb.ReleaseResponse:
+        owner = owner_from_metadata(context.invocation_metadata())
+        with self._lock:
+            freed = self._binding.release(owner)
+        return pb.ReleaseResponse(num_freed_requests=freed)
 
     def AllocateSlots(self, request: pb.AllocateSlotsRequest,
                       context: grpc.ServicerContext) -> pb.AllocateSlotsResponse:
+        owner = owner_from_metadata(context.invocation_metadata())
         specs = [convert.spec_from_pb(a) for a in request.allocations]
         free_ids = list(request.free_request_ids)
         with self._lock:
-            step = self._manager.step(free_ids, specs, list(request.rollback_request_ids))
+            step = self._binding.owned(owner).step(free_ids, specs, list(request.rollback_request_ids))
             self._export(step.stats)
-        return convert.step_to_pb(step)
+        msg = convert.step_to_pb(step)
+        msg.stats.instance_id = self._binding.instance_id
+        msg.stats.pool_id = self._binding.pool_id
+        return msg
 
     def Free(self, request: pb.FreeRequest, context: grpc.ServicerContext) -> pb.FreeResponse:
+        owner = owner_from_metadata(context.invocation_metadata())
         with self._lock:
-            stats = self._manager.free(list(request.request_ids), list(request.rollback_request_ids))
+            stats = self._binding.owned(owner).free(list(request.request_ids), list(request.rollback_request_ids))
             self._export(stats)  # the engine frees idle requests here: usage must drop with them
-        return pb.FreeResponse(stats=convert.stats_to_pb(stats))
+        return pb.FreeResponse(stats=self._stats_pb(stats))
 
     def LookupPrefix(self, request: pb.LookupPrefixRequest,
                      context: grpc.ServicerContext) -> pb.LookupPrefixResponse:
+        owner = owner_from_metadata(context.invocation_metadata())
         with self._lock:
-            lookup = self._manager.lookup_prefix(list(request.token_ids), request.cache_salt)
+            is_owner = bool(owner) and owner == self._binding.lease.owner
+            manager = self._binding.owned(owner) if is_owner else self._binding.manager()
+            lookup = manager.lookup_prefix(list(request.token_ids), request.cache_salt)
+        if not is_owner:  # monitoring and routers learn how much is cached, never where
+            return pb.LookupPrefixResponse(num_cached_tokens=lookup.num_cached_tokens)
         return convert.lookup_to_pb(lookup)
 
     def GetBlockTable(self, request: pb.GetBlockTableRequest,
                       context: grpc.ServicerContext) -> pb.GetBlockTableResponse:
+        owner = owner_from_metadata(context.invocation_metadata())
         with self._lock:
-            table = self._manager.get_block_table(request.request_id)
+            table = self._binding.owned(owner).get_block_table(request.request_id)
         return convert.block_table_to_pb(table)
 
     def ResetPrefixCache(self, request: pb.ResetPrefixCacheRequest,
                          context: grpc.ServicerContext) -> pb.ResetPrefixCacheResponse:
+        owner = owner_from_metadata(context.invocation_metadata())
         with self._lock:
-            num = self._manager.reset_prefix_cache()
+            num = self._binding.owned(owner).reset_prefix_cache()
         return pb.ResetPrefixCacheResponse(num_cleared=num)
 
     def GetStats(self, request: pb.GetStatsRequest, context: grpc.ServicerContext) -> pb.KVCacheStats:
         with self._lock:
-            stats = self._manager.stats()
-        return convert.stats_to_pb(stats)
+            if not self._binding.initialized:  # monitoring sees an unbound manager: no blocks yet
+                return pb.KVCacheStats(instance_id=self._binding.instance_id)
+            stats = self._binding.manager().stats()
+        return self._stats_pb(stats)
 
     def CheckIntegrity(self, request: pb.CheckIntegrityRequest,
                        context: grpc.ServicerContext) -> pb.CheckIntegrityResponse:
         with self._lock:
-            self._manager.check_integrity()
+            self._binding.manager().check_integrity()
         return pb.CheckIntegrityResponse(ok=True)
 
     def SubscribeEvents(self, request: pb.SubscribeEventsRequest,

@@ -8,7 +8,16 @@ The number of blocks follows from a byte budget. On the CPU the tensor is a ``/d
 mapped with ``torch.from_file(shared=True)``, so the offload-store can map the same pages
 (zero copy) from a :class:`SharedTensorHandle`; on CUDA the handle carries a CUDA IPC handle of
 the storage instead. Each creation gets a new ``generation`` (also in the file name), so a handle
-to a closed or re-created pool fails to attach instead of mapping the wrong memory.
+to a closed or re-created pool fails to attach instead of mapping the wrong memory. The
+generation is also the runner's *pool incarnation* (``ModelInfo.pool_id``): block ids and cached
+KV mean something only within one (docs/reliability.md).
+
+Stale files: ``close()`` (or interpreter exit) unlinks the file, but SIGKILL does not. Each runner
+holds a shared ``flock`` on its file for its whole life (the kernel drops it when the process
+dies, however it dies), so :func:`remove_stale_pool_files` — run before every CPU pool is
+created — can tell a dead runner's file (lock free) from a live one's, even across containers
+sharing ``/dev/shm``. The file is locked under a temporary name and then renamed into place, so
+no cleaner ever sees an unlocked live file.
 
 fp8 caches (``kv_cache_dtype="fp8_e4m3"``) hold ``K / k_scale`` and ``V / v_scale`` with one
 pair of float32 scales per layer; :meth:`KVPool.calibrate` sets them from observed maxima.
@@ -16,6 +25,8 @@ pair of float32 scales per layer; :meth:`KVPool.calibrate` sets them from observ
 
 from __future__ import annotations
 
+import fcntl
+import logging
 import math
 import os
 import shutil
@@ -34,7 +45,11 @@ from shared.tensor_handle import (
     encode_cuda_ipc,
 )
 
-__all__ = ["FP8_NAME", "KVPool", "SharedTensorHandle", "attach", "bytes_per_block", "kv_dtype_for"]
+__all__ = ["FP8_NAME", "KVPool", "SharedTensorHandle", "attach", "bytes_per_block", "kv_dtype_for",
+           "remove_stale_pool_files"]
+
+log = logging.getLogger(__name__)
+POOL_SUFFIX = ".kvpool"  # distinct from older runners' unlocked ".kv" files, which are never touched
 
 FP8_NAME = "fp8_e4m3"
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -98,18 +113,22 @@ class KVPool:
         self.generation = uuid.uuid4().hex
         self.scales = torch.ones(num_layers, 2, dtype=torch.float32)  # [L, (k, v)]
         self.path: Path | None = None
+        lock_fd = -1
         if self.device.type == "cpu":
-            self.path = Path(shm_dir) / f"{name}-{self.generation}.kv"
+            remove_stale_pool_files(shm_dir, name)
+            self.path = Path(shm_dir) / f"{name}-{self.generation}{POOL_SUFFIX}"
             free = shutil.disk_usage(shm_dir).free
             if self.nbytes > free:
                 raise ResourceExhausted(f"KV pool needs {self.nbytes} bytes, {shm_dir} has {free} free")
+            lock_fd = _create_locked(self.path, self.nbytes)
             self.tensor = _map_file(self.path, self.shape, dtype)
         else:
             self.tensor = torch.zeros(self.shape, dtype=dtype, device=self.device)
         self._closed = False
         # NOTE: a pool dropped or left open at interpreter exit still unlinks its file, so crashed
-        # tests and forgotten close() calls do not fill /dev/shm (only SIGKILL leaks it).
-        self._unlink = weakref.finalize(self, _unlink, self.path)
+        # tests and forgotten close() calls do not fill /dev/shm (SIGKILL leaks it until the next
+        # runner's remove_stale_pool_files).
+        self._unlink = weakref.finalize(self, _unlink, self.path, lock_fd)
 
     @property
     def kv_cache_dtype(self) -> str:
@@ -208,9 +227,54 @@ def attach(handle: SharedTensorHandle) -> torch.Tensor:
     raise InvalidArgument(f"unknown shared tensor kind {handle.kind!r}")
 
 
-def _unlink(path: Path | None) -> None:
+def _unlink(path: Path | None, lock_fd: int = -1) -> None:
     if path is not None:
         path.unlink(missing_ok=True)
+    if lock_fd >= 0:
+        os.close(lock_fd)  # drops the flock
+
+
+def _create_locked(path: Path, nbytes: int) -> int:
+    """Creates ``path`` (``nbytes``, zero-filled) holding a shared flock (the returned fd); locked
+    before it gets its name."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        os.ftruncate(fd, nbytes)
+        os.rename(tmp, path)
+    except BaseException:
+        os.close(fd)
+        tmp.unlink(missing_ok=True)
+        raise
+    return fd
+
+
+def remove_stale_pool_files(shm_dir: str, name: str = "kvmesh-kv") -> list[Path]:
+    """Unlinks the pool files in ``shm_dir`` that no live runner holds (left by SIGKILL).
+
+    Returns:
+        The removed paths.
+    """
+    removed: list[Path] = []
+    for path in sorted(Path(shm_dir).glob(f"{name}-*{POOL_SUFFIX}")):
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            continue  # gone meanwhile, or not ours to read
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # a live runner holds it
+            path.unlink(missing_ok=True)
+            removed.append(path)
+        finally:
+            os.close(fd)
+    if removed:
+        log.warning("removed %d stale KV pool file(s) of dead runners: %s", len(removed),
+                    ", ".join(p.name for p in removed))
+    return removed
 
 
 def _map_file(path: Path, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

@@ -2,10 +2,16 @@
 
 Steps run one at a time under a lock (the model and the pool are not re-entrant); a bad step
 raises ``InvalidArgument`` from the core before anything changed, and the runner keeps serving.
+
+Incarnation: ``pool_id`` (the pool's generation, new at every start) is in ``GetModelInfo`` and in
+every ``Execute`` reply, and a step naming another ``expected_pool_id`` is refused with
+``FAILED_PRECONDITION`` before it runs: block ids planned against a dead runner's pool never read
+this pool's (zeroed) blocks as if they were a cached prefix.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import grpc
@@ -13,6 +19,7 @@ import grpc
 from services.model_runner.block_copy import copy_blocks
 from services.model_runner.convert import output_to_proto, step_from_proto
 from services.model_runner.runner import ModelRunnerCore
+from shared.errors import FailedPrecondition
 from shared.metrics import RunnerMetrics
 from shared.pb.kvmesh.v1 import common_pb2, model_runner_pb2, model_runner_pb2_grpc
 from shared.tensor_handle import handle_from_proto, handle_to_proto
@@ -36,7 +43,7 @@ class ModelRunnerServicer(model_runner_pb2_grpc.ModelRunnerServicer):
             head_dim=mi.head_dim, dtype=mi.dtype, kv_cache_dtype=mi.kv_cache_dtype,
             attention_backend=mi.attention_backend, bytes_per_block=mi.bytes_per_block, device=mi.device,
             bos_token_id=mi.bos_token_id, dtype_reason=mi.dtype_reason,
-            attention_backend_reason=mi.attention_backend_reason,
+            attention_backend_reason=mi.attention_backend_reason, pool_id=self.core.pool.generation,
         )
 
     def Warmup(self, request: model_runner_pb2.WarmupRequest, context: grpc.ServicerContext
@@ -47,13 +54,22 @@ class ModelRunnerServicer(model_runner_pb2_grpc.ModelRunnerServicer):
     def Execute(self, request: model_runner_pb2.ExecuteRequest, context: grpc.ServicerContext
                 ) -> model_runner_pb2.ExecuteResponse:
         step = step_from_proto(request)
+        pool_id = self.core.pool.generation
+        if request.expected_pool_id and request.expected_pool_id != pool_id:
+            raise FailedPrecondition(f"pool incarnation mismatch: the step was planned for pool "
+                                     f"{request.expected_pool_id}, this runner's is {pool_id}")
         with self._lock:
+            if request.reset_requests:  # a (re)bound scheduler: forget every earlier request
+                step = dataclasses.replace(
+                    step, finished_request_ids=(*self.core.request_ids, *step.finished_request_ids))
             out = self.core.execute(step)
         if self.metrics is not None:
             tokens = sum(r.num_new_tokens for r in step.new_requests) + sum(
                 r.num_new_tokens for r in step.cached_requests)
             self.metrics.observe_step(out.forward_seconds, tokens)
-        return output_to_proto(out)
+        reply = output_to_proto(out)
+        reply.pool_id = pool_id
+        return reply
 
     def GetKVPoolHandle(self, request: model_runner_pb2.GetKVPoolHandleRequest, context: grpc.ServicerContext
                         ) -> common_pb2.SharedTensorHandle:

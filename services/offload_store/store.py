@@ -54,6 +54,7 @@ class OffloadStoreCore:
         self.reconcile_report: ReconcileReport = self._disk.reconcile()
         self._dram = DramTier(config.dram_bytes, demote=self._demote)
         self._pool: MappedPool | None = None
+        self._pool_generation = ""
         self._staging = torch.empty((0, 0), dtype=torch.uint8)
         self._stats = OffloadStats()
 
@@ -69,6 +70,7 @@ class OffloadStoreCore:
         """Maps the runner's pool (replacing any earlier mapping); returns bytes per block."""
         pool = map_pool(handle, self.config.pool_dir)
         self._pool = pool
+        self._pool_generation = handle.generation
         self._dram.configure(pool.block_format.nbytes, pin=pool.is_cuda)
         log.info("attached pool %s (%s, generation %r), %d bytes per block",
                  handle.path or "cuda_ipc", handle.dtype, handle.generation, pool.block_format.nbytes)
@@ -178,13 +180,21 @@ class OffloadStoreCore:
             dram_capacity_bytes=self.config.dram_bytes, disk_blocks=len(self._disk),
             disk_bytes=self._disk.used_bytes, disk_capacity_bytes=self.config.disk_bytes,
             dram_hits=s.dram_hits, disk_hits=s.disk_hits, misses=s.misses, saves=s.saves,
-            corruptions=s.corruptions, dropped=s.dropped,
+            corruptions=s.corruptions, dropped=s.dropped, pool_attached=self._pool is not None,
+            pool_generation=self._pool_generation if self._pool is not None else "",
+            refused_no_pool=s.refused_no_pool,
         )
+
+    def detach_pool(self) -> None:
+        """Unmaps the pool (its owner left); stored blocks stay, saves and loads are refused."""
+        self._pool = None
+        self._pool_generation = ""
 
     # --- internals -------------------------------------------------------------------------------
 
     def _require_pool(self) -> MappedPool:
         if self._pool is None:
+            self._stats.refused_no_pool += 1
             raise FailedPrecondition("no KV pool attached: call AttachPool first")
         return self._pool
 

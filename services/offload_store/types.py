@@ -81,3 +81,6 @@ class OffloadStats:
     corruptions: int = 0
     # Not in the proto (yet): blocks dropped because neither tier had room for them.
     dropped: int = 0
+    pool_attached: bool = False
+    pool_generation: str = ""  # the mapped pool's incarnation
+    refused_no_pool: int = 0  # Save / Load calls refused because no pool was attached

@@ -21,8 +21,12 @@ class SchedulerConfig:
         kvm_address / runner_address / offload_address: ``host:port`` of the other services;
             an empty offload address disables the offload tier.
         rpc_timeout_seconds: deadline of each internal RPC.
-        deployment_key: root of the prefix-hash chain; must equal the kv-cache-manager's
-            (``KVMESH_KVM_DEPLOYMENT_KEY``): the scheduler checks this at start.
+        deployment_key: secret root of the prefix-hash chain; the scheduler derives the seed from
+            it and the model id and sends it to the kv-cache-manager in ``Initialize`` (its one
+            owner: no other service reads the key).
+        owner_lease_seconds: how long the kv-cache-manager and the offload-store keep this
+            scheduler as their owner without a call (renewed every step and by a keep-alive);
+            a successor of a scheduler that died without releasing waits at most this long.
         trace_steps: how many of a request's first steps get their own span (then every
             ``trace_step_every``-th), so a 2,000-token answer is not 2,000 spans.
         trace_step_every: sampling period of step spans after the first ``trace_steps``.
@@ -53,6 +57,7 @@ class SchedulerConfig:
     offload_address: str = ""
     rpc_timeout_seconds: float = 60.0
     deployment_key: str = "kvmesh-dev"
+    owner_lease_seconds: float = 10.0
     trace_steps: int = 4
     trace_step_every: int = 64
     min_priority: int = 0
@@ -69,6 +74,8 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         if self.max_num_seqs <= 0 or self.max_num_batched_tokens <= 0:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+        if not self.owner_lease_seconds > 0:
+            raise ValueError("owner_lease_seconds must be positive")
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode must be recompute or swap, got {self.preemption_mode!r}")
         if self.max_bytes_per_token <= 0 or self.max_concurrent_tokenizations <= 0:

@@ -9,6 +9,14 @@ steps back to back while there is work::
 
 A failure of a step ends the requests in it with an error and frees their blocks; the loop goes
 on serving the others.
+
+Binding (docs/reliability.md): the engine *binds* the suite before serving and again whenever it
+finds the other side is not the one it bound — a new runner incarnation (its pool id, checked on
+every step and by a periodic keep-alive), a kv-cache-manager that restarted (``FAILED_PRECONDITION
+not initialized``) — : every live request goes back to waiting, the kv-cache-manager is
+re-initialized with the runner's geometry, the scheduler's hash seed and the runner's pool id
+(dropping every cached hash of a dead pool), and the offload-store is attached to the current pool.
+Requests then recompute, so answers are those of a cold run.
 """
 
 from __future__ import annotations
@@ -20,18 +28,29 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from services.scheduler.backends import KVCacheBackend, RunnerBackend, RunnerInfo
+from services.scheduler.backends import KVCacheBackend, RunnerBackend, RunnerInfo, RunnerRestarted
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.metrics import RequestMetrics
 from services.scheduler.offload import OffloadBackend, OffloadConnector
 from services.scheduler.request import FinishReason, Request, RequestSpec
 from services.scheduler.scheduler import ScheduledStep, Scheduler
 from services.scheduler.tracing import record_queue_span, step_span
-from shared.errors import DeadlineExceeded, InvalidArgument, KVMeshError, ResourceExhausted, Unavailable
+from shared.config import CacheConfig
+from shared.errors import (
+    DeadlineExceeded,
+    FailedPrecondition,
+    InvalidArgument,
+    KVMeshError,
+    ResourceExhausted,
+    Unavailable,
+)
 from shared.hashing import hash_seed
 from shared.metrics import SchedulerMetrics
 
 log = logging.getLogger(__name__)
+# Re-binds allowed in a row without a successful step before the live requests are failed instead
+# (a peer that refuses every binding must not spin the loop).
+_MAX_REBINDS_IN_A_ROW = 2
 
 
 @dataclass(frozen=True)
@@ -70,10 +89,14 @@ class Engine:
         self.kv = kv
         self.runner = runner
         self.info: RunnerInfo = runner.info()
-        kv.initialize(self.info.num_blocks, self.info.block_size, self.info.max_model_len, self.info.model_id)
         self.offload = OffloadConnector(offload) if offload is not None else None
-        seed = hash_seed(config.deployment_key.encode(), self.info.model_id)
-        self.scheduler = Scheduler(config, kv, self.info, self.offload, seed)
+        self.scheduler = Scheduler(config, kv, self.info, self.offload, self._seed(self.info))
+        self.num_rebinds = 0
+        self._bound = False
+        self._rebinds_in_a_row = 0
+        self._next_keepalive = 0.0
+        self._suspect = False  # a peer call failed: probe the peers before the next step
+        self._bind_at_start()
         self._commands: queue.SimpleQueue[_Add | _Finish] = queue.SimpleQueue()
         self._queues: dict[str, queue.SimpleQueue[EngineOutput]] = {}
         self._lock = threading.Lock()
@@ -84,6 +107,109 @@ class Engine:
         self._queued_tokens = 0
         self.num_steps = 0
         self._preemptions_seen = 0
+
+    # ----------------------------------------------------------------- binding
+    def _seed(self, info: RunnerInfo) -> bytes:
+        """The prefix-hash root: the scheduler is its one owner (deployment key + model id)."""
+        return hash_seed(self.config.deployment_key.encode(), info.model_id)
+
+    def _bind(self) -> None:
+        """Binds runner incarnation, kv-cache-manager and offload-store (see the module docstring).
+
+        Raises:
+            FailedPrecondition: another scheduler owns the kv-cache-manager.
+            Exception: a peer is unreachable (the engine stays unbound and tries again).
+        """
+        self._bound = False
+        info = self.runner.info()
+        seed = self._seed(info)
+        cache = CacheConfig(num_blocks=info.num_blocks, block_size=info.block_size,
+                            max_model_len=info.max_model_len, model_id=info.model_id, hash_seed=seed)
+        self.runner.bind(info.pool_id)
+        kept = self.kv.initialize(cache, info.pool_id)
+        if self.offload is not None:
+            self.offload.attach(self.runner.pool_handle())
+        sched = self.scheduler
+        self.info = sched.info = info
+        sched.block_size = info.block_size
+        sched.hash_seed = seed
+        self._bound = True
+        self._next_keepalive = time.monotonic() + self._keepalive_period
+        log.info("bound to runner pool %s (%d blocks of %d tokens), kv-cache-manager cache %s",
+                 info.pool_id or "(in-process)", info.num_blocks, info.block_size, "kept" if kept else "fresh")
+
+    @property
+    def _keepalive_period(self) -> float:
+        return self.config.owner_lease_seconds / 3
+
+    def _bind_at_start(self) -> None:
+        """The first bind; waits out a predecessor's lease (it died without releasing it)."""
+        deadline = time.monotonic() + self.config.owner_lease_seconds + 5.0
+        while True:
+            try:
+                self._bind()
+                return
+            except FailedPrecondition as exc:
+                if time.monotonic() > deadline:
+                    raise
+                log.warning("waiting for the previous scheduler's lease to lapse: %s", exc)
+                time.sleep(0.25)
+
+    def _rebind(self, cause: Exception) -> None:
+        """A peer is not the one bound: requeue everything and bind again (or fail the requests)."""
+        self._rebinds_in_a_row += 1
+        if self._rebinds_in_a_row > _MAX_REBINDS_IN_A_ROW:
+            self._rebinds_in_a_row = 0
+            self._bound = False
+            self._fail_all(cause)
+            return
+        log.warning("re-binding the suite: %s", cause)
+        requeued = self.scheduler.requeue_all()
+        try:
+            self._bind()
+        except Exception as exc:
+            self._fail_all(exc)
+            return
+        self.num_rebinds += 1
+        log.warning("re-bound; %d running requests requeued to recompute", requeued)
+
+    def _probe(self) -> bool:
+        """After a peer failed: wait briefly for the peers, re-bind if one is a new incarnation.
+
+        Returns:
+            Whether the engine is bound and may step; when not, the live requests were failed.
+        """
+        try:
+            pool_id = self.runner.info().pool_id
+            self.kv.keepalive()
+        except FailedPrecondition as exc:
+            self._rebind(exc)
+            return self._bound
+        except Exception as exc:
+            self._fail_all(Unavailable(f"a backend is unreachable: {exc}"))
+            return False
+        self._suspect = False
+        if pool_id != self.info.pool_id:
+            self._rebind(RunnerRestarted(f"model-runner pool is now {pool_id}, was {self.info.pool_id}"))
+            return self._bound
+        return True
+
+    def _keepalive(self) -> None:
+        """Renews the ownership leases and checks the runner incarnation (also while idle)."""
+        self._next_keepalive = time.monotonic() + self._keepalive_period
+        try:
+            pool_id = self.runner.info().pool_id
+            if pool_id != self.info.pool_id:
+                self._rebind(RunnerRestarted(f"model-runner pool is now {pool_id}, was {self.info.pool_id}"))
+                return
+            self.kv.keepalive()
+        except FailedPrecondition as exc:
+            self._rebind(exc)
+            return
+        except Exception as exc:
+            log.debug("keep-alive failed: %s", exc)
+        if self.offload is not None:
+            self.offload.keepalive()
 
     # ----------------------------------------------------------------- public API
     def start(self) -> Engine:
@@ -159,6 +285,13 @@ class Engine:
             try:
                 self._apply_commands()
                 self._expire()
+                if time.monotonic() >= self._next_keepalive:
+                    self._keepalive()
+                if not self._bound and self.scheduler.has_work:
+                    self._rebind(Unavailable("the suite is not bound"))
+                    continue
+                if self._suspect and self.scheduler.has_work and not self._probe():
+                    continue
                 if not self.scheduler.has_work:
                     self._flush_frees()
                     self._publish_queues()  # an abort or expiry may have emptied them without a step
@@ -196,6 +329,9 @@ class Engine:
         if frees or rollbacks:
             try:
                 self.scheduler.last_kv_stats = self.kv.free(frees, rollbacks)
+            except FailedPrecondition as exc:  # restarted or taken over: re-bind on the next step
+                log.warning("freeing %d requests refused: %s", len(frees) + len(rollbacks), exc)
+                self._bound = False
             except Exception:
                 log.exception("freeing %d requests failed", len(frees) + len(rollbacks))
 
@@ -214,6 +350,9 @@ class Engine:
         with step_span(self.num_steps, candidates, self.config.trace_steps, self.config.trace_step_every):
             try:
                 step = sched.schedule()
+            except FailedPrecondition as exc:  # the kv-cache-manager restarted or was taken over
+                self._rebind(exc)
+                return
             except Exception as exc:
                 self._fail_all(exc)
                 return
@@ -227,10 +366,14 @@ class Engine:
                 return
             try:
                 output = self.runner.execute(step.step_input)
+            except RunnerRestarted as exc:  # refused before it ran: nothing was computed
+                self._rebind(exc)
+                return
             except Exception as exc:
                 self._fail_step(step, exc)
                 return
         self.num_steps += 1
+        self._rebinds_in_a_row = 0
         if self.metrics is not None:
             self._record_step(step, output)
         for rid in step.num_scheduled:
@@ -309,6 +452,7 @@ class Engine:
         # NOTE: the exception text names internal addresses and peers: it goes to the log with the
         # request ids; clients get a clean message with their own id only.
         log.error("%s failed for requests %s: %s", what, [r.request_id for r in reqs], " ".join(str(exc).split()))
+        self._suspect = True
         for req in reqs:
             err = exc if isinstance(exc, KVMeshError) else Unavailable(
                 f"{component} unavailable; request {req.request_id} failed, retry")

@@ -19,7 +19,6 @@ from services.scheduler.config import SchedulerConfig
 from services.scheduler.engine import Engine
 from services.scheduler.offload import InProcessOffload
 from services.scheduler.tokenizer import Tokenizer
-from shared.config import CacheConfig
 
 
 @dataclass
@@ -49,15 +48,9 @@ def build_inprocess(runner_config: RunnerConfig, scheduler_config: SchedulerConf
     """
     sched_config = scheduler_config or SchedulerConfig()
     runner = build_runner(runner_config)
-    info = runner.model_info()
-    manager = KVCacheManager(CacheConfig(block_size=info.block_size, num_blocks=info.num_blocks,
-                                         max_model_len=info.max_model_len, model_id=info.model_id,
-                                         deployment_key=sched_config.deployment_key))
-    store = None
-    if offload_config is not None:
-        store = OffloadStoreCore(offload_config)
-        store.attach_pool(runner.pool.handle())
-    engine = Engine(sched_config, InProcessKVCache(manager), InProcessRunner(runner),
+    store = OffloadStoreCore(offload_config) if offload_config is not None else None
+    kv = InProcessKVCache()  # created by the engine's bind, from the runner's geometry and its seed
+    engine = Engine(sched_config, kv, InProcessRunner(runner),
                     InProcessOffload(store) if store is not None else None)
     tokenizer = Tokenizer(runner_config.model_dir) if with_tokenizer else None
-    return InProcessSuite(engine.start(), manager, runner, tokenizer, store)
+    return InProcessSuite(engine.start(), kv.manager, runner, tokenizer, store)

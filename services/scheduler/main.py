@@ -9,13 +9,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import uuid
 
 from services.scheduler.auth import AuthInterceptor, key_store_for
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.engine import Engine
 from services.scheduler.offload import RemoteOffload
 from services.scheduler.readiness import DependencyWatcher
-from services.scheduler.remote import RemoteKVCache, RemoteRunner, check_hash_seed
+from services.scheduler.remote import RemoteKVCache, RemoteRunner
 from services.scheduler.servicer import SchedulerServicer
 from services.scheduler.shutdown import drain_engine
 from services.scheduler.tokenizer import Tokenizer
@@ -38,7 +39,7 @@ def main() -> int:
     setup_tracing("scheduler", env)
     registry = new_registry()
     config = from_env(SchedulerConfig, "KVMESH_SCHED_", model_dir=env.get("KVMESH_MODEL_DIR", ""))
-    if env.get("KVMESH_DEPLOYMENT_KEY"):  # the key the kv-cache-manager reads too (one secret for both)
+    if env.get("KVMESH_DEPLOYMENT_KEY"):  # the prefix-hash key: only the scheduler reads it (sent as a seed)
         config = dataclasses.replace(config, deployment_key=env["KVMESH_DEPLOYMENT_KEY"])
     # NOTE: every streaming Generate holds a server thread for its whole life, so the pool must
     # exceed the admission bound; otherwise excess requests queue inside gRPC, invisible to
@@ -55,19 +56,19 @@ def main() -> int:
     keys = key_store_for(from_env(AuthConfig, "KVMESH_AUTH_"), server_cfg.host)
     for address in (config.kvm_address, config.runner_address):
         wait_healthy(address, timeout=float(env.get("KVMESH_DEPENDENCY_TIMEOUT", "300")))
-    kv = RemoteKVCache(config.kvm_address, config.rpc_timeout_seconds)
+    owner_id = uuid.uuid4().hex  # this scheduler incarnation (docs/reliability.md)
+    kv = RemoteKVCache(config.kvm_address, config.rpc_timeout_seconds, owner_id, config.owner_lease_seconds)
     runner = RemoteRunner(config.runner_address, config.rpc_timeout_seconds)
     offload = None
     if config.offload_address:
         wait_healthy(config.offload_address, timeout=float(env.get("KVMESH_DEPENDENCY_TIMEOUT", "300")))
-        offload = RemoteOffload(config.offload_address, config.rpc_timeout_seconds)
-        offload.attach_pool(runner.pool_handle())
+        offload = RemoteOffload(config.offload_address, config.rpc_timeout_seconds, owner_id,
+                                config.owner_lease_seconds)
     tokenizer = Tokenizer(config.model_dir) if config.model_dir else None
     mcfg = metrics_config(env, server_cfg.host)
     metrics = SchedulerMetrics(registry, mcfg.model_name, runner.info().max_model_len)
     start_metrics_server(mcfg.port, registry, addr=mcfg.host)
-    engine = Engine(config, kv, runner, offload, metrics)
-    check_hash_seed(kv, engine)
+    engine = Engine(config, kv, runner, offload, metrics)  # binds the suite (waits out a dead predecessor's lease)
     engine.start()
     servicer = SchedulerServicer(engine, tokenizer)
     running = start_server(server_cfg, [
@@ -86,8 +87,20 @@ def main() -> int:
         for probe in probes.values():
             probe.close()
         engine.stop()
+        _release(kv, offload)
         kv.close()
         runner.close()
         if offload is not None:
             offload.close()
     return 0
+
+
+def _release(kv: RemoteKVCache, offload: RemoteOffload | None) -> None:
+    """Clean exit: hand ownership back so a successor binds at once (its requests are freed)."""
+    for name, peer in (("kv-cache-manager", kv), ("offload-store", offload)):
+        if peer is None:
+            continue
+        try:
+            peer.release()
+        except Exception as exc:  # a dead peer has nothing to release
+            log.warning("releasing the %s failed: %s", name, exc)

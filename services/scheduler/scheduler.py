@@ -142,6 +142,33 @@ class Scheduler:
         if req.known_to_runner:
             self._runner_forget.append(req.request_id)
 
+    def requeue_all(self) -> int:
+        """Sends every live request back to waiting, to be recomputed from its tokens.
+
+        For a re-bind (docs/reliability.md): the kv-cache-manager or the model-runner lost (or
+        never had) the state of these requests, so no block table, pending free or runner-side
+        request survives; greedy output is unchanged, exactly as after a recompute preemption.
+
+        Returns:
+            How many requests were running.
+        """
+        running, self.running = self.running, []
+        for req in self.requests.values():
+            req.known_to_runner = False
+            req.num_computed_tokens = 0
+            req.num_tokens_sent_to_kvm = 0
+            req.block_ids = []
+            req.block_hashes = []  # the seed or block size may have changed with the runner
+            req.num_cached_tokens = -1  # a hit counted against the old binding is not one
+        for req in running:
+            req.status = RequestStatus.WAITING
+            req.num_preemptions += 1
+            bisect.insort(self.waiting, req, key=lambda r: r.sort_key)
+        self._pending_frees.clear()
+        self._pending_rollbacks.clear()
+        self._runner_forget.clear()
+        return len(running)
+
     @property
     def has_work(self) -> bool:
         """Whether a step would do anything (including flushing frees)."""

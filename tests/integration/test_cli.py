@@ -1,5 +1,5 @@
-"""The command line end to end: ``kvmesh demo`` (what ``make run`` runs) on a tiny model, and a
-scheduler refusing to start when its prefix-hash key differs from the kv-cache-manager's."""
+"""The command line end to end: ``kvmesh demo`` (what ``make run`` runs) on a tiny model, and the
+prefix-hash seed having one owner: the scheduler's deployment key is the one every tier hashes with."""
 
 from __future__ import annotations
 
@@ -8,9 +8,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
+import grpc
 
-from shared.launcher import ServiceProcess, ServiceStartError
+from shared.auth import DEFAULT_TENANT, tenant_cache_salt
+from shared.client import KVMeshClient
+from shared.hashing import hash_blocks, hash_seed
+from shared.launcher import ServiceProcess
+from shared.pb.kvmesh.v1 import kv_cache_manager_pb2, kv_cache_manager_pb2_grpc, model_runner_pb2, model_runner_pb2_grpc
 
 
 def test_demo_starts_the_suite_streams_an_answer_and_stops(tiny_llama_dir: Path, tmp_path: Path) -> None:
@@ -26,11 +30,24 @@ def test_demo_starts_the_suite_streams_an_answer_and_stops(tiny_llama_dir: Path,
     assert "kvmesh: stopping" in out
 
 
-def test_scheduler_refuses_a_different_deployment_key(tiny_llama_dir: Path, tmp_path: Path) -> None:
+def test_the_scheduler_is_the_one_owner_of_the_hash_seed(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """Issue 11/12: the key had two readers (and a start-up check that they agree); now the manager
+    reads none and hashes with the seed the scheduler derives and sends in Initialize."""
     common = {"KVMESH_MODEL_DIR": str(tiny_llama_dir), "KVMESH_RUNNER_WARMUP": "0"}
     with ServiceProcess("kv-cache-manager", env={**common, "KVMESH_DEPLOYMENT_KEY": "key-a"}) as kvm, \
-            ServiceProcess("model-runner", env=common) as runner:
+            ServiceProcess("model-runner", env=common) as runner, \
+            grpc.insecure_channel(kvm.address) as kvm_channel, grpc.insecure_channel(runner.address) as rch:
         env = {**common, "KVMESH_DEPLOYMENT_KEY": "key-b", "KVMESH_SCHED_KVM_ADDRESS": kvm.address,
                "KVMESH_SCHED_RUNNER_ADDRESS": runner.address}
-        with pytest.raises(ServiceStartError, match="prefix-hash seed mismatch"):
-            ServiceProcess("scheduler", env=env, startup_timeout=60, log_dir=str(tmp_path))
+        info = model_runner_pb2_grpc.ModelRunnerStub(rch).GetModelInfo(model_runner_pb2.GetModelInfoRequest())
+        with ServiceProcess("scheduler", env=env, startup_timeout=60, log_dir=str(tmp_path)) as sched:
+            events = kv_cache_manager_pb2_grpc.KVCacheManagerStub(kvm_channel).SubscribeEvents(
+                kv_cache_manager_pb2.SubscribeEventsRequest(), timeout=60)
+            events.initial_metadata()
+            prompt = list(range(3, 3 + 2 * info.block_size + 1))
+            with KVMeshClient(sched.address) as client:
+                client.complete(prompt, 1)
+            stored = next(iter(events)).events[0].stored
+            events.cancel()
+    salt = tenant_cache_salt("key-b", DEFAULT_TENANT)  # auth is off on loopback: the default tenant
+    assert list(stored.block_hashes) == hash_blocks(hash_seed(b"key-b", info.model_id), prompt, info.block_size, salt)

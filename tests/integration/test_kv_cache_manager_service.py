@@ -1,12 +1,14 @@
 """The kv-cache-manager as a real process over gRPC: scenario, status codes, events, health, stop.
 
-Pool: 11 blocks of 16 tokens (block 0 null). Every test starts from a fresh pool (Initialize).
+Pool: 11 blocks of 16 tokens (block 0 null). Every test starts from a fresh pool (Initialize with
+a new pool incarnation), as the owner :data:`OWNER` (metadata on every call of ``stub``).
 """
 
 from __future__ import annotations
 
 import signal
 import threading
+import uuid
 from collections.abc import Iterator
 
 import grpc
@@ -16,17 +18,19 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from shared.hashing import hash_blocks, hash_seed
 from shared.launcher import ServiceProcess
+from shared.owner_channel import with_owner
 from shared.pb.kvmesh.v1 import kv_cache_manager_pb2 as pb
 from shared.pb.kvmesh.v1 import kv_cache_manager_pb2_grpc as pb_grpc
 
-ENV = {
-    "KVMESH_KVM_NUM_BLOCKS": "11",
-    "KVMESH_KVM_BLOCK_SIZE": "16",
-    "KVMESH_KVM_MAX_MODEL_LEN": "256",
-    "KVMESH_KVM_MODEL_ID": "it-model",
-    "KVMESH_KVM_DEPLOYMENT_KEY": "it-key",
-}
+ENV: dict[str, str] = {}  # nothing about the pool: it all comes with Initialize
 SEED = hash_seed(b"it-key", "it-model")
+OWNER = "it-scheduler"
+
+
+def init_request(num_blocks: int = 11, pool_id: str = "") -> pb.InitializeRequest:
+    """The owner's Initialize: geometry, seed, a fresh pool incarnation unless one is given."""
+    return pb.InitializeRequest(num_blocks=num_blocks, block_size=16, max_model_len=256, model_id="it-model",
+                                hash_seed=SEED, pool_id=pool_id or uuid.uuid4().hex, lease_seconds=60)
 SERVICE = "kvmesh.v1.KVCacheManager"
 A = list(range(55))
 B = A[:48] + list(range(1000, 1005))
@@ -48,8 +52,8 @@ def channel(service: ServiceProcess) -> Iterator[grpc.Channel]:
 
 @pytest.fixture
 def stub(channel: grpc.Channel) -> pb_grpc.KVCacheManagerStub:
-    s = pb_grpc.KVCacheManagerStub(channel)
-    s.Initialize(pb.InitializeRequest(num_blocks=11), timeout=TIMEOUT)
+    s = pb_grpc.KVCacheManagerStub(with_owner(channel, OWNER))
+    s.Initialize(init_request(), timeout=TIMEOUT)
     return s
 
 
@@ -141,8 +145,12 @@ BAD_CASES = [
      grpc.StatusCode.INVALID_ARGUMENT),
     ("reset while in use", lambda s: s.ResetPrefixCache(pb.ResetPrefixCacheRequest(), timeout=TIMEOUT),
      grpc.StatusCode.FAILED_PRECONDITION),
-    ("initialize while in use", lambda s: s.Initialize(pb.InitializeRequest(num_blocks=11), timeout=TIMEOUT),
-     grpc.StatusCode.FAILED_PRECONDITION),
+    ("initialize with a bad seed", lambda s: s.Initialize(pb.InitializeRequest(
+        num_blocks=11, block_size=16, max_model_len=256, hash_seed=b"x", lease_seconds=60), timeout=TIMEOUT),
+     grpc.StatusCode.INVALID_ARGUMENT),
+    ("initialize without a lease", lambda s: s.Initialize(pb.InitializeRequest(
+        num_blocks=11, block_size=16, max_model_len=256, hash_seed=SEED), timeout=TIMEOUT),
+     grpc.StatusCode.INVALID_ARGUMENT),
 ]
 
 
@@ -156,8 +164,67 @@ def test_bad_input_maps_to_status_codes_and_changes_nothing(stub: pb_grpc.KVCach
         assert observable(stub, ["live"]) == before, name
     stub.Free(pb.FreeRequest(request_ids=["live"]), timeout=TIMEOUT)
     with pytest.raises(grpc.RpcError) as info:
-        stub.Initialize(pb.InitializeRequest(num_blocks=1), timeout=TIMEOUT)
+        stub.Initialize(init_request(num_blocks=1), timeout=TIMEOUT)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_only_the_owner_may_change_or_read_request_state(stub: pb_grpc.KVCacheManagerStub,
+                                                         channel: grpc.Channel) -> None:
+    """Issue 12 item 7: Initialize(num_blocks=4), ResetPrefixCache and LookupPrefix were open to anyone."""
+    step(stub, [], [new("a", A)])
+    step(stub, ["a"], [])  # idle but serving: A's 3 blocks cached
+    before = observable(stub, [])
+    stranger = pb_grpc.KVCacheManagerStub(with_owner(channel, "stranger"))
+    anonymous = pb_grpc.KVCacheManagerStub(channel)
+    calls = [
+        ("Initialize", lambda s: s.Initialize(init_request(num_blocks=4), timeout=TIMEOUT)),
+        ("ResetPrefixCache", lambda s: s.ResetPrefixCache(pb.ResetPrefixCacheRequest(), timeout=TIMEOUT)),
+        ("AllocateSlots", lambda s: step(s, [], [new("x", B)])),
+        ("Free", lambda s: s.Free(pb.FreeRequest(), timeout=TIMEOUT)),
+        ("Release", lambda s: s.Release(pb.ReleaseRequest(), timeout=TIMEOUT)),
+    ]
+    for who, s in (("stranger", stranger), ("anonymous", anonymous)):
+        for name, call in calls:
+            with pytest.raises(grpc.RpcError) as info:
+                call(s)
+            expected = (grpc.StatusCode.INVALID_ARGUMENT if who == "anonymous" and name == "Initialize"
+                        else grpc.StatusCode.FAILED_PRECONDITION)
+            assert info.value.code() == expected, (who, name, info.value.details())
+            assert observable(stub, []) == before, (who, name)
+    assert "owned by another scheduler" in _details(lambda: calls[0][1](stranger))
+    assert "not the owner" in _details(lambda: calls[1][1](stranger))
+    # A prefix query answers how much is cached, but only the owner learns the block ids and hashes.
+    for s in (stranger, anonymous):
+        assert s.LookupPrefix(pb.LookupPrefixRequest(token_ids=A), timeout=TIMEOUT) == \
+            pb.LookupPrefixResponse(num_cached_tokens=48)
+    # Aggregates stay open to monitoring; the owner still serves.
+    assert stranger.GetStats(pb.GetStatsRequest(), timeout=TIMEOUT).num_cached_blocks == 3
+    assert stub.LookupPrefix(pb.LookupPrefixRequest(token_ids=A), timeout=TIMEOUT).num_cached_tokens == 48
+
+
+def test_release_lets_a_successor_take_over_at_once(stub: pb_grpc.KVCacheManagerStub, channel: grpc.Channel) -> None:
+    pool = uuid.uuid4().hex
+    stub.Initialize(init_request(pool_id=pool), timeout=TIMEOUT)
+    step(stub, [], [new("a", A)])
+    step(stub, [], [pb.Allocation(request_id="a", new_token_ids=[7], num_new_tokens=1)])
+    assert stub.Release(pb.ReleaseRequest(), timeout=TIMEOUT).num_freed_requests == 1
+    successor = pb_grpc.KVCacheManagerStub(with_owner(channel, "successor"))
+    resp = successor.Initialize(init_request(pool_id=pool), timeout=TIMEOUT)  # same runner pool
+    assert (resp.kept_cache, resp.num_freed_requests) == (True, 0)
+    assert (resp.stats.num_requests, resp.stats.num_free_blocks, resp.stats.num_cached_blocks) == (0, 10, 3)
+    assert successor.LookupPrefix(pb.LookupPrefixRequest(token_ids=A), timeout=TIMEOUT).num_cached_tokens == 48
+    with pytest.raises(grpc.RpcError) as info:
+        step(stub, [], [new("b", B)])  # the old owner is fenced out
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    successor.Release(pb.ReleaseRequest(), timeout=TIMEOUT)
+
+
+def _details(call: object) -> str:
+    try:
+        call()  # type: ignore[operator]
+    except grpc.RpcError as exc:
+        return str(exc.details())
+    raise AssertionError("the call succeeded")
 
 
 def test_subscribers_receive_block_events(stub: pb_grpc.KVCacheManagerStub) -> None:
@@ -197,6 +264,12 @@ def test_sigterm_ends_event_streams_cleanly_and_exits_zero() -> None:
     proc = ServiceProcess("kv-cache-manager", env=ENV)
     try:
         with grpc.insecure_channel(proc.address) as ch:
+            bare = pb_grpc.KVCacheManagerStub(with_owner(ch, OWNER))  # issue 12 item 3: no default pool
+            assert bare.GetStats(pb.GetStatsRequest(), timeout=TIMEOUT).num_blocks == 0
+            with pytest.raises(grpc.RpcError) as info:
+                step(bare, [], [new("a", A)])
+            assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert (info.value.details() or "").startswith("not initialized")
             stream = pb_grpc.KVCacheManagerStub(ch).SubscribeEvents(pb.SubscribeEventsRequest(), timeout=30)
             stream.initial_metadata()
             received: list[pb.KVEventBatch] = []

@@ -16,6 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from shared.hashing import hash_blocks, hash_seed
 from shared.launcher import ServiceProcess
+from shared.owner_channel import with_owner
 from shared.pb.kvmesh.v1 import common_pb2, offload_store_pb2, offload_store_pb2_grpc
 
 # [layers, 2, num_blocks, block_size, kv_heads, head_dim] fp16: 32 KiB per block
@@ -60,7 +61,7 @@ def test_offload_store_service(tmp_path: Path, pool_file: tuple[str, torch.Tenso
             health = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service="kvmesh.v1.OffloadStore"), timeout=5)
             assert health.status == health_pb2.HealthCheckResponse.SERVING
-            stub = offload_store_pb2_grpc.OffloadStoreStub(channel)
+            stub = offload_store_pb2_grpc.OffloadStoreStub(with_owner(channel, "itest"))
 
             with pytest.raises(grpc.RpcError) as err:
                 stub.Load(offload_store_pb2.LoadRequest(blocks=refs(hashes[:1], [4])), timeout=5)
@@ -106,10 +107,10 @@ def test_offload_store_service(tmp_path: Path, pool_file: tuple[str, torch.Tenso
     again = start(tmp_path / "data")
     try:
         with grpc.insecure_channel(again.address) as channel:
-            stub = offload_store_pb2_grpc.OffloadStoreStub(channel)
+            stub = offload_store_pb2_grpc.OffloadStoreStub(with_owner(channel, "itest-2"))
+            stub.AttachPool(offload_store_pb2.AttachPoolRequest(pool=handle), timeout=5)  # a new owner
             assert stub.Lookup(_lookup(hashes), timeout=5) == \
                 offload_store_pb2.LookupResponse(num_present=[1], num_in_dram=[0])
-            stub.AttachPool(offload_store_pb2.AttachPoolRequest(pool=handle), timeout=5)
             raw[:, :, 7].zero_()
             load = stub.Load(offload_store_pb2.LoadRequest(blocks=refs(hashes[:2], [7, 6])), timeout=5)
             assert load.num_loaded == 1 and list(load.failed_hashes) == [hashes[1]]

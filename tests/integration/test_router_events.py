@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import pytest
 
+from services.kv_cache_manager.binding import ManagerBinding
 from services.kv_cache_manager.events import EventHub
 from services.kv_cache_manager.manager import KVCacheManager
 from services.kv_cache_manager.servicer import SERVICE_NAME, KVCacheManagerServicer
@@ -37,8 +38,10 @@ class KVM:
 
 def serve_kvm(port: int = 0) -> KVM:
     hub = EventHub()
-    manager = make_manager(num_blocks=13, block_size=4, hub=hub)
-    servicer = KVCacheManagerServicer(manager, hub)
+    binding = ManagerBinding(hub)  # bound as a scheduler would (the manager serves nothing before)
+    binding.initialize("test-scheduler", make_manager(num_blocks=13, block_size=4).config, "pool-1", 3600.0)
+    manager = binding.manager()
+    servicer = KVCacheManagerServicer(binding, hub)
     server = start_server(ServerConfig(port=port), [
         ServiceRegistration(SERVICE_NAME, servicer, kvm_grpc.add_KVCacheManagerServicer_to_server)])
     return KVM(manager, hub, servicer, server)

@@ -5,10 +5,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from services.kv_cache_manager.binding import ManagerBinding
 from services.kv_cache_manager.events import EventHub
 from services.kv_cache_manager.manager import KVCacheManager
 from services.kv_cache_manager.types import AllocationSpec
 from shared.config import CacheConfig
+from shared.hashing import hash_seed
 
 BS = 16
 
@@ -17,8 +19,18 @@ def make_manager(num_blocks: int = 11, block_size: int = BS, max_model_len: int 
                  hub: EventHub | None = None) -> KVCacheManager:
     """A manager with a small pool (block 0 is null, so ``num_blocks - 1`` are usable)."""
     config = CacheConfig(block_size=block_size, num_blocks=num_blocks, max_model_len=max_model_len,
-                         model_id="test-model", deployment_key="test-key")
+                         model_id="test-model", hash_seed=hash_seed(b"test-key", "test-model"))
     return KVCacheManager(config, hub)
+
+
+OWNER = "test-owner"
+
+
+def make_binding(hub: EventHub | None = None, num_blocks: int = 11) -> ManagerBinding:
+    """A service-level binding initialized by :data:`OWNER` with :func:`make_manager`'s config."""
+    binding = ManagerBinding(hub)
+    binding.initialize(OWNER, make_manager(num_blocks).config, "pool-1", 60.0)
+    return binding
 
 
 def new(request_id: str, tokens: Sequence[int], num_new: int | None = None, **kw: Any) -> AllocationSpec:

@@ -16,10 +16,11 @@ from services.kv_cache_manager.types import AllBlocksCleared, BlockRemoved, KVEv
 from shared.config import ServerConfig
 from shared.grpc_server import RunningServer, ServiceRegistration, start_server
 from shared.hashing import BlockHash
+from shared.owner_channel import with_owner
 from shared.pb.kvmesh.v1 import kv_cache_manager_pb2 as pb
 from shared.pb.kvmesh.v1 import kv_cache_manager_pb2_grpc as pb_grpc
 
-from .helpers import make_manager, new, seq
+from .helpers import OWNER, make_binding, make_manager, new, seq
 
 CLEARED = (AllBlocksCleared(),)
 
@@ -76,7 +77,7 @@ def test_no_events_are_built_without_subscribers() -> None:
 @pytest.fixture
 def server() -> Iterator[tuple[RunningServer, EventHub, KVCacheManagerServicer]]:
     hub = EventHub()
-    servicer = KVCacheManagerServicer(make_manager(hub=hub), hub, max_subscribers=2)
+    servicer = KVCacheManagerServicer(make_binding(hub), hub, max_subscribers=2)
     running = start_server(ServerConfig(port=0, max_workers=4),
                            [ServiceRegistration(SERVICE_NAME, servicer, pb_grpc.add_KVCacheManagerServicer_to_server)])
     yield running, hub, servicer
@@ -97,7 +98,7 @@ def test_client_cancel_removes_the_subscription(
         server: tuple[RunningServer, EventHub, KVCacheManagerServicer]) -> None:
     running, hub, _ = server
     with grpc.insecure_channel(f"127.0.0.1:{running.port}") as ch:
-        stub = pb_grpc.KVCacheManagerStub(ch)
+        stub = pb_grpc.KVCacheManagerStub(with_owner(ch, OWNER))
         stream = stub.SubscribeEvents(pb.SubscribeEventsRequest(), timeout=30)
         stream.initial_metadata()
         assert hub.has_subscribers

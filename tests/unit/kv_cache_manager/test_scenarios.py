@@ -5,6 +5,7 @@ Pool: 11 blocks of 16 tokens; block 0 is the null block, so blocks 1..10 are usa
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import pytest
@@ -300,7 +301,7 @@ def test_events_stored_removed_cleared() -> None:
     m.step((), [new("early", seq(700, 16))])  # before anyone subscribed: not delivered
     sub = hub.subscribe()
     m.free(["early"])
-    m.initialize(num_blocks=11)  # a fresh pool forgets everything cached
+    m.initialize(m.config)  # a fresh pool forgets everything cached
     assert drain(sub) == [AllBlocksCleared()]
     ha = hashes_of(A)
     m.step((), [new("a", A)])
@@ -402,17 +403,30 @@ def test_external_blocks_obey_the_last_token_cap_and_the_pool_hit(m: KVCacheMana
     m.check_integrity()
 
 
-def test_initialize_recreates_the_pool_only_when_idle(m: KVCacheManager) -> None:
+def test_initialize_recreates_the_pool_for_new_geometry_and_frees_live_requests(m: KVCacheManager) -> None:
     m.step((), [new("a", A)])
-    with pytest.raises(FailedPrecondition):
-        m.initialize(num_blocks=21)
-    m.free(["a"])
-    stats = m.initialize(num_blocks=21, block_size=8)
+    stats, kept, freed = m.initialize(dataclasses.replace(m.config, num_blocks=21, block_size=8), keep_cache=True)
+    assert (kept, freed) == (False, 1)  # other geometry: the cache cannot be kept
     assert (stats.num_blocks, stats.num_free_blocks, stats.block_size, stats.num_cached_blocks) == (20, 20, 8, 0)
-    assert stats.prefix_cache_queries == 0
+    assert (stats.num_requests, stats.prefix_cache_queries) == (0, 0)
     r = m.step((), [new("a", A)]).results[0]
     assert r.new_block_ids == (1, 2, 3, 4, 5, 6, 7)
     m.check_integrity()
+
+
+def test_initialize_keeping_the_cache_rolls_back_allocations_that_may_not_have_run(m: KVCacheManager) -> None:
+    """A re-bind frees every live request; only blocks whose step is known to have run stay cached."""
+    m.step((), [new("a", A)])
+    m.step((), [running("a", [7], 1)])  # a's first allocation ran: blocks 1-3 hold A's KV
+    m.step((), [new("c", seq(500, 40))])  # c's allocation never ran: its 2 full blocks hold nothing
+    stats, kept, freed = m.initialize(m.config, keep_cache=True)
+    assert (kept, freed) == (True, 2)
+    assert (stats.num_requests, stats.num_free_blocks, stats.num_cached_blocks) == (0, 10, 3)
+    assert m.lookup_prefix(A).num_cached_tokens == 48
+    assert m.lookup_prefix(seq(500, 40)).num_cached_tokens == 0
+    m.check_integrity()
+    _, kept, freed = m.initialize(m.config)  # another runner pool: nothing survives
+    assert (kept, freed, m.lookup_prefix(A).num_cached_tokens) == (False, 0, 0)
 
 
 def test_a_request_freed_and_renewed_in_one_step(m: KVCacheManager) -> None:

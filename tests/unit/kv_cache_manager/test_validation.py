@@ -64,12 +64,6 @@ CASES: list[tuple[str, Case, type[KVMeshError]]] = [
     ("lookup beyond max_model_len", lambda m: m.lookup_prefix(seq(0, MAX_LEN + 1)), InvalidArgument),
     ("block table of an unknown id", lambda m: m.get_block_table("nope"), NotFound),
     ("reset while blocks are in use", lambda m: m.reset_prefix_cache(), FailedPrecondition),
-    ("initialize while blocks are in use", lambda m: m.initialize(num_blocks=11), FailedPrecondition),
-    ("initialize with num_blocks < 2", lambda m: m.initialize(num_blocks=1), InvalidArgument),
-    ("initialize with a negative block size", lambda m: m.initialize(num_blocks=11, block_size=-16),
-     InvalidArgument),
-    ("initialize with a negative max_model_len",
-     lambda m: m.initialize(num_blocks=11, max_model_len=-1), InvalidArgument),
 ]
 
 

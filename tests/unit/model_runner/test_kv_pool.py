@@ -13,7 +13,14 @@ from typing import Any
 import pytest
 import torch
 
-from services.model_runner.kv_pool import KVPool, SharedTensorHandle, attach, bytes_per_block, kv_dtype_for
+from services.model_runner.kv_pool import (
+    KVPool,
+    SharedTensorHandle,
+    attach,
+    bytes_per_block,
+    kv_dtype_for,
+    remove_stale_pool_files,
+)
 from shared.errors import FailedPrecondition, InvalidArgument, NotFound
 
 GEOMETRY: dict[str, Any] = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 8, "block_size": 4}
@@ -147,3 +154,33 @@ def test_handle_fields_match_the_proto() -> None:
         handle = pool.handle()
         assert isinstance(handle, SharedTensorHandle)
         assert handle.dtype == "float32" and handle.shape == (2, 2, 10, 4, 2, 8) and handle.device_index == -1
+
+
+_SIGKILLED_RUNNER = """
+import os, signal, sys, torch
+from services.model_runner.kv_pool import KVPool
+pool = KVPool(num_layers=1, num_kv_heads=1, head_dim=4, block_size=4, memory_bytes=4096, dtype=torch.float32,
+              shm_dir=sys.argv[1], name=sys.argv[2])
+print(pool.path, flush=True)
+os.kill(os.getpid(), signal.SIGKILL)  # no close(), no finalizer: the file stays behind
+"""
+
+
+def test_a_sigkilled_runners_pool_file_is_removed_by_the_next_runner_not_a_live_ones(tmp_path: Path) -> None:
+    """Issue 12 item 1: SIGKILL leaves the pool file in /dev/shm; the next runner's start removes it."""
+    name = "kvmesh-kv-stale-test"
+    shm = str(tmp_path)
+    dead = subprocess.run([sys.executable, "-c", _SIGKILLED_RUNNER, shm, name], capture_output=True, text=True,
+                          timeout=120, cwd=Path(__file__).parents[3])
+    assert dead.returncode == -9
+    dead_path = Path(dead.stdout.strip())
+    assert dead_path.exists()
+    unrelated = tmp_path / f"{name}-old-format.kv"  # another runner version's file: never touched
+    unrelated.write_bytes(b"x")
+    with KVPool(num_layers=1, num_kv_heads=1, head_dim=4, block_size=4, memory_bytes=4096, dtype=torch.float32,
+                shm_dir=shm, name=name) as live:
+        assert not dead_path.exists()
+        assert live.path is not None and live.path.exists()
+        assert remove_stale_pool_files(shm, name) == []  # the live runner holds its lock
+        assert live.path.exists() and unrelated.exists()
+    assert live.path is not None and not live.path.exists()

@@ -239,7 +239,10 @@ def test_bad_input_raises_and_changes_nothing(make_core: CoreFactory, make_pool:
         core.load([(h[0], 0)])  # the null block is never written
     with pytest.raises(InvalidArgument, match="same pool block twice"):
         core.load([(h[0], 3), (h[1], 3)])
-    assert core.stats() == OffloadStats(dram_capacity_bytes=4 * BLOCK, disk_capacity_bytes=8 * BLOCK)
+    # The two calls refused before AttachPool are counted (a store without a pool is visible).
+    assert core.stats() == OffloadStats(dram_capacity_bytes=4 * BLOCK, disk_capacity_bytes=8 * BLOCK,
+                                        pool_attached=True, pool_generation=pool.handle.generation,
+                                        refused_no_pool=2)
 
 
 def test_blocks_of_another_format_are_never_loaded(make_core: CoreFactory, make_pool: PoolFactory) -> None:

@@ -22,7 +22,8 @@ EOS = 99
 
 def _make(num_blocks: int, budget: int = 1024, max_seqs: int = 16, block_size: int = 16,
           prefix: bool = True) -> tuple[Scheduler, KVCacheManager]:
-    manager = KVCacheManager(CacheConfig(block_size=block_size, num_blocks=num_blocks, max_model_len=4096))
+    manager = KVCacheManager(CacheConfig(block_size=block_size, num_blocks=num_blocks, max_model_len=4096,
+                                         hash_seed=hash_seed(b"kvmesh-dev", "m")))
     info = RunnerInfo(model_id="m", vocab_size=1000, max_model_len=4096, eos_token_ids=(EOS,),
                       num_blocks=num_blocks, block_size=block_size)
     cfg = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs, enable_prefix_caching=prefix)
@@ -46,8 +47,7 @@ def _sample(sched: Scheduler, step: ScheduledStep, token: int = 7) -> StepOutput
 
 def _hashes(manager: KVCacheManager, tokens: list[int]) -> list[BlockHash]:
     """The manager's block hashes of ``tokens`` (no salt)."""
-    seed = hash_seed(manager.config.deployment_key.encode(), manager.config.model_id)
-    return hash_blocks(seed, tokens, manager.config.block_size, b"")
+    return hash_blocks(manager.config.hash_seed, tokens, manager.config.block_size, b"")
 
 
 def _run(sched: Scheduler, token: int = 7) -> ScheduledStep:

@@ -10,11 +10,11 @@ from shared.config import CacheConfig, ServerConfig, from_env
 
 
 def test_defaults_and_overrides() -> None:
-    cfg = from_env(CacheConfig, "KVMESH_KVM_", env={"KVMESH_KVM_BLOCK_SIZE": "32", "OTHER": "x"})
-    assert cfg.block_size == 32
-    assert cfg.num_blocks == CacheConfig().num_blocks
-    cfg2 = from_env(CacheConfig, "KVMESH_KVM_", env={"KVMESH_KVM_BLOCK_SIZE": "32"}, block_size=8)
-    assert cfg2.block_size == 8
+    cfg = from_env(ServerConfig, "KVMESH_", env={"KVMESH_PORT": "32", "OTHER": "x"})
+    assert cfg.port == 32
+    assert cfg.max_workers == ServerConfig().max_workers
+    cfg2 = from_env(ServerConfig, "KVMESH_", env={"KVMESH_PORT": "32"}, port=8)
+    assert cfg2.port == 8
 
 
 def test_frozen() -> None:
@@ -24,10 +24,18 @@ def test_frozen() -> None:
 
 
 def test_bad_values_name_the_variable() -> None:
-    with pytest.raises(ValueError, match="KVMESH_KVM_NUM_BLOCKS"):
-        from_env(CacheConfig, "KVMESH_KVM_", env={"KVMESH_KVM_NUM_BLOCKS": "many"})
+    with pytest.raises(ValueError, match="KVMESH_MAX_WORKERS"):
+        from_env(ServerConfig, "KVMESH_", env={"KVMESH_MAX_WORKERS": "many"})
+
+
+def test_cache_config_has_no_serving_defaults() -> None:
+    """The pool size and the hash seed always come from the scheduler (Initialize), never defaults."""
+    with pytest.raises(TypeError):
+        CacheConfig()  # type: ignore[call-arg]
     with pytest.raises(ValueError, match="num_blocks"):
-        from_env(CacheConfig, "KVMESH_KVM_", env={"KVMESH_KVM_NUM_BLOCKS": "1"})
+        CacheConfig(num_blocks=1, hash_seed=bytes(32))
+    with pytest.raises(ValueError, match="hash_seed must be 32 bytes"):
+        CacheConfig(num_blocks=8, hash_seed=b"short")
 
 
 def test_types() -> None:

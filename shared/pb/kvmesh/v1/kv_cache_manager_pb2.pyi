@@ -23,7 +23,7 @@ DESCRIPTOR: _descriptor.FileDescriptor
 
 @_typing.final
 class InitializeRequest(_message.Message):
-    """Pool geometry."""
+    """Pool geometry (the runner's), the hash seed (the scheduler's) and the owner's lease."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -31,14 +31,27 @@ class InitializeRequest(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _builtins.int
     MAX_MODEL_LEN_FIELD_NUMBER: _builtins.int
     MODEL_ID_FIELD_NUMBER: _builtins.int
+    HASH_SEED_FIELD_NUMBER: _builtins.int
+    POOL_ID_FIELD_NUMBER: _builtins.int
+    LEASE_SECONDS_FIELD_NUMBER: _builtins.int
     num_blocks: _builtins.int
     """Number of blocks in the pool, including the null block 0. Must be >= 2."""
     block_size: _builtins.int
-    """Tokens per block; 0 keeps the configured value."""
+    """Tokens per block; > 0."""
     max_model_len: _builtins.int
-    """Longest sequence (prompt + output) a request may reach; 0 keeps the configured value."""
+    """Longest sequence (prompt + output) a request may reach; > 0."""
     model_id: _builtins.str
-    """Identity of the model whose KV the pool holds (enters the hash seed); empty keeps the configured one."""
+    """Identity of the model whose KV the pool holds (a label: the seed already covers it)."""
+    hash_seed: _builtins.bytes
+    """Root of the prefix-hash chain (32 bytes), derived by the scheduler from the deployment key
+    and the model id: the one seed every tier's keys come from.
+    """
+    pool_id: _builtins.str
+    """The model-runner pool incarnation the blocks live in (ModelInfo.pool_id); a different one
+    means every cached block is gone.
+    """
+    lease_seconds: _builtins.float
+    """How long the ownership lasts without a call from the owner; > 0."""
     def __init__(
         self,
         *,
@@ -46,10 +59,13 @@ class InitializeRequest(_message.Message):
         block_size: _builtins.int = ...,
         max_model_len: _builtins.int = ...,
         model_id: _builtins.str = ...,
+        hash_seed: _builtins.bytes = ...,
+        pool_id: _builtins.str = ...,
+        lease_seconds: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "max_model_len", b"max_model_len", "model_id", b"model_id", "num_blocks", b"num_blocks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "hash_seed", b"hash_seed", "lease_seconds", b"lease_seconds", "max_model_len", b"max_model_len", "model_id", b"model_id", "num_blocks", b"num_blocks", "pool_id", b"pool_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -62,6 +78,12 @@ class InitializeResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     STATS_FIELD_NUMBER: _builtins.int
+    KEPT_CACHE_FIELD_NUMBER: _builtins.int
+    NUM_FREED_REQUESTS_FIELD_NUMBER: _builtins.int
+    kept_cache: _builtins.bool
+    """True when the cached blocks were kept (same geometry, seed and pool incarnation)."""
+    num_freed_requests: _builtins.int
+    """Live requests freed by this call (an earlier owner's, or the caller's own)."""
     @_builtins.property
     def stats(self) -> Global___KVCacheStats:
         """The resulting pool statistics."""
@@ -70,14 +92,55 @@ class InitializeResponse(_message.Message):
         self,
         *,
         stats: Global___KVCacheStats | None = ...,
+        kept_cache: _builtins.bool = ...,
+        num_freed_requests: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["stats", b"stats"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["stats", b"stats"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["kept_cache", b"kept_cache", "num_freed_requests", b"num_freed_requests", "stats", b"stats"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___InitializeResponse: _TypeAlias = InitializeResponse  # noqa: Y015
+
+@_typing.final
+class ReleaseRequest(_message.Message):
+    """No fields: the owner is the caller's `kvmesh-owner` metadata."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReleaseRequest: _TypeAlias = ReleaseRequest  # noqa: Y015
+
+@_typing.final
+class ReleaseResponse(_message.Message):
+    """After a release."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NUM_FREED_REQUESTS_FIELD_NUMBER: _builtins.int
+    num_freed_requests: _builtins.int
+    """Live requests freed."""
+    def __init__(
+        self,
+        *,
+        num_freed_requests: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["num_freed_requests", b"num_freed_requests"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReleaseResponse: _TypeAlias = ReleaseResponse  # noqa: Y015
 
 @_typing.final
 class Allocation(_message.Message):
@@ -563,6 +626,8 @@ class KVCacheStats(_message.Message):
     NUM_REQUESTS_FIELD_NUMBER: _builtins.int
     BLOCK_SIZE_FIELD_NUMBER: _builtins.int
     NUM_EVICTIONS_FIELD_NUMBER: _builtins.int
+    INSTANCE_ID_FIELD_NUMBER: _builtins.int
+    POOL_ID_FIELD_NUMBER: _builtins.int
     num_blocks: _builtins.int
     """Blocks in the pool, excluding the null block."""
     num_free_blocks: _builtins.int
@@ -585,6 +650,10 @@ class KVCacheStats(_message.Message):
     """Tokens per block."""
     num_evictions: _builtins.int
     """Cached blocks evicted so far."""
+    instance_id: _builtins.str
+    """Random id of this kv-cache-manager process: a new one means a restart (nothing kept)."""
+    pool_id: _builtins.str
+    """The runner pool incarnation the blocks belong to (from Initialize)."""
     def __init__(
         self,
         *,
@@ -599,10 +668,12 @@ class KVCacheStats(_message.Message):
         num_requests: _builtins.int = ...,
         block_size: _builtins.int = ...,
         num_evictions: _builtins.int = ...,
+        instance_id: _builtins.str = ...,
+        pool_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "num_blocks", b"num_blocks", "num_cached_blocks", b"num_cached_blocks", "num_evictions", b"num_evictions", "num_free_blocks", b"num_free_blocks", "num_requests", b"num_requests", "prefix_cache_hits", b"prefix_cache_hits", "prefix_cache_queries", b"prefix_cache_queries", "recompute_hits", b"recompute_hits", "recompute_queries", b"recompute_queries", "usage_percent", b"usage_percent"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "instance_id", b"instance_id", "num_blocks", b"num_blocks", "num_cached_blocks", b"num_cached_blocks", "num_evictions", b"num_evictions", "num_free_blocks", b"num_free_blocks", "num_requests", b"num_requests", "pool_id", b"pool_id", "prefix_cache_hits", b"prefix_cache_hits", "prefix_cache_queries", b"prefix_cache_queries", "recompute_hits", b"recompute_hits", "recompute_queries", b"recompute_queries", "usage_percent", b"usage_percent"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

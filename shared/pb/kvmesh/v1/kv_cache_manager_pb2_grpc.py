@@ -27,6 +27,14 @@ if _version_not_supported:
 
 class KVCacheManagerStub:
     """Manages which KV blocks belong to which request and which cached prefixes are reusable.
+
+    Ownership (docs/reliability.md): the manager starts UNINITIALIZED and serves nothing until a
+    scheduler calls Initialize. The caller's owner id travels as gRPC metadata `kvmesh-owner` on
+    every call; Initialize makes it the owner with a lease that every owner call renews. Every
+    call but GetStats, CheckIntegrity and SubscribeEvents is refused with FAILED_PRECONDITION
+    before Initialize ("not initialized") or from anyone but the owner ("not the owner"). GetStats
+    answers before Initialize too (num_blocks 0: unbound). LookupPrefix answers anyone, but its
+    block_ids and block_hashes only to the owner.
     """
 
     def __init__(self, channel):
@@ -39,6 +47,11 @@ class KVCacheManagerStub:
                 '/kvmesh.v1.KVCacheManager/Initialize',
                 request_serializer=kvmesh_dot_v1_dot_kv__cache__manager__pb2.InitializeRequest.SerializeToString,
                 response_deserializer=kvmesh_dot_v1_dot_kv__cache__manager__pb2.InitializeResponse.FromString,
+                _registered_method=True)
+        self.Release = channel.unary_unary(
+                '/kvmesh.v1.KVCacheManager/Release',
+                request_serializer=kvmesh_dot_v1_dot_kv__cache__manager__pb2.ReleaseRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_v1_dot_kv__cache__manager__pb2.ReleaseResponse.FromString,
                 _registered_method=True)
         self.AllocateSlots = channel.unary_unary(
                 '/kvmesh.v1.KVCacheManager/AllocateSlots',
@@ -84,10 +97,29 @@ class KVCacheManagerStub:
 
 class KVCacheManagerServicer:
     """Manages which KV blocks belong to which request and which cached prefixes are reusable.
+
+    Ownership (docs/reliability.md): the manager starts UNINITIALIZED and serves nothing until a
+    scheduler calls Initialize. The caller's owner id travels as gRPC metadata `kvmesh-owner` on
+    every call; Initialize makes it the owner with a lease that every owner call renews. Every
+    call but GetStats, CheckIntegrity and SubscribeEvents is refused with FAILED_PRECONDITION
+    before Initialize ("not initialized") or from anyone but the owner ("not the owner"). GetStats
+    answers before Initialize too (num_blocks 0: unbound). LookupPrefix answers anyone, but its
+    block_ids and block_hashes only to the owner.
     """
 
     def Initialize(self, request, context):
-        """(Re)creates the block pool; refused with FAILED_PRECONDITION while any block is in use.
+        """Binds the manager to the caller: the pool geometry and hash seed (both from the scheduler),
+        the runner's pool incarnation and the owner's lease. Refused with FAILED_PRECONDITION while
+        another owner's lease runs. Frees every live request (rolling back allocations that may not
+        have run); keeps the cached blocks only when geometry, seed and pool incarnation are unchanged.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Release(self, request, context):
+        """Ends the caller's ownership (clean exit): its live requests are freed, the next owner may
+        take over at once instead of waiting for the lease to lapse.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -159,6 +191,11 @@ def add_KVCacheManagerServicer_to_server(servicer, server):
                     request_deserializer=kvmesh_dot_v1_dot_kv__cache__manager__pb2.InitializeRequest.FromString,
                     response_serializer=kvmesh_dot_v1_dot_kv__cache__manager__pb2.InitializeResponse.SerializeToString,
             ),
+            'Release': grpc.unary_unary_rpc_method_handler(
+                    servicer.Release,
+                    request_deserializer=kvmesh_dot_v1_dot_kv__cache__manager__pb2.ReleaseRequest.FromString,
+                    response_serializer=kvmesh_dot_v1_dot_kv__cache__manager__pb2.ReleaseResponse.SerializeToString,
+            ),
             'AllocateSlots': grpc.unary_unary_rpc_method_handler(
                     servicer.AllocateSlots,
                     request_deserializer=kvmesh_dot_v1_dot_kv__cache__manager__pb2.AllocateSlotsRequest.FromString,
@@ -209,6 +246,14 @@ def add_KVCacheManagerServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class KVCacheManager:
     """Manages which KV blocks belong to which request and which cached prefixes are reusable.
+
+    Ownership (docs/reliability.md): the manager starts UNINITIALIZED and serves nothing until a
+    scheduler calls Initialize. The caller's owner id travels as gRPC metadata `kvmesh-owner` on
+    every call; Initialize makes it the owner with a lease that every owner call renews. Every
+    call but GetStats, CheckIntegrity and SubscribeEvents is refused with FAILED_PRECONDITION
+    before Initialize ("not initialized") or from anyone but the owner ("not the owner"). GetStats
+    answers before Initialize too (num_blocks 0: unbound). LookupPrefix answers anyone, but its
+    block_ids and block_hashes only to the owner.
     """
 
     @staticmethod
@@ -228,6 +273,33 @@ class KVCacheManager:
             '/kvmesh.v1.KVCacheManager/Initialize',
             kvmesh_dot_v1_dot_kv__cache__manager__pb2.InitializeRequest.SerializeToString,
             kvmesh_dot_v1_dot_kv__cache__manager__pb2.InitializeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Release(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.v1.KVCacheManager/Release',
+            kvmesh_dot_v1_dot_kv__cache__manager__pb2.ReleaseRequest.SerializeToString,
+            kvmesh_dot_v1_dot_kv__cache__manager__pb2.ReleaseResponse.FromString,
             options,
             channel_credentials,
             insecure,

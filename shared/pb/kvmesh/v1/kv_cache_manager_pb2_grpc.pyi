@@ -29,14 +29,31 @@ GRPC_GENERATED_VERSION: str
 GRPC_VERSION: str
 
 class KVCacheManagerStub:
-    """Manages which KV blocks belong to which request and which cached prefixes are reusable."""
+    """Manages which KV blocks belong to which request and which cached prefixes are reusable.
+
+    Ownership (docs/reliability.md): the manager starts UNINITIALIZED and serves nothing until a
+    scheduler calls Initialize. The caller's owner id travels as gRPC metadata `kvmesh-owner` on
+    every call; Initialize makes it the owner with a lease that every owner call renews. Every
+    call but GetStats, CheckIntegrity and SubscribeEvents is refused with FAILED_PRECONDITION
+    before Initialize ("not initialized") or from anyone but the owner ("not the owner"). GetStats
+    answers before Initialize too (num_blocks 0: unbound). LookupPrefix answers anyone, but its
+    block_ids and block_hashes only to the owner.
+    """
 
     @_typing.overload
     def __new__(cls, channel: _grpc.Channel) -> _Self: ...
     @_typing.overload
     def __new__(cls, channel: _aio.Channel) -> KVCacheManagerAsyncStub: ...
     Initialize: _grpc.UnaryUnaryMultiCallable[_kv_cache_manager_pb2.InitializeRequest, _kv_cache_manager_pb2.InitializeResponse]
-    """(Re)creates the block pool; refused with FAILED_PRECONDITION while any block is in use."""
+    """Binds the manager to the caller: the pool geometry and hash seed (both from the scheduler),
+    the runner's pool incarnation and the owner's lease. Refused with FAILED_PRECONDITION while
+    another owner's lease runs. Frees every live request (rolling back allocations that may not
+    have run); keeps the cached blocks only when geometry, seed and pool incarnation are unchanged.
+    """
+    Release: _grpc.UnaryUnaryMultiCallable[_kv_cache_manager_pb2.ReleaseRequest, _kv_cache_manager_pb2.ReleaseResponse]
+    """Ends the caller's ownership (clean exit): its live requests are freed, the next owner may
+    take over at once instead of waiting for the lease to lapse.
+    """
     AllocateSlots: _grpc.UnaryUnaryMultiCallable[_kv_cache_manager_pb2.AllocateSlotsRequest, _kv_cache_manager_pb2.AllocateSlotsResponse]
     """One scheduler step: frees finished requests, then allocates slots for every scheduled
     request, in order. Each allocation succeeds or fails on its own and a failed one changes
@@ -59,11 +76,28 @@ class KVCacheManagerStub:
 
 @_typing.type_check_only
 class KVCacheManagerAsyncStub(KVCacheManagerStub):
-    """Manages which KV blocks belong to which request and which cached prefixes are reusable."""
+    """Manages which KV blocks belong to which request and which cached prefixes are reusable.
+
+    Ownership (docs/reliability.md): the manager starts UNINITIALIZED and serves nothing until a
+    scheduler calls Initialize. The caller's owner id travels as gRPC metadata `kvmesh-owner` on
+    every call; Initialize makes it the owner with a lease that every owner call renews. Every
+    call but GetStats, CheckIntegrity and SubscribeEvents is refused with FAILED_PRECONDITION
+    before Initialize ("not initialized") or from anyone but the owner ("not the owner"). GetStats
+    answers before Initialize too (num_blocks 0: unbound). LookupPrefix answers anyone, but its
+    block_ids and block_hashes only to the owner.
+    """
 
     def __init__(self, channel: _aio.Channel) -> None: ...
     Initialize: _aio.UnaryUnaryMultiCallable[_kv_cache_manager_pb2.InitializeRequest, _kv_cache_manager_pb2.InitializeResponse]  # type: ignore[assignment]
-    """(Re)creates the block pool; refused with FAILED_PRECONDITION while any block is in use."""
+    """Binds the manager to the caller: the pool geometry and hash seed (both from the scheduler),
+    the runner's pool incarnation and the owner's lease. Refused with FAILED_PRECONDITION while
+    another owner's lease runs. Frees every live request (rolling back allocations that may not
+    have run); keeps the cached blocks only when geometry, seed and pool incarnation are unchanged.
+    """
+    Release: _aio.UnaryUnaryMultiCallable[_kv_cache_manager_pb2.ReleaseRequest, _kv_cache_manager_pb2.ReleaseResponse]  # type: ignore[assignment]
+    """Ends the caller's ownership (clean exit): its live requests are freed, the next owner may
+    take over at once instead of waiting for the lease to lapse.
+    """
     AllocateSlots: _aio.UnaryUnaryMultiCallable[_kv_cache_manager_pb2.AllocateSlotsRequest, _kv_cache_manager_pb2.AllocateSlotsResponse]  # type: ignore[assignment]
     """One scheduler step: frees finished requests, then allocates slots for every scheduled
     request, in order. Each allocation succeeds or fails on its own and a failed one changes
@@ -85,7 +119,16 @@ class KVCacheManagerAsyncStub(KVCacheManagerStub):
     """A stream of block stored / removed / cleared events, from the moment of subscription."""
 
 class KVCacheManagerServicer(metaclass=_abc_1.ABCMeta):
-    """Manages which KV blocks belong to which request and which cached prefixes are reusable."""
+    """Manages which KV blocks belong to which request and which cached prefixes are reusable.
+
+    Ownership (docs/reliability.md): the manager starts UNINITIALIZED and serves nothing until a
+    scheduler calls Initialize. The caller's owner id travels as gRPC metadata `kvmesh-owner` on
+    every call; Initialize makes it the owner with a lease that every owner call renews. Every
+    call but GetStats, CheckIntegrity and SubscribeEvents is refused with FAILED_PRECONDITION
+    before Initialize ("not initialized") or from anyone but the owner ("not the owner"). GetStats
+    answers before Initialize too (num_blocks 0: unbound). LookupPrefix answers anyone, but its
+    block_ids and block_hashes only to the owner.
+    """
 
     @_abc_1.abstractmethod
     def Initialize(
@@ -93,7 +136,21 @@ class KVCacheManagerServicer(metaclass=_abc_1.ABCMeta):
         request: _kv_cache_manager_pb2.InitializeRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_kv_cache_manager_pb2.InitializeResponse, _abc.Awaitable[_kv_cache_manager_pb2.InitializeResponse]]:
-        """(Re)creates the block pool; refused with FAILED_PRECONDITION while any block is in use."""
+        """Binds the manager to the caller: the pool geometry and hash seed (both from the scheduler),
+        the runner's pool incarnation and the owner's lease. Refused with FAILED_PRECONDITION while
+        another owner's lease runs. Frees every live request (rolling back allocations that may not
+        have run); keeps the cached blocks only when geometry, seed and pool incarnation are unchanged.
+        """
+
+    @_abc_1.abstractmethod
+    def Release(
+        self,
+        request: _kv_cache_manager_pb2.ReleaseRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_kv_cache_manager_pb2.ReleaseResponse, _abc.Awaitable[_kv_cache_manager_pb2.ReleaseResponse]]:
+        """Ends the caller's ownership (clean exit): its live requests are freed, the next owner may
+        take over at once instead of waiting for the lease to lapse.
+        """
 
     @_abc_1.abstractmethod
     def AllocateSlots(

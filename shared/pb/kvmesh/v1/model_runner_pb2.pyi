@@ -60,6 +60,7 @@ class ModelInfo(_message.Message):
     BYTES_PER_BLOCK_FIELD_NUMBER: _builtins.int
     DEVICE_FIELD_NUMBER: _builtins.int
     BOS_TOKEN_ID_FIELD_NUMBER: _builtins.int
+    POOL_ID_FIELD_NUMBER: _builtins.int
     DTYPE_REASON_FIELD_NUMBER: _builtins.int
     ATTENTION_BACKEND_REASON_FIELD_NUMBER: _builtins.int
     model_id: _builtins.str
@@ -92,6 +93,10 @@ class ModelInfo(_message.Message):
     """Device, e.g. "cpu" or "cuda:0"."""
     bos_token_id: _builtins.int
     """Beginning-of-sequence token id, -1 if none."""
+    pool_id: _builtins.str
+    """Random id of this process's KV pool (new at every start): block ids and cached KV are only
+    meaningful within one incarnation. Equals the pool handle's generation.
+    """
     dtype_reason: _builtins.str
     """Why this dtype, e.g. "auto: the CPU computes bf16 in hardware (amx_bf16)" or "set explicitly"."""
     attention_backend_reason: _builtins.str
@@ -119,12 +124,13 @@ class ModelInfo(_message.Message):
         bytes_per_block: _builtins.int = ...,
         device: _builtins.str = ...,
         bos_token_id: _builtins.int = ...,
+        pool_id: _builtins.str = ...,
         dtype_reason: _builtins.str = ...,
         attention_backend_reason: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["architecture", b"architecture", "attention_backend", b"attention_backend", "attention_backend_reason", b"attention_backend_reason", "block_size", b"block_size", "bos_token_id", b"bos_token_id", "bytes_per_block", b"bytes_per_block", "device", b"device", "dtype", b"dtype", "dtype_reason", b"dtype_reason", "eos_token_ids", b"eos_token_ids", "head_dim", b"head_dim", "kv_cache_dtype", b"kv_cache_dtype", "max_model_len", b"max_model_len", "model_id", b"model_id", "num_blocks", b"num_blocks", "num_kv_heads", b"num_kv_heads", "num_layers", b"num_layers", "vocab_size", b"vocab_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["architecture", b"architecture", "attention_backend", b"attention_backend", "attention_backend_reason", b"attention_backend_reason", "block_size", b"block_size", "bos_token_id", b"bos_token_id", "bytes_per_block", b"bytes_per_block", "device", b"device", "dtype", b"dtype", "dtype_reason", b"dtype_reason", "eos_token_ids", b"eos_token_ids", "head_dim", b"head_dim", "kv_cache_dtype", b"kv_cache_dtype", "max_model_len", b"max_model_len", "model_id", b"model_id", "num_blocks", b"num_blocks", "num_kv_heads", b"num_kv_heads", "num_layers", b"num_layers", "pool_id", b"pool_id", "vocab_size", b"vocab_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -267,8 +273,16 @@ class ExecuteRequest(_message.Message):
     NEW_REQUESTS_FIELD_NUMBER: _builtins.int
     CACHED_REQUESTS_FIELD_NUMBER: _builtins.int
     FINISHED_REQUEST_IDS_FIELD_NUMBER: _builtins.int
+    EXPECTED_POOL_ID_FIELD_NUMBER: _builtins.int
+    RESET_REQUESTS_FIELD_NUMBER: _builtins.int
     step_id: _builtins.int
     """Monotonic step number."""
+    expected_pool_id: _builtins.str
+    """The pool incarnation (ModelInfo.pool_id) the step's block ids refer to; when set and not
+    this runner's, the step is refused with FAILED_PRECONDITION before anything runs.
+    """
+    reset_requests: _builtins.bool
+    """Forget every request first (a scheduler that (re)bound to this runner knows none of them)."""
     @_builtins.property
     def new_requests(self) -> _containers.RepeatedCompositeFieldContainer[Global___NewRequestData]:
         """Requests described in full."""
@@ -288,10 +302,12 @@ class ExecuteRequest(_message.Message):
         new_requests: _abc.Iterable[Global___NewRequestData] | None = ...,
         cached_requests: _abc.Iterable[Global___CachedRequestData] | None = ...,
         finished_request_ids: _abc.Iterable[_builtins.str] | None = ...,
+        expected_pool_id: _builtins.str = ...,
+        reset_requests: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_requests", b"cached_requests", "finished_request_ids", b"finished_request_ids", "new_requests", b"new_requests", "step_id", b"step_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_requests", b"cached_requests", "expected_pool_id", b"expected_pool_id", "finished_request_ids", b"finished_request_ids", "new_requests", b"new_requests", "reset_requests", b"reset_requests", "step_id", b"step_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -340,10 +356,13 @@ class ExecuteResponse(_message.Message):
     STEP_ID_FIELD_NUMBER: _builtins.int
     SAMPLED_FIELD_NUMBER: _builtins.int
     FORWARD_SECONDS_FIELD_NUMBER: _builtins.int
+    POOL_ID_FIELD_NUMBER: _builtins.int
     step_id: _builtins.int
     """Step number echoed."""
     forward_seconds: _builtins.float
     """Seconds spent in the forward pass and sampling."""
+    pool_id: _builtins.str
+    """The pool incarnation that ran the step."""
     @_builtins.property
     def sampled(self) -> _containers.RepeatedCompositeFieldContainer[Global___SampledToken]:
         """Sampled tokens."""
@@ -354,10 +373,11 @@ class ExecuteResponse(_message.Message):
         step_id: _builtins.int = ...,
         sampled: _abc.Iterable[Global___SampledToken] | None = ...,
         forward_seconds: _builtins.float = ...,
+        pool_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["forward_seconds", b"forward_seconds", "sampled", b"sampled", "step_id", b"step_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["forward_seconds", b"forward_seconds", "pool_id", b"pool_id", "sampled", b"sampled", "step_id", b"step_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

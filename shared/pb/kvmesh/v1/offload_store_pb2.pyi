@@ -28,6 +28,9 @@ class AttachPoolRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     POOL_FIELD_NUMBER: _builtins.int
+    LEASE_SECONDS_FIELD_NUMBER: _builtins.int
+    lease_seconds: _builtins.float
+    """How long the ownership lasts without a call from the owner; 0 = the store's default."""
     @_builtins.property
     def pool(self) -> _common_pb2.SharedTensorHandle:
         """The runner's pool handle (from ModelRunner.GetKVPoolHandle)."""
@@ -36,14 +39,49 @@ class AttachPoolRequest(_message.Message):
         self,
         *,
         pool: _common_pb2.SharedTensorHandle | None = ...,
+        lease_seconds: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["pool", b"pool"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["pool", b"pool"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease_seconds", b"lease_seconds", "pool", b"pool"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___AttachPoolRequest: _TypeAlias = AttachPoolRequest  # noqa: Y015
+
+@_typing.final
+class ReleaseOffloadRequest(_message.Message):
+    """No fields: the owner is the caller's `kvmesh-owner` metadata."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReleaseOffloadRequest: _TypeAlias = ReleaseOffloadRequest  # noqa: Y015
+
+@_typing.final
+class ReleaseOffloadResponse(_message.Message):
+    """No fields."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReleaseOffloadResponse: _TypeAlias = ReleaseOffloadResponse  # noqa: Y015
 
 @_typing.final
 class AttachPoolResponse(_message.Message):
@@ -307,6 +345,9 @@ class OffloadStats(_message.Message):
     MISSES_FIELD_NUMBER: _builtins.int
     SAVES_FIELD_NUMBER: _builtins.int
     CORRUPTIONS_FIELD_NUMBER: _builtins.int
+    POOL_ATTACHED_FIELD_NUMBER: _builtins.int
+    POOL_GENERATION_FIELD_NUMBER: _builtins.int
+    REFUSED_NO_POOL_FIELD_NUMBER: _builtins.int
     dram_blocks: _builtins.int
     """Blocks held in DRAM."""
     dram_bytes: _builtins.int
@@ -329,6 +370,12 @@ class OffloadStats(_message.Message):
     """Blocks saved."""
     corruptions: _builtins.int
     """Blocks whose bytes failed their checksum or were truncated."""
+    pool_attached: _builtins.bool
+    """Whether a runner pool is mapped (false: every Save and Load is refused, so none happen)."""
+    pool_generation: _builtins.str
+    """Generation (pool incarnation) of the mapped pool; empty when none."""
+    refused_no_pool: _builtins.int
+    """Save and Load calls refused because no pool was attached."""
     def __init__(
         self,
         *,
@@ -343,10 +390,13 @@ class OffloadStats(_message.Message):
         misses: _builtins.int = ...,
         saves: _builtins.int = ...,
         corruptions: _builtins.int = ...,
+        pool_attached: _builtins.bool = ...,
+        pool_generation: _builtins.str = ...,
+        refused_no_pool: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["corruptions", b"corruptions", "disk_blocks", b"disk_blocks", "disk_bytes", b"disk_bytes", "disk_capacity_bytes", b"disk_capacity_bytes", "disk_hits", b"disk_hits", "dram_blocks", b"dram_blocks", "dram_bytes", b"dram_bytes", "dram_capacity_bytes", b"dram_capacity_bytes", "dram_hits", b"dram_hits", "misses", b"misses", "saves", b"saves"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["corruptions", b"corruptions", "disk_blocks", b"disk_blocks", "disk_bytes", b"disk_bytes", "disk_capacity_bytes", b"disk_capacity_bytes", "disk_hits", b"disk_hits", "dram_blocks", b"dram_blocks", "dram_bytes", b"dram_bytes", "dram_capacity_bytes", b"dram_capacity_bytes", "dram_hits", b"dram_hits", "misses", b"misses", "pool_attached", b"pool_attached", "pool_generation", b"pool_generation", "refused_no_pool", b"refused_no_pool", "saves", b"saves"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

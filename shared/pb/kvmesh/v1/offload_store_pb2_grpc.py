@@ -27,6 +27,11 @@ if _version_not_supported:
 
 class OffloadStoreStub:
     """Saves and loads KV blocks by hash.
+
+    Ownership (docs/reliability.md): AttachPool makes the caller (gRPC metadata `kvmesh-owner`)
+    the owner with a lease that its calls renew; Save, Load and Release from anyone else are
+    refused with FAILED_PRECONDITION, and so is an AttachPool while another owner's lease runs.
+    Lookup (presence of given hashes only) and GetStats stay open.
     """
 
     def __init__(self, channel):
@@ -39,6 +44,11 @@ class OffloadStoreStub:
                 '/kvmesh.v1.OffloadStore/AttachPool',
                 request_serializer=kvmesh_dot_v1_dot_offload__store__pb2.AttachPoolRequest.SerializeToString,
                 response_deserializer=kvmesh_dot_v1_dot_offload__store__pb2.AttachPoolResponse.FromString,
+                _registered_method=True)
+        self.Release = channel.unary_unary(
+                '/kvmesh.v1.OffloadStore/Release',
+                request_serializer=kvmesh_dot_v1_dot_offload__store__pb2.ReleaseOffloadRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_v1_dot_offload__store__pb2.ReleaseOffloadResponse.FromString,
                 _registered_method=True)
         self.Lookup = channel.unary_unary(
                 '/kvmesh.v1.OffloadStore/Lookup',
@@ -64,10 +74,22 @@ class OffloadStoreStub:
 
 class OffloadStoreServicer:
     """Saves and loads KV blocks by hash.
+
+    Ownership (docs/reliability.md): AttachPool makes the caller (gRPC metadata `kvmesh-owner`)
+    the owner with a lease that its calls renew; Save, Load and Release from anyone else are
+    refused with FAILED_PRECONDITION, and so is an AttachPool while another owner's lease runs.
+    Lookup (presence of given hashes only) and GetStats stay open.
     """
 
     def AttachPool(self, request, context):
         """Maps the model-runner's KV pool from its handle (replaces any earlier mapping).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Release(self, request, context):
+        """Ends the caller's ownership (clean exit); the pool is unmapped, stored blocks stay.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -109,6 +131,11 @@ def add_OffloadStoreServicer_to_server(servicer, server):
                     request_deserializer=kvmesh_dot_v1_dot_offload__store__pb2.AttachPoolRequest.FromString,
                     response_serializer=kvmesh_dot_v1_dot_offload__store__pb2.AttachPoolResponse.SerializeToString,
             ),
+            'Release': grpc.unary_unary_rpc_method_handler(
+                    servicer.Release,
+                    request_deserializer=kvmesh_dot_v1_dot_offload__store__pb2.ReleaseOffloadRequest.FromString,
+                    response_serializer=kvmesh_dot_v1_dot_offload__store__pb2.ReleaseOffloadResponse.SerializeToString,
+            ),
             'Lookup': grpc.unary_unary_rpc_method_handler(
                     servicer.Lookup,
                     request_deserializer=kvmesh_dot_v1_dot_offload__store__pb2.LookupRequest.FromString,
@@ -139,6 +166,11 @@ def add_OffloadStoreServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class OffloadStore:
     """Saves and loads KV blocks by hash.
+
+    Ownership (docs/reliability.md): AttachPool makes the caller (gRPC metadata `kvmesh-owner`)
+    the owner with a lease that its calls renew; Save, Load and Release from anyone else are
+    refused with FAILED_PRECONDITION, and so is an AttachPool while another owner's lease runs.
+    Lookup (presence of given hashes only) and GetStats stay open.
     """
 
     @staticmethod
@@ -158,6 +190,33 @@ class OffloadStore:
             '/kvmesh.v1.OffloadStore/AttachPool',
             kvmesh_dot_v1_dot_offload__store__pb2.AttachPoolRequest.SerializeToString,
             kvmesh_dot_v1_dot_offload__store__pb2.AttachPoolResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Release(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.v1.OffloadStore/Release',
+            kvmesh_dot_v1_dot_offload__store__pb2.ReleaseOffloadRequest.SerializeToString,
+            kvmesh_dot_v1_dot_offload__store__pb2.ReleaseOffloadResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -29,7 +29,13 @@ GRPC_GENERATED_VERSION: str
 GRPC_VERSION: str
 
 class OffloadStoreStub:
-    """Saves and loads KV blocks by hash."""
+    """Saves and loads KV blocks by hash.
+
+    Ownership (docs/reliability.md): AttachPool makes the caller (gRPC metadata `kvmesh-owner`)
+    the owner with a lease that its calls renew; Save, Load and Release from anyone else are
+    refused with FAILED_PRECONDITION, and so is an AttachPool while another owner's lease runs.
+    Lookup (presence of given hashes only) and GetStats stay open.
+    """
 
     @_typing.overload
     def __new__(cls, channel: _grpc.Channel) -> _Self: ...
@@ -37,6 +43,8 @@ class OffloadStoreStub:
     def __new__(cls, channel: _aio.Channel) -> OffloadStoreAsyncStub: ...
     AttachPool: _grpc.UnaryUnaryMultiCallable[_offload_store_pb2.AttachPoolRequest, _offload_store_pb2.AttachPoolResponse]
     """Maps the model-runner's KV pool from its handle (replaces any earlier mapping)."""
+    Release: _grpc.UnaryUnaryMultiCallable[_offload_store_pb2.ReleaseOffloadRequest, _offload_store_pb2.ReleaseOffloadResponse]
+    """Ends the caller's ownership (clean exit); the pool is unmapped, stored blocks stay."""
     Lookup: _grpc.UnaryUnaryMultiCallable[_offload_store_pb2.LookupRequest, _offload_store_pb2.LookupResponse]
     """For each chain of hashes, the longest leading run the store holds (one call per step)."""
     Save: _grpc.UnaryUnaryMultiCallable[_offload_store_pb2.SaveRequest, _offload_store_pb2.SaveResponse]
@@ -48,11 +56,19 @@ class OffloadStoreStub:
 
 @_typing.type_check_only
 class OffloadStoreAsyncStub(OffloadStoreStub):
-    """Saves and loads KV blocks by hash."""
+    """Saves and loads KV blocks by hash.
+
+    Ownership (docs/reliability.md): AttachPool makes the caller (gRPC metadata `kvmesh-owner`)
+    the owner with a lease that its calls renew; Save, Load and Release from anyone else are
+    refused with FAILED_PRECONDITION, and so is an AttachPool while another owner's lease runs.
+    Lookup (presence of given hashes only) and GetStats stay open.
+    """
 
     def __init__(self, channel: _aio.Channel) -> None: ...
     AttachPool: _aio.UnaryUnaryMultiCallable[_offload_store_pb2.AttachPoolRequest, _offload_store_pb2.AttachPoolResponse]  # type: ignore[assignment]
     """Maps the model-runner's KV pool from its handle (replaces any earlier mapping)."""
+    Release: _aio.UnaryUnaryMultiCallable[_offload_store_pb2.ReleaseOffloadRequest, _offload_store_pb2.ReleaseOffloadResponse]  # type: ignore[assignment]
+    """Ends the caller's ownership (clean exit); the pool is unmapped, stored blocks stay."""
     Lookup: _aio.UnaryUnaryMultiCallable[_offload_store_pb2.LookupRequest, _offload_store_pb2.LookupResponse]  # type: ignore[assignment]
     """For each chain of hashes, the longest leading run the store holds (one call per step)."""
     Save: _aio.UnaryUnaryMultiCallable[_offload_store_pb2.SaveRequest, _offload_store_pb2.SaveResponse]  # type: ignore[assignment]
@@ -63,7 +79,13 @@ class OffloadStoreAsyncStub(OffloadStoreStub):
     """Tier usage and hit/miss/corruption counters."""
 
 class OffloadStoreServicer(metaclass=_abc_1.ABCMeta):
-    """Saves and loads KV blocks by hash."""
+    """Saves and loads KV blocks by hash.
+
+    Ownership (docs/reliability.md): AttachPool makes the caller (gRPC metadata `kvmesh-owner`)
+    the owner with a lease that its calls renew; Save, Load and Release from anyone else are
+    refused with FAILED_PRECONDITION, and so is an AttachPool while another owner's lease runs.
+    Lookup (presence of given hashes only) and GetStats stay open.
+    """
 
     @_abc_1.abstractmethod
     def AttachPool(
@@ -72,6 +94,14 @@ class OffloadStoreServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_offload_store_pb2.AttachPoolResponse, _abc.Awaitable[_offload_store_pb2.AttachPoolResponse]]:
         """Maps the model-runner's KV pool from its handle (replaces any earlier mapping)."""
+
+    @_abc_1.abstractmethod
+    def Release(
+        self,
+        request: _offload_store_pb2.ReleaseOffloadRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_offload_store_pb2.ReleaseOffloadResponse, _abc.Awaitable[_offload_store_pb2.ReleaseOffloadResponse]]:
+        """Ends the caller's ownership (clean exit); the pool is unmapped, stored blocks stay."""
 
     @_abc_1.abstractmethod
     def Lookup(
