@@ -91,7 +91,7 @@ def _start_suite(ns: argparse.Namespace, cancel: threading.Event | None = None, 
                                   log_dir=ns.log_dir or "",
                                   gateway_port=None if ns.http_port < 0 else ns.http_port,
                                   metrics_port=int(os.environ.get("KVMESH_METRICS_PORT", "0") or 0)),
-                      cancel=cancel)
+                      cancel=cancel, progress=lambda line: print(line, flush=True))
     print(f"kvmesh: suite up in {time.monotonic() - started:.1f}s", flush=True)
     for name, proc in suite.services.items():
         print(f"  {name:<17} {proc.address:<22} log: {proc.log_path}", flush=True)

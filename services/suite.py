@@ -17,7 +17,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -70,8 +70,13 @@ class Suite:
     """
 
     def __init__(self, config: SuiteConfig, startup_timeout: float = 300.0,
-                 cancel: threading.Event | None = None) -> None:
+                 cancel: threading.Event | None = None, progress: Callable[[str], None] | None = None) -> None:
+        """Args:
+            progress: told one line as each service starts and once it answers its health checks
+                (``kvmesh up`` prints them: the runner alone can take a minute to load a model).
+        """
         self.config = config
+        self._progress = progress
         self.services: dict[str, ServiceProcess] = {}
         self.restarts: dict[str, int] = {}
         self._failures: dict[str, int] = {}
@@ -114,10 +119,16 @@ class Suite:
         if offset is not None:
             metrics = str(self.config.metrics_port + offset) if self.config.metrics_port else "0"
             env = {"KVMESH_METRICS_PORT": metrics, **env}
+        if self._progress is not None:
+            self._progress(f"kvmesh: starting {name} ...")
+        started = time.monotonic()
         self.services[name] = ServiceProcess(name, env=env, host=self.config.host, port=port,
                                              startup_timeout=self._timeout, log_dir=log_dir,
                                              cancel=self._stopping)
         self.restarts.setdefault(name, 0)
+        if self._progress is not None:
+            self._progress(f"kvmesh: {name} up on {self.services[name].address} in "
+                           f"{time.monotonic() - started:.1f}s")
 
     def _supervise(self) -> None:
         while not self._stopping.wait(0.2):

@@ -23,8 +23,12 @@ def test_demo_starts_the_suite_streams_an_answer_and_stops(tiny_llama_dir: Path,
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, stdin=subprocess.DEVNULL)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
-    for service in ("kv-cache-manager", "model-runner", "offload-store", "scheduler", "gateway"):
+    order = ("kv-cache-manager", "model-runner", "offload-store", "scheduler", "gateway")
+    for service in order:
         assert re.search(rf"^  {service}\s+127\.0\.0\.1:\d+", out, re.M), out
+    # Progress while it starts (the runner alone may take a minute): each service, in start order.
+    progress = re.findall(r"^kvmesh: (starting (\S+) \.\.\.|(\S+) up on 127\.0\.0\.1:\d+ in \d+\.\ds)$", out, re.M)
+    assert [p[1] or p[2] for p in progress] == [name for name in order for _ in range(2)], out
     assert "user> What is the capital of France?" in out
     assert re.search(r"\[\d+ tokens, prompt \d+ \(0 cached\), TTFT \d+ ms", out), out
     assert "kvmesh: stopping" in out

@@ -7,6 +7,11 @@ component under test here.
 
 from __future__ import annotations
 
+import logging
+from pathlib import Path
+
+import pytest
+
 from services.kv_cache_manager.manager import KVCacheManager
 from services.model_runner.types import SampledToken, StepOutput
 from services.scheduler.backends import InProcessKVCache, RunnerInfo
@@ -245,3 +250,29 @@ def test_running_request_preempted_after_its_slots_were_granted_is_rolled_back()
     assert [manager.pool.cached[h].block_id for h in n_hashes[:3]] == [3, 4, 5]
     assert n_hashes[3] not in manager.pool.cached
     manager.check_integrity()
+
+
+def test_prefix_caching_off_says_the_offload_tier_is_unused(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 13: turning prefix caching off used to drop the offload-store (and swap preemption)
+    silently; the scheduler now says so once, and still works without it."""
+    from services.offload_store.config import OffloadConfig
+    from services.offload_store.store import OffloadStoreCore
+    from services.scheduler.offload import InProcessOffload, OffloadConnector
+
+    core = OffloadStoreCore(OffloadConfig(data_dir=str(tmp_path / "offload")))
+    try:
+        manager = KVCacheManager(CacheConfig(block_size=16, num_blocks=40, max_model_len=4096,
+                                             hash_seed=hash_seed(b"kvmesh-dev", "m")))
+        info = RunnerInfo(model_id="m", vocab_size=1000, max_model_len=4096, eos_token_ids=(EOS,),
+                          num_blocks=40, block_size=16)
+        for prefix, expect_warning in ((True, False), (False, True)):
+            caplog.clear()
+            cfg = SchedulerConfig(enable_prefix_caching=prefix, preemption_mode="swap")
+            with caplog.at_level(logging.WARNING, logger="services.scheduler.scheduler"):
+                sched = Scheduler(cfg, InProcessKVCache(manager), info, OffloadConnector(InProcessOffload(core)))
+            warned = [r.getMessage() for r in caplog.records if "offload-store is not used" in r.getMessage()]
+            assert (sched.offload is None) == expect_warning
+            assert warned == ([("prefix caching is off, so the offload-store is not used: no offload reloads, "
+                                "and preemption_mode=swap falls back to recompute")] if expect_warning else [])
+    finally:
+        core.close()
