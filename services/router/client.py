@@ -213,11 +213,15 @@ class Replica:
                 self._stop.wait(backoff)
                 backoff = min(backoff * 2, cfg.reconnect_max_seconds)
 
-    def close(self) -> None:
-        """Stops the threads and closes the channels."""
+    def stop(self) -> None:
+        """Stops the probe and event threads; the channels stay open (calls on them still end with a status)."""
         self._stop.set()
         if self._call is not None:
             self._call.cancel()
+
+    def close(self) -> None:
+        """Stops the threads and closes the channels."""
+        self.stop()
         self._kvm_channel.close()
         self.channel.close()
 
@@ -240,6 +244,9 @@ class ReplicaSet:
         self._stop = threading.Event()
         self.replicas: list[Replica] = [Replica(a, config, index, metrics) for a in config.replica_addresses()]
         self.by_id: dict[str, Replica] = {r.id: r for r in self.replicas}
+        # Dropped replicas, closed one discovery round later: a request that chose one just before
+        # it was dropped gets UNAVAILABLE from its open channel (and fails over), not a closed channel.
+        self._retired: list[Replica] = []
         self._discovery = threading.Thread(target=self._discovery_loop, name="router-discovery", daemon=True)
 
     def start(self) -> None:
@@ -254,6 +261,9 @@ class ReplicaSet:
     def discover(self) -> DiscoveryDiff:
         """One DNS resolution: starts the new replicas, closes vanished unhealthy ones (their index too)."""
         assert self._target is not None
+        retired, self._retired = self._retired, []
+        for r in retired:
+            r.close()
         current = self.replicas
         change = discovery.diff(discovery.resolve(self._target, self._getaddrinfo), [r.id for r in current],
                                 [r.id for r in current if r.healthy], self._target)
@@ -269,8 +279,9 @@ class ReplicaSet:
         for r in fresh:
             r.start()
         for r in gone:
-            r.close()
+            r.stop()
             self._index.clear_replica(r.id)
+        self._retired.extend(gone)
         log.info("router: discovery via %s: added %s, removed %s", self._target.name,
                  [a.id for a in change.added] or "-", list(change.removed) or "-")
         return change
@@ -313,5 +324,5 @@ class ReplicaSet:
     def close(self) -> None:
         """Stops discovery and every replica's threads and channels."""
         self._stop.set()
-        for r in self.replicas:
+        for r in [*self.replicas, *self._retired]:
             r.close()

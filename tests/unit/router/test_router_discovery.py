@@ -6,6 +6,7 @@ import socket
 from collections.abc import Sequence
 from typing import Any
 
+import grpc
 import pytest
 
 from services.kv_cache_manager.types import BlockStored, KVEventBatch
@@ -15,6 +16,7 @@ from services.router.discovery import DiscoveryDiff, DiscoveryTarget, diff, repl
 from services.router.index import PrefixIndex
 from services.router.types import ReplicaAddress
 from shared.hashing import BlockHash
+from shared.pb.kvmesh.v1 import scheduler_pb2
 
 TARGET = DiscoveryTarget("engine", 50051, 50052)
 
@@ -109,11 +111,19 @@ def test_replica_set_follows_the_answer_and_forgets_a_dropped_replicas_blocks() 
         assert replicas.discover() == DiscoveryDiff()
         assert list(replicas.by_id) == ["127.0.0.1"]
 
+        dropped = replicas.by_id["127.0.0.1"]
         dns.answer = ["127.0.0.2"]
         change = replicas.discover()
         assert [a.id for a in change.added] == ["127.0.0.2"] and change.removed == ("127.0.0.1",)
         assert [r.id for r in replicas.replicas] == ["127.0.0.2"]
         assert index.num_blocks("127.0.0.1") == 0
+        # A request that chose it just before the drop still gets a status (and would fail over).
+        with pytest.raises(grpc.RpcError) as err:
+            dropped.stub.Tokenize(scheduler_pb2.TokenizeRequest(text="x"), timeout=2.0)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        replicas.discover()  # the next round closes it
+        with pytest.raises(ValueError, match="closed channel"):
+            dropped.stub.Tokenize(scheduler_pb2.TokenizeRequest(text="x"), timeout=2.0)
         assert not replicas.wait_ready(0.1)
     finally:
         replicas.close()
