@@ -23,7 +23,10 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from shared.tls import TLSFiles
 
-SERVICES = ("scheduler", "kv-cache-manager", "model-runner", "offload-store")
+SERVICES = ("scheduler", "kv-cache-manager", "model-runner", "offload-store", "router")
+# compose's `mesh` profile runs a second replica as <service>-2 with the same certificates, so
+# each replica service's certificate also names its -2 twin (the host the other side dials).
+MESH_TWINS = ("scheduler", "kv-cache-manager", "model-runner", "offload-store")
 
 
 @dataclass(frozen=True)
@@ -84,7 +87,7 @@ def write_dev_secrets(folder: Path) -> str:
     """The CA, a certificate per service and an ``api-keys`` file; returns the new API key."""
     ca = make_ca(folder, "ca")
     for service in SERVICES:
-        make_cert(folder, service, ca)
+        make_cert(folder, service, ca, (f"{service}-2",) if service in MESH_TWINS else ())
     api_key = "sk-" + secrets.token_urlsafe(24)
     keys = folder / "api-keys"
     keys.write_text(f"# key tenant [min_priority]\n{api_key} default\n")

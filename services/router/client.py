@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -25,7 +26,9 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.kv_cache_manager.types import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, KVEventBatch
+from services.router import discovery
 from services.router.config import RouterConfig
+from services.router.discovery import DiscoveryDiff, GetAddrInfo
 from services.router.index import PrefixIndex
 from services.router.metrics import RouterMetrics
 from services.router.prefix import replica_hash_seed
@@ -210,33 +213,90 @@ class Replica:
                 self._stop.wait(backoff)
                 backoff = min(backoff * 2, cfg.reconnect_max_seconds)
 
-    def close(self) -> None:
-        """Stops the threads and closes the channels."""
+    def stop(self) -> None:
+        """Stops the probe and event threads; the channels stay open (calls on them still end with a status)."""
         self._stop.set()
         if self._call is not None:
             self._call.cancel()
+
+    def close(self) -> None:
+        """Stops the threads and closes the channels."""
+        self.stop()
         self._kvm_channel.close()
         self.channel.close()
 
 
 class ReplicaSet:
-    """Every configured replica, in configuration order."""
+    """The replicas the router routes to: the configured list, or what DNS discovery finds.
 
-    def __init__(self, config: RouterConfig, index: PrefixIndex, metrics: RouterMetrics | None = None) -> None:
-        self.replicas = [Replica(a, config, index, metrics) for a in config.replica_addresses()]
-        self.by_id = {r.id: r for r in self.replicas}
+    ``replicas`` and ``by_id`` are replaced (never mutated) when discovery adds or drops one, so a
+    reader holding the old list or dict keeps a consistent view.
+    """
+
+    def __init__(self, config: RouterConfig, index: PrefixIndex, metrics: RouterMetrics | None = None,
+                 getaddrinfo: GetAddrInfo = socket.getaddrinfo) -> None:
+        self._config = config
+        self._index = index
+        self._metrics = metrics
+        self._target = config.discovery_target()
+        self._getaddrinfo = getaddrinfo
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self.replicas: list[Replica] = [Replica(a, config, index, metrics) for a in config.replica_addresses()]
+        self.by_id: dict[str, Replica] = {r.id: r for r in self.replicas}
+        # Dropped replicas, closed one discovery round later: a request that chose one just before
+        # it was dropped gets UNAVAILABLE from its open channel (and fails over), not a closed channel.
+        self._retired: list[Replica] = []
+        self._discovery = threading.Thread(target=self._discovery_loop, name="router-discovery", daemon=True)
 
     def start(self) -> None:
-        """Probes each replica once, then starts their threads."""
+        """Probes each replica once, then starts their threads (and the discovery loop, if any)."""
         for r in self.replicas:
             r.probe()
             r.start()
+        if self._target is not None:
+            self.discover()
+            self._discovery.start()
+
+    def discover(self) -> DiscoveryDiff:
+        """One DNS resolution: starts the new replicas, closes vanished unhealthy ones (their index too)."""
+        assert self._target is not None
+        retired, self._retired = self._retired, []
+        for r in retired:
+            r.close()
+        current = self.replicas
+        change = discovery.diff(discovery.resolve(self._target, self._getaddrinfo), [r.id for r in current],
+                                [r.id for r in current if r.healthy], self._target)
+        if not change.added and not change.removed:
+            return change
+        fresh = [Replica(a, self._config, self._index, self._metrics) for a in change.added]
+        for r in fresh:
+            r.probe()
+        with self._lock:
+            gone = [r for r in self.replicas if r.id in change.removed]
+            self.replicas = [r for r in self.replicas if r.id not in change.removed] + fresh
+            self.by_id = {r.id: r for r in self.replicas}
+        for r in fresh:
+            r.start()
+        for r in gone:
+            r.stop()
+            self._index.clear_replica(r.id)
+        self._retired.extend(gone)
+        log.info("router: discovery via %s: added %s, removed %s", self._target.name,
+                 [a.id for a in change.added] or "-", list(change.removed) or "-")
+        return change
+
+    def _discovery_loop(self) -> None:
+        assert self._target is not None
+        while not self._stop.wait(self._config.discovery_interval_seconds):
+            self.discover()
 
     def wait_ready(self, timeout: float) -> bool:
-        """Waits until every replica is healthy and subscribed; False when ``timeout`` passes first."""
+        """Waits until there is a replica and every one is healthy and subscribed; False on ``timeout``."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if all(r.healthy and r.subscribed for r in self.replicas):
+            current = self.replicas
+            if current and all(r.healthy and r.subscribed for r in current):
                 return True
             time.sleep(0.05)
         return False
@@ -262,6 +322,7 @@ class ReplicaSet:
         raise last if last is not None else RuntimeError("no candidate replica")
 
     def close(self) -> None:
-        """Stops every replica's threads and channels."""
-        for r in self.replicas:
+        """Stops discovery and every replica's threads and channels."""
+        self._stop.set()
+        for r in [*self.replicas, *self._retired]:
             r.close()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from services.router.discovery import DiscoveryTarget
 from services.router.types import ReplicaAddress
 
 POLICIES = ("kv_aware", "round_robin")
@@ -15,7 +16,11 @@ class RouterConfig:
 
     Attributes:
         replicas: comma-separated ``id=scheduler_host:port/kv_cache_manager_host:port`` entries
-            (``id=`` optional: ``r0``, ``r1``, ... by position).
+            (``id=`` optional: ``r0``, ``r1``, ... by position). Empty with ``discovery_name``.
+        discovery_name: instead of ``replicas``, a DNS name (a headless Service) whose A/AAAA
+            records are the replicas, resolved every ``discovery_interval_seconds``
+            (services/router/discovery.py); each address serves its scheduler on
+            ``discovery_scheduler_port`` and its kv-cache-manager on ``discovery_kvm_port``.
         policy: ``kv_aware`` (least cost, below) or ``round_robin`` (the plain load balancer).
         prefill_weight: cost of one block the chosen replica must compute (a miss).
         request_weight: cost of one Generate stream already open on the replica, in blocks.
@@ -29,6 +34,10 @@ class RouterConfig:
     """
 
     replicas: str = ""
+    discovery_name: str = ""
+    discovery_scheduler_port: int = 50051
+    discovery_kvm_port: int = 50052
+    discovery_interval_seconds: float = 5.0
     policy: str = "kv_aware"
     prefill_weight: float = 1.0
     request_weight: float = 4.0
@@ -49,6 +58,19 @@ class RouterConfig:
         if self.health_interval_seconds <= 0 or self.reconnect_min_seconds <= 0:
             raise ValueError("router intervals must be positive")
         self.replica_addresses()  # fail at start on a malformed list
+        if self.discovery_name and self.replicas:
+            raise ValueError("set KVMESH_ROUTER_REPLICAS or KVMESH_ROUTER_DISCOVERY_NAME, not both")
+        if self.discovery_interval_seconds <= 0:
+            raise ValueError("KVMESH_ROUTER_DISCOVERY_INTERVAL_SECONDS must be positive")
+        for port in (self.discovery_scheduler_port, self.discovery_kvm_port):
+            if not 0 < port < 65536:
+                raise ValueError(f"router discovery port {port} out of range")
+
+    def discovery_target(self) -> DiscoveryTarget | None:
+        """What to resolve for replicas; None with a static ``replicas`` list."""
+        if not self.discovery_name:
+            return None
+        return DiscoveryTarget(self.discovery_name, self.discovery_scheduler_port, self.discovery_kvm_port)
 
     def replica_addresses(self) -> tuple[ReplicaAddress, ...]:
         """The parsed replica list; raises ValueError naming the bad entry."""

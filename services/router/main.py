@@ -41,8 +41,9 @@ def main() -> int:
     config = from_env(RouterConfig, "KVMESH_ROUTER_", model_dir=env.get("KVMESH_MODEL_DIR", ""))
     if env.get("KVMESH_DEPLOYMENT_KEY"):  # the replicas' key (one secret for the whole mesh)
         config = dataclasses.replace(config, deployment_key=env["KVMESH_DEPLOYMENT_KEY"])
-    if not config.replica_addresses():
-        raise SystemExit("router: KVMESH_ROUTER_REPLICAS is empty (id=scheduler/kv_cache_manager,...)")
+    if not config.replica_addresses() and not config.discovery_name:
+        raise SystemExit("router: set KVMESH_ROUTER_REPLICAS (id=scheduler/kv_cache_manager,...) "
+                         "or KVMESH_ROUTER_DISCOVERY_NAME (a headless Service)")
     server_cfg = from_env(ServerConfig, "KVMESH_", max_workers=int(env.get("KVMESH_MAX_WORKERS", "256")))
     if "KVMESH_TLS_CLIENT_AUTH" not in env:  # the public port: clients present API keys, not certificates
         server_cfg = dataclasses.replace(server_cfg, tls_client_auth=False)
@@ -63,7 +64,8 @@ def main() -> int:
                             scheduler_pb2_grpc.add_SchedulerServicer_to_server),
         ServiceRegistration("kvmesh.v1.Router", RouterServicer(front), router_pb2_grpc.add_RouterServicer_to_server),
     ], interceptors=[*server_interceptors(), AuthInterceptor(keys)])
-    log.info("router: %d replicas, policy %s, tokenizer %s", len(replicas.replicas), config.policy,
+    log.info("router: %d replicas%s, policy %s, tokenizer %s", len(replicas.replicas),
+             f" (discovered through {config.discovery_name})" if config.discovery_name else "", config.policy,
              config.model_dir or "(the replicas' Tokenize)")
     try:
         serve_forever(running, "router")

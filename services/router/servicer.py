@@ -111,7 +111,8 @@ class RouterFront:
         ids = self.prompt_ids(request, metadata)
         decision = self.router.decide(candidates, ids, current_tenant().id, request.cache_salt, info.model_id,
                                       info.block_size, record=record)
-        return decision, [self.replicas.by_id[s.replica_id] for s in decision.scores]
+        by_id = {r.id: r for r in candidates}  # not replicas.by_id: discovery may have dropped one since
+        return decision, [by_id[s.replica_id] for s in decision.scores]
 
 
 class RouterSchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):

@@ -241,7 +241,9 @@ def test_mutual_tls_and_api_keys_are_on(rendered: dict[str, Any]) -> None:
             assert env["KVMESH_AUTH_MODE"] == "on" and env["KVMESH_AUTH_KEYS_FILE"] == "/run/secrets/api-keys"
             assert "api-keys" in mounted and Path(secrets["api-keys"]["file"]) == folder / "api-keys"
         else:
-            assert env["KVMESH_TLS_ALLOWED_PEERS"] == "scheduler"
+            # The kv-cache-manager also admits the mesh profile's router (SubscribeEvents, GetStats).
+            peers = "scheduler,router" if name == "kv-cache-manager" else "scheduler"
+            assert env["KVMESH_TLS_ALLOWED_PEERS"] == peers
             assert "api-keys" not in mounted
 
 
@@ -255,3 +257,77 @@ def test_dev_secrets_are_what_compose_mounts(rendered: dict[str, Any], tmp_path:
     assert names <= {p.name for p in tmp_path.iterdir()}
     (entry,) = parse_keys((tmp_path / "api-keys").read_text())
     assert entry[1].id == "default" and len(key) > 16
+
+
+# --- the mesh profile: the router in front of two replicas -------------------------------------
+
+MESH_ONLY = {"kv-cache-manager-2", "model-runner-2", "offload-store-2", "scheduler-2", "router", "gateway-mesh"}
+
+
+@pytest.fixture(scope="module")
+def mesh(compose_bin: str) -> dict[str, Any]:
+    result = _compose(compose_bin, "--profile", "mesh", "config", "--format", "json")
+    assert result.returncode == 0, result.stderr
+    config: dict[str, Any] = json.loads(result.stdout)
+    return config
+
+
+def test_mesh_services_exist_only_with_the_profile(rendered: dict[str, Any], mesh: dict[str, Any]) -> None:
+    assert not MESH_ONLY & set(rendered["services"])
+    assert set(mesh["services"]) == set(rendered["services"]) | MESH_ONLY
+
+
+def test_mesh_router_fronts_both_replicas(mesh: dict[str, Any]) -> None:
+    router = mesh["services"]["router"]
+    env = router["environment"]
+    assert router["command"] == ["serve", "router"]
+    assert env["KVMESH_ROUTER_REPLICAS"] == ("r1=scheduler:50051/kv-cache-manager:50052,"
+                                             "r2=scheduler-2:50051/kv-cache-manager-2:50052")
+    assert (env["KVMESH_PORT"], env["KVMESH_METRICS_PORT"], env["KVMESH_HEALTH_PORT"]) == ("50050", "9095", "50060")
+    assert [(p["host_ip"], p["published"], p["target"]) for p in router["ports"]] == [("127.0.0.1", "50050", 50050)]
+    assert env["KVMESH_TLS_CERT"] == "/run/secrets/router-cert" and env["KVMESH_TLS_KEY"] == "/run/secrets/router-key"
+    assert env["KVMESH_AUTH_MODE"] == "on" and env["KVMESH_AUTH_KEYS_FILE"] == "/run/secrets/api-keys"
+    assert {s["source"] for s in router["secrets"]} == {"kvmesh-ca", "router-cert", "router-key", "api-keys"}
+    # Same deployment key and model as the replicas: the router's hashes are theirs.
+    for key in ("KVMESH_DEPLOYMENT_KEY", "KVMESH_MODEL_DIR"):
+        assert env[key] == mesh["services"]["scheduler"]["environment"][key]
+    assert {k: v["condition"] for k, v in router["depends_on"].items()} == {
+        "model-prepare": "service_completed_successfully", "scheduler": "service_healthy",
+        "scheduler-2": "service_healthy"}
+    assert "50060" in " ".join(router["healthcheck"]["test"])
+    gw = mesh["services"]["gateway-mesh"]
+    assert gw["environment"]["KVMESH_GATEWAY_SCHEDULER_ADDRESS"] == "router:50050"
+    assert [(p["published"], p["target"]) for p in gw["ports"]] == [("8001", 8000)]
+
+
+def test_mesh_second_replica_is_wired_to_itself(mesh: dict[str, Any]) -> None:
+    svcs = mesh["services"]
+    env = svcs["scheduler-2"]["environment"]
+    dials = (env["KVMESH_SCHED_KVM_ADDRESS"], env["KVMESH_SCHED_RUNNER_ADDRESS"], env["KVMESH_SCHED_OFFLOAD_ADDRESS"])
+    assert dials == ("kv-cache-manager-2:50052", "model-runner-2:50053", "offload-store-2:50054")
+    assert not svcs["scheduler-2"].get("ports")  # reached through the router only
+    assert {k for k, v in svcs["scheduler-2"]["depends_on"].items() if v["condition"] == "service_healthy"} == {
+        "kv-cache-manager-2", "model-runner-2", "offload-store-2"}
+    assert svcs["offload-store-2"]["ipc"] == "service:model-runner-2"
+    assert {m["source"] for m in svcs["offload-store-2"]["volumes"]} == {"offload-data-2"}
+    assert svcs["kv-cache-manager-2"]["environment"]["KVMESH_TLS_ALLOWED_PEERS"] == "scheduler,router"
+    for name in ("kv-cache-manager", "model-runner", "offload-store", "scheduler"):
+        twin = svcs[f"{name}-2"]
+        # Same certificate as replica 1 (devcerts names the -2 twin in it), same ports.
+        assert twin["environment"]["KVMESH_TLS_CERT"] == f"/run/secrets/{name}-cert"
+        assert twin["environment"]["KVMESH_PORT"] == str(PORTS[name][0])
+        assert twin["command"] == ["serve", name]
+
+
+def test_dev_certificates_name_the_mesh_twins(tmp_path: Path) -> None:
+    """The router dials scheduler-2 / kv-cache-manager-2: their certificate must carry those names."""
+    from cryptography import x509
+
+    from shared.devcerts import write_dev_secrets
+
+    write_dev_secrets(tmp_path)
+    for name in ("scheduler", "kv-cache-manager", "model-runner", "offload-store", "router"):
+        cert = x509.load_pem_x509_certificate((tmp_path / f"{name}.crt").read_bytes())
+        sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        expected = {name, "localhost"} | ({f"{name}-2"} if name != "router" else set())
+        assert set(sans.get_values_for_type(x509.DNSName)) == expected
