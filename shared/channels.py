@@ -56,13 +56,31 @@ def default_tls() -> TLSFiles:
     return _default
 
 
+def _options(files: TLSFiles, options: Sequence[tuple[str, Any]]) -> list[tuple[str, Any]]:
+    opts = [*CHANNEL_OPTIONS, *options]
+    if files.server_name:
+        opts.append(("grpc.ssl_target_name_override", files.server_name))
+    return opts
+
+
 def open_channel(address: str, *, tls: TLSFiles | None = None,
                  options: Sequence[tuple[str, Any]] = ()) -> grpc.Channel:
     """A channel to ``address``: TLS when ``tls`` (or the configured default) names files."""
     files = _default if tls is None else tls
-    opts = [*CHANNEL_OPTIONS, *options]
-    if files.server_name:
-        opts.append(("grpc.ssl_target_name_override", files.server_name))
+    opts = _options(files, options)
     if files.enabled:
         return grpc.secure_channel(address, channel_credentials(files), options=opts)
     return grpc.insecure_channel(address, options=opts)
+
+
+def open_aio_channel(address: str, *, tls: TLSFiles | None = None,
+                     options: Sequence[tuple[str, Any]] = ()) -> grpc.aio.Channel:
+    """:func:`open_channel` for asyncio (``grpc.aio``): the same options and TLS rules.
+
+    NOTE: create it inside the event loop that will use it (an aio channel binds to its loop).
+    """
+    files = _default if tls is None else tls
+    opts = _options(files, options)
+    if files.enabled:
+        return grpc.aio.secure_channel(address, channel_credentials(files), options=opts)
+    return grpc.aio.insecure_channel(address, options=opts)

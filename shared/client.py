@@ -14,11 +14,9 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
-import grpc
-
-from shared.channels import CHANNEL_OPTIONS, open_channel
+from shared.channels import open_aio_channel, open_channel
 from shared.pb.kvmesh.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
-from shared.tls import TLSFiles, channel_credentials
+from shared.tls import TLSFiles
 
 
 def _auth_metadata(api_key: str | None) -> tuple[tuple[str, str], ...]:
@@ -134,13 +132,7 @@ class AsyncKVMeshClient:
     """
 
     def __init__(self, address: str, api_key: str | None = None, tls: TLSFiles | None = None) -> None:
-        options = list(CHANNEL_OPTIONS)
-        if tls is not None and tls.server_name:
-            options.append(("grpc.ssl_target_name_override", tls.server_name))
-        if tls is not None and tls.enabled:
-            self.channel = grpc.aio.secure_channel(address, channel_credentials(tls), options=options)
-        else:
-            self.channel = grpc.aio.insecure_channel(address, options=options)
+        self.channel = open_aio_channel(address, tls=tls)
         self.stub = scheduler_pb2_grpc.SchedulerStub(self.channel)
         self.metadata = _auth_metadata(api_key)
 

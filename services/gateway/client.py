@@ -13,9 +13,9 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.gateway.types import CallContext, ModelInfo, UpstreamError
-from shared.channels import CHANNEL_OPTIONS
+from shared.channels import open_aio_channel
 from shared.pb.kvmesh.v1 import scheduler_pb2, scheduler_pb2_grpc
-from shared.tls import TLSFiles, channel_credentials
+from shared.tls import TLSFiles
 
 
 def _metadata(ctx: CallContext | None) -> tuple[tuple[str, str | bytes], ...]:
@@ -44,13 +44,7 @@ class SchedulerClient:
         # NOTE: created lazily so it binds to the event loop uvicorn runs, not the importing one.
         # The same options and TLS rules as every other kvmesh channel (shared/channels.py), on aio.
         if self._channel is None:
-            opts = list(CHANNEL_OPTIONS)
-            if self.tls.server_name:
-                opts.append(("grpc.ssl_target_name_override", self.tls.server_name))
-            if self.tls.enabled:
-                self._channel = grpc.aio.secure_channel(self.address, channel_credentials(self.tls), options=opts)
-            else:
-                self._channel = grpc.aio.insecure_channel(self.address, options=opts)
+            self._channel = open_aio_channel(self.address, tls=self.tls)
         return self._channel
 
     @property
