@@ -206,11 +206,6 @@ class RunningServer:
         self._stopped = threading.Event()
         self._lock = threading.Lock()
 
-    @property
-    def grace(self) -> float:
-        """Seconds in-flight calls get on stop."""
-        return self._grace
-
     def set_serving(self, serving: bool) -> None:
         """Readiness: SERVING or NOT_SERVING for the server and every service on it.
 

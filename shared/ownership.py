@@ -60,12 +60,6 @@ class Lease:
         self.owner = ""
         self._seconds = 0.0
         self._expires = 0.0
-        self.previous_owner = ""  # the owner a TAKEN_OVER acquire replaced
-
-    @property
-    def held(self) -> bool:
-        """Whether an owner holds an unexpired lease."""
-        return bool(self.owner) and self._clock() < self._expires
 
     def acquire(self, owner: str, seconds: float) -> Acquired:
         """Makes ``owner`` the owner for ``seconds`` (renewed by :meth:`check`).
@@ -87,9 +81,12 @@ class Lease:
                 f"{self._expires - now:.1f}s unless renewed")
         else:
             kind = Acquired.TAKEN_OVER if self.owner else Acquired.NEW
-            self.previous_owner = self.owner
         self.owner, self._seconds, self._expires = owner, seconds, now + seconds
         return kind
+
+    def is_owner(self, owner: str) -> bool:
+        """Whether ``owner`` (a non-empty id) is the one holding the lease; renews nothing."""
+        return bool(owner) and owner == self.owner
 
     def check(self, owner: str) -> None:
         """Renews the lease if ``owner`` holds it.

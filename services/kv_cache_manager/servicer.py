@@ -68,11 +68,14 @@ class KVCacheManagerServicer(pb_grpc.KVCacheManagerServicer):
             self._metrics.record_prefix_lookup(dq, dh)
         self._seen = (queries, hits)
 
-    def _stats_pb(self, stats: KVCacheStats) -> pb.KVCacheStats:
-        msg = convert.stats_to_pb(stats)
+    def _stamp(self, msg: pb.KVCacheStats) -> pb.KVCacheStats:
+        """Names this instance and the pool incarnation it is bound to (the scheduler checks both)."""
         msg.instance_id = self._binding.instance_id
         msg.pool_id = self._binding.pool_id
         return msg
+
+    def _stats_pb(self, stats: KVCacheStats) -> pb.KVCacheStats:
+        return self._stamp(convert.stats_to_pb(stats))
 
     def Initialize(self, request: pb.InitializeRequest, context: grpc.ServicerContext) -> pb.InitializeResponse:
         owner = owner_from_metadata(context.invocation_metadata())
@@ -103,8 +106,7 @@ class KVCacheManagerServicer(pb_grpc.KVCacheManagerServicer):
             step = self._binding.owned(owner).step(free_ids, specs, list(request.rollback_request_ids))
             self._export(step.stats)
         msg = convert.step_to_pb(step)
-        msg.stats.instance_id = self._binding.instance_id
-        msg.stats.pool_id = self._binding.pool_id
+        self._stamp(msg.stats)
         return msg
 
     def Free(self, request: pb.FreeRequest, context: grpc.ServicerContext) -> pb.FreeResponse:
@@ -118,7 +120,7 @@ class KVCacheManagerServicer(pb_grpc.KVCacheManagerServicer):
                      context: grpc.ServicerContext) -> pb.LookupPrefixResponse:
         owner = owner_from_metadata(context.invocation_metadata())
         with self._lock:
-            is_owner = bool(owner) and owner == self._binding.lease.owner
+            is_owner = self._binding.lease.is_owner(owner)
             manager = self._binding.owned(owner) if is_owner else self._binding.manager()
             lookup = manager.lookup_prefix(list(request.token_ids), request.cache_salt)
         if not is_owner:  # monitoring and routers learn how much is cached, never where

@@ -25,7 +25,7 @@ from shared.auth import AuthConfig
 from shared.channels import configure as configure_channels
 from shared.config import ServerConfig, from_env
 from shared.grpc_server import ServiceRegistration, serve_forever, start_server
-from shared.metrics import new_registry, start_metrics_server
+from shared.metrics import metrics_config, new_registry, start_metrics_server
 from shared.pb.kvmesh.v1 import router_pb2_grpc, scheduler_pb2_grpc
 from shared.telemetry import server_interceptors, setup_tracing
 from shared.tls import TLSFiles
@@ -58,7 +58,8 @@ def main() -> int:
                     ", ".join(f"{r.id} healthy={r.healthy} subscribed={r.subscribed}" for r in replicas.replicas))
     tokenizer = Tokenizer(config.model_dir) if config.model_dir else None
     front = RouterFront(replicas, Router(config, index, metrics), tokenizer)
-    start_metrics_server(int(env.get("KVMESH_METRICS_PORT", "0")), registry)
+    mcfg = metrics_config(env, server_cfg.host)  # bound to KVMESH_HOST like every service's
+    start_metrics_server(mcfg.port, registry, addr=mcfg.host)
     running = start_server(server_cfg, [
         ServiceRegistration("kvmesh.v1.Scheduler", RouterSchedulerServicer(front),
                             scheduler_pb2_grpc.add_SchedulerServicer_to_server),

@@ -91,7 +91,6 @@ class Engine:
         self.info: RunnerInfo = runner.info()
         self.offload = OffloadConnector(offload) if offload is not None else None
         self.scheduler = Scheduler(config, kv, self.info, self.offload, self._seed(self.info))
-        self.num_rebinds = 0
         self._bound = False
         self._rebinds_in_a_row = 0
         self._next_keepalive = 0.0
@@ -170,7 +169,6 @@ class Engine:
         except Exception as exc:
             self._fail_all(exc)
             return
-        self.num_rebinds += 1
         log.warning("re-bound; %d running requests requeued to recompute", requeued)
 
     def _probe(self) -> bool:

@@ -176,7 +176,6 @@ class RemoteOffload:
         self._metadata = ((OWNER_METADATA, owner_id),)
         self._lease_seconds = lease_seconds
         self._handle: Any = None  # the last pool attached, re-attached after a store restart
-        self.num_reattaches = 0
 
     @staticmethod
     def _refs(blocks: Sequence[tuple[bytes, int]]) -> list[offload_store_pb2.BlockRef]:
@@ -192,7 +191,6 @@ class RemoteOffload:
                 raise
             log.warning("offload-store refused a call (%s); re-attaching the KV pool", exc.details())
         self.attach(self._handle)
-        self.num_reattaches += 1
         return method(request, timeout=self.timeout, metadata=self._metadata)
 
     def lookup(self, chains: Sequence[Sequence[bytes]]) -> list[int]:
@@ -210,8 +208,6 @@ class RemoteOffload:
         self._handle = handle
         self.stub.AttachPool(offload_store_pb2.AttachPoolRequest(pool=handle, lease_seconds=self._lease_seconds),
                              timeout=self.timeout, metadata=self._metadata)
-
-    attach_pool = attach
 
     def keepalive(self) -> None:
         # An empty Save is an owner call (renews the lease) that a restarted store refuses: re-attach.

@@ -59,6 +59,8 @@ def validate_priority(priority: int, tenant: Tenant, default_floor: int) -> None
     floor = tenant.min_priority if tenant.min_priority is not None else default_floor
     if priority < floor:
         raise InvalidArgument(f"priority: {priority} is below this tenant's minimum {floor} (lower runs first)")
+
+
 def check_bytes(field: str, value: str, limit: int) -> None:
     """Raises :class:`InvalidArgument` naming ``field`` when ``value`` is over ``limit`` UTF-8 bytes.
 

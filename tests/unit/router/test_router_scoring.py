@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import pytest
 
+from services.kv_cache_manager.manager import KVCacheManager
 from services.router.config import RouterConfig
 from services.router.prefix import replica_hash_seed, request_hashes
 from services.router.scoring import Scorer
 from services.router.types import ReplicaAddress, ReplicaLoad
 from shared.auth import tenant_cache_salt
-from shared.hashing import hash_blocks, hash_seed
+from shared.config import CacheConfig
+from shared.hashing import hash_seed
 
 
 def order(decision) -> list[str]:  # type: ignore[no-untyped-def]
@@ -48,7 +50,11 @@ def test_request_hashes_are_the_replicas() -> None:
     tokens = list(range(3, 40))
     assert replica_hash_seed("k", "m") == hash_seed(b"k", "m")
     ours = request_hashes("k", "m", 4, tokens, "team-a", "s1")
-    assert ours == hash_blocks(hash_seed(b"k", "m"), tokens, 4, tenant_cache_salt("k", "team-a", b"s1"))
+    # The replica's own code path: a kv-cache-manager bound with the seed its scheduler derives,
+    # asked with the salt the scheduler's servicer derives for the tenant.
+    manager = KVCacheManager(CacheConfig(block_size=4, num_blocks=32, max_model_len=64, model_id="m",
+                                         hash_seed=hash_seed(b"k", "m")))
+    assert ours == list(manager.lookup_prefix(tokens, tenant_cache_salt("k", "team-a", b"s1")).block_hashes)
     assert len(ours) == 9
     assert request_hashes("k", "m", 4, tokens, "team-b", "s1")[0] != ours[0]  # tenants never share
 
