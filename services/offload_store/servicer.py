@@ -14,7 +14,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from services.offload_store.store import OffloadStoreCore
+from services.offload_store.store import OffloadStore
 from services.offload_store.types import OffloadStats
 from shared.metrics import OffloadMetrics
 from shared.ownership import Lease, owner_from_metadata
@@ -30,7 +30,7 @@ class OffloadStoreServicer(offload_store_pb2_grpc.OffloadStoreServicer):
     """Serialises every call on one lock: the core, its index and the pool mapping are not
     thread-safe, and the grpc server runs handlers on a thread pool."""
 
-    def __init__(self, core: OffloadStoreCore, metrics: OffloadMetrics | None = None,
+    def __init__(self, core: OffloadStore, metrics: OffloadMetrics | None = None,
                  default_lease_seconds: float = 10.0) -> None:
         self._core = core
         self._lock = threading.Lock()

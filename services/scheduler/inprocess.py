@@ -13,7 +13,7 @@ from services.model_runner.config import RunnerConfig
 from services.model_runner.factory import build_runner
 from services.model_runner.runner import ModelRunnerCore
 from services.offload_store.config import OffloadConfig
-from services.offload_store.store import OffloadStoreCore
+from services.offload_store.store import OffloadStore
 from services.scheduler.backends import InProcessKVCache, InProcessRunner
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.engine import Engine
@@ -29,7 +29,7 @@ class InProcessSuite:
     manager: KVCacheManager
     runner: ModelRunnerCore
     tokenizer: Tokenizer | None
-    store: OffloadStoreCore | None = None
+    store: OffloadStore | None = None
 
     def close(self) -> None:
         """Stops the engine, closes the store and releases the pool file."""
@@ -48,7 +48,7 @@ def build_inprocess(runner_config: RunnerConfig, scheduler_config: SchedulerConf
     """
     sched_config = scheduler_config or SchedulerConfig()
     runner = build_runner(runner_config)
-    store = OffloadStoreCore(offload_config) if offload_config is not None else None
+    store = OffloadStore(offload_config) if offload_config is not None else None
     kv = InProcessKVCache()  # created by the engine's bind, from the runner's geometry and its seed
     engine = Engine(sched_config, kv, InProcessRunner(runner),
                     InProcessOffload(store) if store is not None else None)

@@ -137,7 +137,7 @@ class OffloadConnector:
 
 
 class InProcessOffload:
-    """Adapter over an in-process ``OffloadStoreCore``."""
+    """Adapter over an in-process ``OffloadStore``."""
 
     def __init__(self, core: Any) -> None:
         self.core = core

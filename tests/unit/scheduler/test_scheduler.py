@@ -256,10 +256,10 @@ def test_prefix_caching_off_says_the_offload_tier_is_unused(tmp_path: Path, capl
     """Issue 13: turning prefix caching off used to drop the offload-store (and swap preemption)
     silently; the scheduler now says so once, and still works without it."""
     from services.offload_store.config import OffloadConfig
-    from services.offload_store.store import OffloadStoreCore
+    from services.offload_store.store import OffloadStore
     from services.scheduler.offload import InProcessOffload, OffloadConnector
 
-    core = OffloadStoreCore(OffloadConfig(data_dir=str(tmp_path / "offload")))
+    core = OffloadStore(OffloadConfig(data_dir=str(tmp_path / "offload")))
     try:
         manager = KVCacheManager(CacheConfig(block_size=16, num_blocks=40, max_model_len=4096,
                                              hash_seed=hash_seed(b"kvmesh-dev", "m")))
