@@ -14,11 +14,12 @@ import os
 import torch
 
 from services.offload_store.config import OffloadConfig
+from services.offload_store.metrics import OffloadMetrics
 from services.offload_store.servicer import OffloadStoreServicer
 from services.offload_store.store import OffloadStore
 from shared.config import ServerConfig, from_env
 from shared.grpc_server import ServiceRegistration, serve_forever, start_server
-from shared.metrics import OffloadMetrics, metrics_config, new_registry, start_metrics_server
+from shared.metrics import metrics_config, new_registry, start_metrics_server
 from shared.pb.kvmesh.v1 import offload_store_pb2, offload_store_pb2_grpc
 from shared.telemetry import server_interceptors, setup_tracing
 
