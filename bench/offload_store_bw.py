@@ -47,8 +47,9 @@ if str(ROOT) not in sys.path:  # NOTE: run as a script, the repo root is not on 
 import torch  # noqa: E402
 
 from services.offload_store.config import OffloadConfig  # noqa: E402
-from services.offload_store.pool_mapping import KIND_SHM_FILE, PoolHandle  # noqa: E402
+from services.offload_store.pool_mapping import PoolHandle  # noqa: E402
 from services.offload_store.store import OffloadStore  # noqa: E402
+from shared.tensor_handle import KIND_SHM_FILE  # noqa: E402
 
 LAYERS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, ITEMSIZE = 30, 3, 64, 16, 4
 BLOCK_BYTES = LAYERS * 2 * BLOCK_SIZE * KV_HEADS * HEAD_DIM * ITEMSIZE  # 737,280

@@ -74,6 +74,11 @@ def test_offload_store_service(tmp_path: Path, pool_file: tuple[str, torch.Tenso
                 stub.AttachPool(offload_store_pb2.AttachPoolRequest(pool=bad), timeout=5)
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert "unknown dtype 'float17'" in (err.value.details() or "")
+            bad.dtype, bad.path = "float16", path + ".gone"  # the runner's pool closed or re-created
+            with pytest.raises(grpc.RpcError) as err:
+                stub.AttachPool(offload_store_pb2.AttachPoolRequest(pool=bad), timeout=5)
+            assert err.value.code() == grpc.StatusCode.NOT_FOUND  # as the runner's own kv_pool.attach says
+            assert f"shared tensor file '{path}.gone' does not exist" in (err.value.details() or "")
 
             attached = stub.AttachPool(offload_store_pb2.AttachPoolRequest(pool=handle), timeout=5)
             assert attached.bytes_per_block == BLOCK_BYTES

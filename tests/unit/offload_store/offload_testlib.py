@@ -21,8 +21,9 @@ import torch
 from sqlalchemy import create_engine, text
 
 from services.offload_store.config import OffloadConfig
-from services.offload_store.pool_mapping import KIND_SHM_FILE, PoolHandle
+from services.offload_store.pool_mapping import PoolHandle
 from services.offload_store.store import OffloadStore
+from shared.tensor_handle import KIND_SHM_FILE
 
 SHM_DIR = "/dev/shm"
 
