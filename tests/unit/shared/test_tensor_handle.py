@@ -4,9 +4,14 @@ map through ``shared.tensor_handle.map_handle``."""
 
 from __future__ import annotations
 
+import base64
 import dataclasses
+import json
 import os
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -109,3 +114,36 @@ def test_cuda_ipc_without_cuda_is_failed_precondition_on_both_sides(pool: KVPool
     runner, store = _both(handle, "/dev/shm")
     assert type(runner) is type(store) is FailedPrecondition
     assert str(runner) == str(store) == "a cuda_ipc handle needs CUDA in the mapping process"
+
+
+_CUDA_CHILD = """
+import base64, json, sys, torch
+from services.model_runner.kv_pool import attach
+from services.offload_store.pool_mapping import map_pool
+from shared.tensor_handle import SharedTensorHandle
+f = json.loads(sys.argv[1])
+h = SharedTensorHandle(**{**f, "shape": tuple(f["shape"]), "cuda_ipc_handle": base64.b64decode(f["cuda_ipc_handle"])})
+typed = attach(h)
+mapped = map_pool(h, "/dev/shm")
+seen = typed[1, 0, 3].float().sum().item()
+mapped.block(5).fill_(0)  # zero bytes are 0.0 in float16
+typed[0, 1, 2, 1] = 7.0
+torch.cuda.synchronize()
+print(json.dumps({"seen": seen, "same": mapped.raw.data_ptr() == typed.data_ptr()}))
+"""
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (a device run)")
+def test_a_cuda_pool_maps_in_another_process_through_both_sides() -> None:
+    with KVPool(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, memory_bytes=8 * 1024,
+                dtype=torch.float16, device="cuda") as pool:
+        pool.tensor.fill_(1.0)
+        fields = dataclasses.asdict(pool.handle())
+        fields["cuda_ipc_handle"] = base64.b64encode(fields["cuda_ipc_handle"]).decode()
+        torch.cuda.synchronize()
+        out = subprocess.run([sys.executable, "-c", _CUDA_CHILD, json.dumps(fields)], capture_output=True,
+                             text=True, check=True, timeout=300, cwd=Path(__file__).parents[3])
+        # K of block 3 in layer 1: 4 tokens x 2 heads x 8 dims of 1.0; both mappings share one storage
+        assert json.loads(out.stdout) == {"seen": 64.0, "same": True}
+        assert (pool.tensor[:, :, 5] == 0).all()
+        assert (pool.tensor[0, 1, 2, 1] == 7.0).all()
