@@ -47,8 +47,9 @@ if str(ROOT) not in sys.path:  # NOTE: run as a script, the repo root is not on 
 import torch  # noqa: E402
 
 from services.offload_store.config import OffloadConfig  # noqa: E402
-from services.offload_store.pool_mapping import KIND_SHM_FILE, PoolHandle  # noqa: E402
-from services.offload_store.store import OffloadStoreCore  # noqa: E402
+from services.offload_store.pool_mapping import PoolHandle  # noqa: E402
+from services.offload_store.store import OffloadStore  # noqa: E402
+from shared.tensor_handle import KIND_SHM_FILE  # noqa: E402
 
 LAYERS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, ITEMSIZE = 30, 3, 64, 16, 4
 BLOCK_BYTES = LAYERS * 2 * BLOCK_SIZE * KV_HEADS * HEAD_DIM * ITEMSIZE  # 737,280
@@ -118,7 +119,7 @@ def run(blocks: int, repeat: int, data_root: str) -> dict[str, Any]:
         rows.update(peers(nbytes, repeat))
         # DRAM: room for one call's blocks; the disk tier is disabled, so each save evicts the
         # previous call's blocks without I/O and reuses the same (warm) slots.
-        dram = OffloadStoreCore(OffloadConfig(data_dir=str(work / "dram"), dram_bytes=nbytes, disk_bytes=0))
+        dram = OffloadStore(OffloadConfig(data_dir=str(work / "dram"), dram_bytes=nbytes, disk_bytes=0))
         dram.attach_pool(handle)
         rows["dram save"] = median_seconds(
             lambda i: dram.save(list(zip(hashes_for(i, blocks), src_ids, strict=True))), repeat
@@ -130,7 +131,7 @@ def run(blocks: int, repeat: int, data_root: str) -> dict[str, Any]:
         dram.close()
 
         disk_dir = work / "disk"
-        disk = OffloadStoreCore(OffloadConfig(data_dir=str(disk_dir), dram_bytes=0, disk_bytes=(repeat + 2) * nbytes))
+        disk = OffloadStore(OffloadConfig(data_dir=str(disk_dir), dram_bytes=0, disk_bytes=(repeat + 2) * nbytes))
         disk.attach_pool(handle)
         rows["disk save"] = median_seconds(
             lambda i: disk.save(list(zip(hashes_for(i, blocks), src_ids, strict=True))), repeat

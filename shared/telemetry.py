@@ -30,15 +30,14 @@ has no spans). Passing :func:`server_interceptors` to ``start_server`` satisfies
 construction.
 
 Spans must never carry prompt text, token ids or cache salts (they would leak user data into a
-tracing backend with weaker access control than the API). :func:`safe_attributes` and
-:func:`request_attributes` are the only way kvmesh code should attach request details.
+tracing backend with weaker access control than the API): the filter every span attribute
+passes is ``shared/span_attributes.py`` (no gRPC there, so core modules use it).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Mapping
 from typing import Any
 
 import grpc
@@ -55,25 +54,12 @@ from opentelemetry.sdk.trace.sampling import (
     Sampler,
     TraceIdRatioBased,
 )
-from opentelemetry.util.types import AttributeValue
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAMESPACE = "kvmesh"
 EXPORTERS = frozenset({"otlp", "console", "none"})
 
-# String-valued attributes allowed on spans. Everything else must be a number or a bool: prompt
-# text, token id lists and salts are strings or sequences and are therefore dropped.
-SAFE_STRING_KEYS = frozenset({
-    "kvmesh.request_id",
-    "kvmesh.finish_reason",
-    "kvmesh.attention_backend",
-    "kvmesh.offload.tier",
-    "gen_ai.request.model",
-    "gen_ai.response.finish_reasons",
-    "gen_ai.operation.name",
-    "gen_ai.system",
-})
 
 
 def _truthy(raw: str | None) -> bool:
@@ -232,64 +218,3 @@ def instrument_grpc_client(channel: grpc.Channel, tracer_provider: trace.TracerP
 def get_tracer(name: str, tracer_provider: trace.TracerProvider | None = None) -> trace.Tracer:
     """A tracer for kvmesh's own spans (a no-op tracer when tracing is off)."""
     return trace.get_tracer(name, tracer_provider=tracer_provider)
-
-
-def safe_attributes(attrs: Mapping[str, object]) -> dict[str, AttributeValue]:
-    """Keeps only attributes that cannot carry user content.
-
-    Numbers and bools pass under any key; strings (and sequences of strings) pass only under
-    :data:`SAFE_STRING_KEYS`. Anything else (prompt text, token id lists, salts, bytes) is dropped.
-    """
-    out: dict[str, AttributeValue] = {}
-    for key, value in attrs.items():
-        if value is None:
-            continue
-        if isinstance(value, bool | int | float):
-            out[key] = value
-        elif key in SAFE_STRING_KEYS:
-            if isinstance(value, str):
-                out[key] = value
-            elif isinstance(value, Sequence) and all(isinstance(v, str) for v in value):
-                out[key] = [str(v) for v in value]
-            else:
-                log.debug("dropped span attribute %s (not a string)", key)
-        else:
-            log.debug("dropped span attribute %s (strings allowed only under known keys)", key)
-    return out
-
-
-def request_attributes(*, request_id: str, model: str | None = None, prompt_tokens: int | None = None,
-                       max_tokens: int | None = None, cached_tokens: int | None = None,
-                       output_tokens: int | None = None,
-                       finish_reason: str | None = None) -> dict[str, AttributeValue]:
-    """Span attributes describing one generation request by counts only (GenAI semconv names).
-
-    Deliberately takes no text, token ids or salt: there is no parameter to put them in.
-    """
-    return safe_attributes({
-        "kvmesh.request_id": request_id,
-        "gen_ai.operation.name": "text_completion",
-        "gen_ai.request.model": model,
-        "gen_ai.usage.input_tokens": prompt_tokens,
-        "gen_ai.request.max_tokens": max_tokens,
-        "kvmesh.prefix_cached_tokens": cached_tokens,
-        "gen_ai.usage.output_tokens": output_tokens,
-        "gen_ai.response.finish_reasons": [finish_reason] if finish_reason else None,
-    })
-
-
-def set_attributes(span: trace.Span, attrs: Mapping[str, object]) -> None:
-    """Sets only the attributes :func:`safe_attributes` keeps (free when the span is not recording)."""
-    if span.is_recording():
-        span.set_attributes(safe_attributes(attrs))
-
-
-@contextmanager
-def span(name: str, attrs: Mapping[str, object] | None = None,
-         tracer_provider: trace.TracerProvider | None = None) -> Iterator[trace.Span]:
-    """An internal span (e.g. one scheduler step) with safe attributes; a no-op when tracing is off."""
-    tracer = get_tracer("kvmesh", tracer_provider)
-    with tracer.start_as_current_span(name) as current:
-        if attrs:
-            set_attributes(current, attrs)
-        yield current

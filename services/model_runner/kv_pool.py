@@ -36,13 +36,13 @@ from pathlib import Path
 
 import torch
 
-from shared.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from shared.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from shared.tensor_handle import (
     SharedTensorHandle,
-    decode_cuda_ipc,
     dtype_from_name,
     dtype_name,
     encode_cuda_ipc,
+    map_handle,
 )
 
 __all__ = ["FP8_NAME", "KVPool", "SharedTensorHandle", "attach", "bytes_per_block", "kv_dtype_for",
@@ -192,39 +192,14 @@ class KVPool:
 
 
 def attach(handle: SharedTensorHandle) -> torch.Tensor:
-    """Maps the tensor a handle names, zero copy, in this process.
+    """Maps the tensor a handle names, zero copy, in this process, in its dtype and shape.
 
-    Raises:
-        NotFound: the backing file is gone (pool closed or re-created).
-        FailedPrecondition: the file's size is not what the handle says.
-        InvalidArgument: the handle is malformed (unknown kind or dtype, shape/nbytes mismatch).
+    The mapping is ``shared.tensor_handle.map_handle``'s (the offload-store maps pools with it
+    too), so its errors are the same: NotFound for a closed or re-created pool's file,
+    FailedPrecondition for a size the handle does not say, InvalidArgument for a malformed handle.
+    A KVPool's file name carries its generation, so a stale handle names a file that is gone.
     """
-    dtype = dtype_from_name(handle.dtype)
-    numel = math.prod(handle.shape)
-    if numel * dtype.itemsize != handle.nbytes:
-        raise InvalidArgument(f"handle shape {list(handle.shape)} of {handle.dtype} is not {handle.nbytes} bytes")
-    if handle.kind == "shm_file":
-        # NOTE: no generation check here: a KVPool's file name carries its generation, so a stale
-        # handle names a file that is gone; other owners (staging buffers) name files their own way.
-        path = Path(handle.path)
-        try:
-            size = os.stat(path).st_size
-        except FileNotFoundError:
-            raise NotFound(f"shared KV file {path} does not exist (closed or re-created pool)") from None
-        if size != handle.nbytes:
-            raise FailedPrecondition(f"{path} has {size} bytes, the handle says {handle.nbytes}")
-        return _map_file(path, handle.shape, dtype)
-    if handle.kind == "cuda_ipc":
-        from torch.multiprocessing.reductions import rebuild_cuda_tensor
-
-        ipc = decode_cuda_ipc(handle.cuda_ipc_handle)
-        stride = torch.empty(handle.shape, device="meta").stride()
-        tensor: torch.Tensor = rebuild_cuda_tensor(
-            torch.Tensor, handle.shape, stride, 0, torch.UntypedStorage, dtype, handle.device_index,
-            ipc[0], ipc[1], ipc[2], False, ipc[3], ipc[4], ipc[5], ipc[6],
-        )  # fmt: skip
-        return tensor
-    raise InvalidArgument(f"unknown shared tensor kind {handle.kind!r}")
+    return map_handle(handle).view(dtype_from_name(handle.dtype)).view(handle.shape)
 
 
 def _unlink(path: Path | None, lock_fd: int = -1) -> None:

@@ -14,11 +14,12 @@ import os
 import torch
 
 from services.offload_store.config import OffloadConfig
+from services.offload_store.metrics import OffloadMetrics
 from services.offload_store.servicer import OffloadStoreServicer
-from services.offload_store.store import OffloadStoreCore
+from services.offload_store.store import OffloadStore
 from shared.config import ServerConfig, from_env
 from shared.grpc_server import ServiceRegistration, serve_forever, start_server
-from shared.metrics import OffloadMetrics, metrics_config, new_registry, start_metrics_server
+from shared.metrics import metrics_config, new_registry, start_metrics_server
 from shared.pb.kvmesh.v1 import offload_store_pb2, offload_store_pb2_grpc
 from shared.telemetry import server_interceptors, setup_tracing
 
@@ -35,7 +36,7 @@ def main() -> int:
     mcfg = metrics_config(os.environ, server_config.host)
     if config.torch_threads > 0:
         torch.set_num_threads(config.torch_threads)
-    core = OffloadStoreCore(config)
+    core = OffloadStore(config)
     log.info("offload-store: data dir %s, reconcile %s", config.data_dir, core.reconcile_report)
     try:
         registration = ServiceRegistration(

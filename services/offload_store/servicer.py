@@ -1,4 +1,4 @@
-"""gRPC adapter of the offload-store: protobuf in, core call under one lock, protobuf out.
+"""gRPC adapter of the offload-store: ``convert`` in, core call under one lock, ``convert`` out.
 
 Only hashes, block ids and counters cross this boundary; KV bytes move through the mapped pool.
 
@@ -14,23 +14,20 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from services.offload_store.store import OffloadStoreCore
+from services.offload_store import convert
+from services.offload_store.metrics import OffloadMetrics
+from services.offload_store.store import OffloadStore
 from services.offload_store.types import OffloadStats
-from shared.metrics import OffloadMetrics
 from shared.ownership import Lease, owner_from_metadata
-from shared.pb.kvmesh.v1 import offload_store_pb2, offload_store_pb2_grpc
-from shared.tensor_handle import handle_from_proto
-
-
-def _blocks(refs: Any) -> list[tuple[bytes, int]]:
-    return [(r.block_hash, r.block_id) for r in refs]
+from shared.pb.kvmesh.v1 import offload_store_pb2 as pb
+from shared.pb.kvmesh.v1 import offload_store_pb2_grpc
 
 
 class OffloadStoreServicer(offload_store_pb2_grpc.OffloadStoreServicer):
     """Serialises every call on one lock: the core, its index and the pool mapping are not
     thread-safe, and the grpc server runs handlers on a thread pool."""
 
-    def __init__(self, core: OffloadStoreCore, metrics: OffloadMetrics | None = None,
+    def __init__(self, core: OffloadStore, metrics: OffloadMetrics | None = None,
                  default_lease_seconds: float = 10.0) -> None:
         self._core = core
         self._lock = threading.Lock()
@@ -61,58 +58,49 @@ class OffloadStoreServicer(offload_store_pb2_grpc.OffloadStoreServicer):
         m.pool_attached.set(int(s.pool_attached))
         self._seen = s
 
-    def AttachPool(self, request: offload_store_pb2.AttachPoolRequest, context: Any
-                   ) -> offload_store_pb2.AttachPoolResponse:
-        handle = handle_from_proto(request.pool)
+    def AttachPool(self, request: pb.AttachPoolRequest, context: Any) -> pb.AttachPoolResponse:
+        handle, lease_seconds = convert.attach_from_pb(request)
         owner = owner_from_metadata(context.invocation_metadata())
         with self._lock:
-            self._lease.acquire(owner, request.lease_seconds or self._default_lease)
+            self._lease.acquire(owner, lease_seconds or self._default_lease)
             nbytes = self._core.attach_pool(handle)
             self._export()
-        return offload_store_pb2.AttachPoolResponse(bytes_per_block=nbytes)
+        return convert.attached_to_pb(nbytes)
 
-    def Release(self, request: offload_store_pb2.ReleaseOffloadRequest, context: Any
-                ) -> offload_store_pb2.ReleaseOffloadResponse:
+    def Release(self, request: pb.ReleaseOffloadRequest, context: Any) -> pb.ReleaseOffloadResponse:
         with self._lock:
             self._lease.release(owner_from_metadata(context.invocation_metadata()))
             self._core.detach_pool()
             self._export()
-        return offload_store_pb2.ReleaseOffloadResponse()
+        return pb.ReleaseOffloadResponse()
 
-    def Lookup(self, request: offload_store_pb2.LookupRequest, context: Any
-               ) -> offload_store_pb2.LookupResponse:
+    def Lookup(self, request: pb.LookupRequest, context: Any) -> pb.LookupResponse:
+        chains = convert.lookup_from_pb(request)
         with self._lock:
-            results = [self._core.lookup(list(chain.block_hashes)) for chain in request.chains]
-        return offload_store_pb2.LookupResponse(num_present=[r.num_present for r in results],
-                                                num_in_dram=[r.num_in_dram for r in results])
+            results = [self._core.lookup(chain) for chain in chains]
+        return convert.lookup_results_to_pb(results)
 
-    def Save(self, request: offload_store_pb2.SaveRequest, context: Any) -> offload_store_pb2.SaveResponse:
-        with self._lock:
-            self._owned(context)
-            try:
-                result = self._core.save(_blocks(request.blocks))
-            finally:
-                self._export()
-        return offload_store_pb2.SaveResponse(num_saved=result.num_saved, num_skipped=result.num_skipped)
-
-    def Load(self, request: offload_store_pb2.LoadRequest, context: Any) -> offload_store_pb2.LoadResponse:
+    def Save(self, request: pb.SaveRequest, context: Any) -> pb.SaveResponse:
+        blocks = convert.save_from_pb(request)
         with self._lock:
             self._owned(context)
             try:
-                result = self._core.load(_blocks(request.blocks))
+                result = self._core.save(blocks)
             finally:
                 self._export()
-        return offload_store_pb2.LoadResponse(num_loaded=result.num_loaded,
-                                              failed_hashes=result.failed_hashes)
+        return convert.saved_to_pb(result)
 
-    def GetStats(self, request: offload_store_pb2.GetOffloadStatsRequest, context: Any
-                 ) -> offload_store_pb2.OffloadStats:
+    def Load(self, request: pb.LoadRequest, context: Any) -> pb.LoadResponse:
+        blocks = convert.load_from_pb(request)
         with self._lock:
-            s = self._core.stats()
-        return offload_store_pb2.OffloadStats(
-            dram_blocks=s.dram_blocks, dram_bytes=s.dram_bytes, dram_capacity_bytes=s.dram_capacity_bytes,
-            disk_blocks=s.disk_blocks, disk_bytes=s.disk_bytes, disk_capacity_bytes=s.disk_capacity_bytes,
-            dram_hits=s.dram_hits, disk_hits=s.disk_hits, misses=s.misses, saves=s.saves,
-            corruptions=s.corruptions, pool_attached=s.pool_attached, pool_generation=s.pool_generation,
-            refused_no_pool=s.refused_no_pool,
-        )
+            self._owned(context)
+            try:
+                result = self._core.load(blocks)
+            finally:
+                self._export()
+        return convert.loaded_to_pb(result)
+
+    def GetStats(self, request: pb.GetOffloadStatsRequest, context: Any) -> pb.OffloadStats:
+        with self._lock:
+            stats = self._core.stats()
+        return convert.stats_to_pb(stats)

@@ -1,4 +1,4 @@
-"""OffloadStoreCore: saves pool blocks into the tiers and loads them back, keyed by block hash.
+"""OffloadStore: saves pool blocks into the tiers and loads them back, keyed by block hash.
 
 ::
 
@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 _STAGING_ROWS = 16
 
 
-class OffloadStoreCore:
+class OffloadStore:
     """The offload-store without gRPC. Not thread-safe: the servicer serialises calls.
 
     Args:

@@ -19,6 +19,7 @@ from services.router.metrics import RouterMetrics
 from services.router.prefix import request_hashes
 from services.router.scoring import Scorer
 from services.router.types import Decision, ReplicaLoad
+from shared.span_attributes import set_attributes
 
 log = logging.getLogger(__name__)
 
@@ -61,15 +62,13 @@ class Router:
                          f"kv={s.kv_usage:.2f},cost={s.cost:.1f}" for s in decision.scores)
         log.info("route %s -> %s (%d/%d blocks held) [%s]", decision.policy, decision.replica_id or "-",
                  decision.matched_blocks, decision.total_blocks, parts)
-        current = trace.get_current_span()  # the Generate call's server span
-        if current.is_recording():
-            # NOTE: ids from the router's configuration and counts only: no request content.
-            current.set_attributes({
-                "kvmesh.router.replica": decision.replica_id, "kvmesh.router.policy": decision.policy,
-                "kvmesh.router.matched_blocks": decision.matched_blocks,
-                "kvmesh.router.total_blocks": decision.total_blocks,
-                "kvmesh.router.cost": decision.scores[0].cost if decision.scores else 0.0,
-                "kvmesh.router.candidates": len(decision.scores),
-            })
+        # NOTE: ids from the router's configuration and counts only: no request content.
+        set_attributes(trace.get_current_span(), {  # the Generate call's server span
+            "kvmesh.router.replica": decision.replica_id, "kvmesh.router.policy": decision.policy,
+            "kvmesh.router.matched_blocks": decision.matched_blocks,
+            "kvmesh.router.total_blocks": decision.total_blocks,
+            "kvmesh.router.cost": decision.scores[0].cost if decision.scores else 0.0,
+            "kvmesh.router.candidates": len(decision.scores),
+        })
         if self.metrics is not None:
             self.metrics.record(decision)

@@ -28,10 +28,11 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from services.offload_store.client import OffloadBackend
 from services.scheduler.backends import KVCacheBackend, RunnerBackend, RunnerInfo, RunnerRestarted
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.metrics import RequestMetrics
-from services.scheduler.offload import OffloadBackend, OffloadConnector
+from services.scheduler.offload import OffloadConnector
 from services.scheduler.request import FinishReason, Request, RequestSpec
 from services.scheduler.scheduler import ScheduledStep, Scheduler
 from services.scheduler.tracing import record_queue_span, step_span

@@ -12,12 +12,11 @@ from services.kv_cache_manager.manager import KVCacheManager
 from services.model_runner.config import RunnerConfig
 from services.model_runner.factory import build_runner
 from services.model_runner.runner import ModelRunnerCore
+from services.offload_store.client import InProcessOffload
 from services.offload_store.config import OffloadConfig
-from services.offload_store.store import OffloadStoreCore
 from services.scheduler.backends import InProcessKVCache, InProcessRunner
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.engine import Engine
-from services.scheduler.offload import InProcessOffload
 from services.scheduler.tokenizer import Tokenizer
 
 
@@ -29,7 +28,7 @@ class InProcessSuite:
     manager: KVCacheManager
     runner: ModelRunnerCore
     tokenizer: Tokenizer | None
-    store: OffloadStoreCore | None = None
+    store: InProcessOffload | None = None  # the offload-store in this process, when configured
 
     def close(self) -> None:
         """Stops the engine, closes the store and releases the pool file."""
@@ -43,14 +42,13 @@ def build_inprocess(runner_config: RunnerConfig, scheduler_config: SchedulerConf
                     with_tokenizer: bool = True, offload_config: OffloadConfig | None = None) -> InProcessSuite:
     """Builds and starts an in-process engine for ``runner_config.model_dir``.
 
-    With ``offload_config`` an offload-store core maps the runner's pool through its shared-memory
-    handle, exactly as the service does.
+    With ``offload_config`` an in-process offload-store maps the runner's pool through its
+    shared-memory handle, exactly as the service does.
     """
     sched_config = scheduler_config or SchedulerConfig()
     runner = build_runner(runner_config)
-    store = OffloadStoreCore(offload_config) if offload_config is not None else None
+    store = InProcessOffload(offload_config) if offload_config is not None else None
     kv = InProcessKVCache()  # created by the engine's bind, from the runner's geometry and its seed
-    engine = Engine(sched_config, kv, InProcessRunner(runner),
-                    InProcessOffload(store) if store is not None else None)
+    engine = Engine(sched_config, kv, InProcessRunner(runner), store)
     tokenizer = Tokenizer(runner_config.model_dir) if with_tokenizer else None
     return InProcessSuite(engine.start(), kv.manager, runner, tokenizer, store)

@@ -11,10 +11,10 @@ import logging
 import os
 import uuid
 
+from services.offload_store.client import RemoteOffload
 from services.scheduler.auth import AuthInterceptor, key_store_for
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.engine import Engine
-from services.scheduler.offload import RemoteOffload
 from services.scheduler.readiness import DependencyWatcher
 from services.scheduler.remote import RemoteKVCache, RemoteRunner
 from services.scheduler.servicer import SchedulerServicer

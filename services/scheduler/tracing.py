@@ -19,6 +19,7 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 
 from services.scheduler.request import Request
+from shared.span_attributes import safe_attributes
 
 _tracer = trace.get_tracer("kvmesh.scheduler")
 
@@ -44,7 +45,7 @@ def record_queue_span(req: Request) -> None:
     start = now_ns - int((now - req.times.arrival) * 1e9)
     end = now_ns - int((now - req.times.first_scheduled) * 1e9)
     span = _tracer.start_span("scheduler.queue", context=ctx, start_time=start,
-                              attributes={"kvmesh.request_id": req.request_id})
+                              attributes=safe_attributes({"kvmesh.request_id": req.request_id}))
     span.end(end_time=end)
 
 
@@ -60,5 +61,5 @@ def step_span(step_no: int, candidates: Sequence[Request], first: int, every: in
     attrs: dict[str, str | int] = {"kvmesh.step": step_no, "kvmesh.request_id": parent.request_id,
              "kvmesh.num_traced_requests": len(traced)}
     with _tracer.start_as_current_span("scheduler.step", context=parent.trace_context, links=links,
-                                       attributes=attrs) as span:
+                                       attributes=safe_attributes(attrs)) as span:
         yield span

@@ -17,7 +17,8 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry
 
-from shared.metrics import KVCacheMetrics, OffloadMetrics, RunnerMetrics, SchedulerMetrics
+from services.offload_store.metrics import OffloadMetrics
+from shared.metrics import KVCacheMetrics, RunnerMetrics, SchedulerMetrics
 
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = REPO / "docker-compose.yml"

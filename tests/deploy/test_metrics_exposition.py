@@ -9,9 +9,9 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from services.offload_store.metrics import OffloadMetrics
 from shared.metrics import (
     KVCacheMetrics,
-    OffloadMetrics,
     RunnerMetrics,
     SchedulerMetrics,
     new_registry,

@@ -6,6 +6,7 @@ own tracer provider and in-memory exporter, as two processes would.
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -30,14 +31,12 @@ from opentelemetry.sdk.trace.sampling import (
 from shared.config import ServerConfig
 from shared.errors import Unavailable
 from shared.grpc_server import RunningServer, ServiceRegistration, start_server
+from shared.span_attributes import safe_attributes, set_attributes
 from shared.telemetry import (
     instrument_grpc_client,
-    request_attributes,
-    safe_attributes,
     sampler_from_env,
     server_interceptors,
     setup_tracing,
-    span,
 )
 
 
@@ -136,7 +135,8 @@ def test_tracing_off_installs_nothing(env: dict[str, str]) -> None:
     assert server_interceptors() == []
     with grpc.insecure_channel("127.0.0.1:1") as channel:
         assert instrument_grpc_client(channel) is channel
-    with span("step", {"kvmesh.batch_size": 3}) as current:
+    with trace.get_tracer("kvmesh").start_as_current_span("step") as current:
+        set_attributes(current, {"kvmesh.batch_size": 3})
         assert not current.is_recording()
 
 
@@ -213,15 +213,43 @@ def test_attributes_never_carry_text_token_ids_or_salts() -> None:
         "kvmesh.preempted": False,
         "gen_ai.request.model": "SmolLM2-135M-Instruct",
     }
-    req = request_attributes(request_id="r", model="m", prompt_tokens=7, max_tokens=16, finish_reason="stop")
-    assert req["gen_ai.usage.input_tokens"] == 7
-    assert req["gen_ai.response.finish_reasons"] == ["stop"]
-    assert all(not isinstance(v, bytes) for v in req.values())
 
 
 def test_internal_span_gets_only_safe_attributes() -> None:
     provider, exporter = _provider("scheduler")
-    with span("scheduler.step", {"kvmesh.num_scheduled": 4, "kvmesh.prompt": "secret"}, provider):
-        pass
+    with provider.get_tracer("t").start_as_current_span("scheduler.step") as current:
+        set_attributes(current, {"kvmesh.num_scheduled": 4, "kvmesh.prompt": "secret"})
     (finished,) = exporter.get_finished_spans()
     assert dict(finished.attributes or {}) == {"kvmesh.num_scheduled": 4}
+
+
+def _unfiltered_span_attributes(source: str) -> list[int]:
+    """Lines of ``source`` that put attributes on a span without :func:`safe_attributes`: an
+    ``attributes=`` argument that is not a ``safe_attributes(...)`` call, or a span's own
+    ``.set_attribute(s)`` method (the filtered way is the function ``set_attributes(span, ...)``)."""
+    def filtered(node: ast.expr) -> bool:
+        return isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "safe_attributes"
+
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Call):
+            continue
+        method = node.func.attr if isinstance(node.func, ast.Attribute) else ""
+        if method in ("set_attribute", "set_attributes") or any(
+                k.arg == "attributes" and not filtered(k.value) for k in node.keywords):
+            lines.append(node.lineno)
+    return lines
+
+
+def test_every_span_attribute_in_services_is_filtered() -> None:
+    root = Path(__file__).resolve().parents[2]
+    found = [f"{p.relative_to(root)}:{line}" for p in sorted((root / "services").rglob("*.py"))
+             for line in _unfiltered_span_attributes(p.read_text())]
+    assert not found, f"span attributes must pass shared.span_attributes.safe_attributes: {found}"
+
+
+def test_the_span_attribute_guard_sees_each_way() -> None:
+    source = ("span.set_attributes({'a': 1})\nspan.set_attribute('a', 1)\n"
+              "tracer.start_span('s', attributes={'a': 1})\n"
+              "tracer.start_span('s', attributes=safe_attributes({'a': 1}))\nset_attributes(span, {'a': 1})\n")
+    assert _unfiltered_span_attributes(source) == [1, 2, 3]

@@ -14,10 +14,12 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.offload_store.client import RemoteOffload
 from shared.hashing import hash_blocks, hash_seed
 from shared.launcher import ServiceProcess
 from shared.owner_channel import with_owner
 from shared.pb.kvmesh.v1 import common_pb2, offload_store_pb2, offload_store_pb2_grpc
+from shared.tensor_handle import KIND_SHM_FILE, SharedTensorHandle
 
 # [layers, 2, num_blocks, block_size, kv_heads, head_dim] fp16: 32 KiB per block
 SHAPE = (4, 2, 8, 16, 2, 64)
@@ -74,6 +76,11 @@ def test_offload_store_service(tmp_path: Path, pool_file: tuple[str, torch.Tenso
                 stub.AttachPool(offload_store_pb2.AttachPoolRequest(pool=bad), timeout=5)
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert "unknown dtype 'float17'" in (err.value.details() or "")
+            bad.dtype, bad.path = "float16", path + ".gone"  # the runner's pool closed or re-created
+            with pytest.raises(grpc.RpcError) as err:
+                stub.AttachPool(offload_store_pb2.AttachPoolRequest(pool=bad), timeout=5)
+            assert err.value.code() == grpc.StatusCode.NOT_FOUND  # as the runner's own kv_pool.attach says
+            assert f"shared tensor file '{path}.gone' does not exist" in (err.value.details() or "")
 
             attached = stub.AttachPool(offload_store_pb2.AttachPoolRequest(pool=handle), timeout=5)
             assert attached.bytes_per_block == BLOCK_BYTES
@@ -121,3 +128,45 @@ def test_offload_store_service(tmp_path: Path, pool_file: tuple[str, torch.Tenso
 
 def _lookup(*chains: list[bytes]) -> offload_store_pb2.LookupRequest:
     return offload_store_pb2.LookupRequest(chains=[offload_store_pb2.HashChain(block_hashes=c) for c in chains])
+
+
+def test_remote_offload_client_reattaches_a_restarted_store(tmp_path: Path,
+                                                           pool_file: tuple[str, torch.Tensor]) -> None:
+    """The scheduler's client (services/offload_store/client.py) against a real store: its verbs,
+    then a store restart on the same port: the next owner call is refused (no pool, no owner),
+    the client re-attaches the pool it attached last and the call succeeds."""
+    path, raw = pool_file
+    handle = SharedTensorHandle(kind=KIND_SHM_FILE, dtype="float16", shape=SHAPE, nbytes=NBYTES, path=path)
+    hashes = hash_blocks(hash_seed(b"itest", "tiny"), list(range(48)), 16)
+    raw[:, :, 1:4] = torch.randint(0, 256, raw[:, :, 1:4].shape, dtype=torch.uint8,
+                                   generator=torch.Generator().manual_seed(1))
+    first = start(tmp_path / "data")
+    client = RemoteOffload(first.address, timeout=5, owner_id="sched-1", lease_seconds=5)
+    try:
+        client.attach(handle)
+        assert client.save([(hashes[0], 1), (hashes[1], 2)]) == 2
+        assert client.lookup([hashes, hashes[1:], hashes[2:]]) == [2, 1, 0]
+        assert client.load([(hashes[0], 5), (hashes[2], 6)]) == 1
+        assert torch.equal(raw[:, :, 5], raw[:, :, 1])
+        client.keepalive()
+        stats = client.stats()
+        assert (stats.saves, stats.dram_hits, stats.misses, stats.pool_attached) == (2, 1, 1, True)
+        port = first.port
+        assert first.stop() == 0, first.log_tail()
+
+        second = ServiceProcess("offload-store", port=port, env={
+            "KVMESH_OFFLOAD_DATA_DIR": str(tmp_path / "data-2"),
+            "KVMESH_OFFLOAD_DRAM_BYTES": str(2 * BLOCK_BYTES),
+            "KVMESH_OFFLOAD_DISK_BYTES": str(16 * BLOCK_BYTES),
+        })
+        try:
+            assert client.stats().pool_attached is False  # a fresh store: nothing mapped, no owner
+            assert client.save([(hashes[2], 3)]) == 1  # refused, re-attached, retried once
+            after = client.stats()
+            assert (after.pool_attached, after.saves) == (True, 1)
+            client.release()
+            assert client.stats().pool_attached is False
+        finally:
+            assert second.stop() == 0, second.log_tail()
+    finally:
+        client.close()

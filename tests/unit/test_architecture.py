@@ -24,7 +24,6 @@ BOUNDARY_FILES = frozenset({"servicer.py", "main.py", "client.py", "remote.py"})
 # Today's known exceptions, each with its reason. Debt: the test fails when a file not listed
 # here imports gRPC, and when a listed one no longer does (then delete its line).
 GRPC_EXCEPTIONS = {
-    "services/scheduler/offload.py": "its gRPC client sits inside the offload policy; issue 11 splits it out",
     "services/cli.py": "the command line is an entry point, like main.py: `up` waits on the suite's start-up",
     "services/suite.py": "`kvmesh up` is an entry point: it waits on the services' gRPC health checks",
     "services/client_cli.py": "`kvmesh generate`/`chat` are entry points: they turn an RpcError into one line",

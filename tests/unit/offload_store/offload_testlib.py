@@ -21,8 +21,9 @@ import torch
 from sqlalchemy import create_engine, text
 
 from services.offload_store.config import OffloadConfig
-from services.offload_store.pool_mapping import KIND_SHM_FILE, PoolHandle
-from services.offload_store.store import OffloadStoreCore
+from services.offload_store.pool_mapping import PoolHandle
+from services.offload_store.store import OffloadStore
+from shared.tensor_handle import KIND_SHM_FILE
 
 SHM_DIR = "/dev/shm"
 
@@ -104,20 +105,20 @@ def db(request: pytest.FixtureRequest, tmp_path: Path, postgres_url: str | None)
     engine.dispose()
 
 
-CoreFactory = Callable[..., OffloadStoreCore]
+CoreFactory = Callable[..., OffloadStore]
 
 
 @pytest.fixture
 def make_core(tmp_path: Path, db: DbTarget) -> Iterator[CoreFactory]:
     """Opens cores over ``<tmp>/data`` and the test's database; budgets in whole blocks."""
-    cores: list[OffloadStoreCore] = []
+    cores: list[OffloadStore] = []
 
-    def make(dram_blocks: int = 4, disk_blocks: int = 8, block_nbytes: int = 1024) -> OffloadStoreCore:
+    def make(dram_blocks: int = 4, disk_blocks: int = 8, block_nbytes: int = 1024) -> OffloadStore:
         config = OffloadConfig(
             data_dir=str(tmp_path / "data"), db_url=db.url, db_table=db.table,
             dram_bytes=dram_blocks * block_nbytes, disk_bytes=disk_blocks * block_nbytes, pool_dir=SHM_DIR,
         )
-        core = OffloadStoreCore(config)
+        core = OffloadStore(config)
         cores.append(core)
         return core
 

@@ -10,8 +10,9 @@ import pytest
 import torch
 from offload_testlib import SHM_DIR, PoolFactory
 
-from services.offload_store.pool_mapping import KIND_CUDA_IPC, PoolHandle, map_pool
-from shared.errors import FailedPrecondition, InvalidArgument
+from services.offload_store.pool_mapping import PoolHandle, map_pool
+from shared.errors import FailedPrecondition, InvalidArgument, NotFound
+from shared.tensor_handle import KIND_CUDA_IPC
 
 
 def test_mapping_is_zero_copy_both_ways(make_pool: PoolFactory) -> None:
@@ -50,13 +51,13 @@ def test_unknown_dtype_is_refused(make_pool: PoolFactory, name: str) -> None:
 def test_file_size_must_match(make_pool: PoolFactory) -> None:
     pool = make_pool("float32")
     os.truncate(pool.handle.path, pool.handle.nbytes - 1)
-    with pytest.raises(InvalidArgument, match=r"holds \d+ bytes, the handle says"):
+    with pytest.raises(FailedPrecondition, match=r"holds \d+ bytes, the handle says"):
         map_pool(pool.handle, SHM_DIR)
 
 
 def test_nbytes_must_match_shape(make_pool: PoolFactory) -> None:
     pool = make_pool("float32")
-    with pytest.raises(InvalidArgument, match="implied by shape and dtype"):
+    with pytest.raises(InvalidArgument, match="implied by shape"):
         map_pool(dataclasses.replace(pool.handle, nbytes=pool.handle.nbytes * 2), SHM_DIR)
 
 
@@ -82,9 +83,9 @@ def test_file_outside_the_pool_dir_is_refused(make_pool: PoolFactory, tmp_path: 
 
 def test_missing_file_and_unknown_kind(make_pool: PoolFactory) -> None:
     pool = make_pool("float32")
-    with pytest.raises(InvalidArgument, match="does not exist"):
+    with pytest.raises(NotFound, match="does not exist"):
         map_pool(dataclasses.replace(pool.handle, path=pool.handle.path + ".gone"), SHM_DIR)
-    with pytest.raises(InvalidArgument, match="unsupported pool handle kind"):
+    with pytest.raises(InvalidArgument, match="unknown shared tensor kind"):
         map_pool(dataclasses.replace(pool.handle, kind="nfs"), SHM_DIR)
 
 

@@ -1,4 +1,4 @@
-"""OffloadStoreCore end to end over a real /dev/shm pool, a real data dir and a real index
+"""OffloadStore end to end over a real /dev/shm pool, a real data dir and a real index
 (SQLite and PostgreSQL): round trips, tiers, lookups, data faults, bad input, restarts."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 from offload_testlib import CoreFactory, DbTarget, PoolFactory, ShmPool
 
 from services.offload_store.disk_tier import ReconcileReport
-from services.offload_store.store import OffloadStoreCore
+from services.offload_store.store import OffloadStore
 from services.offload_store.types import LoadResult, LookupResult, OffloadStats, SaveResult
 from shared.errors import FailedPrecondition, InvalidArgument
 from shared.hashing import BlockHash, hash_blocks, hash_seed
@@ -30,7 +30,7 @@ def fill(pool: ShmPool, block_ids: list[int]) -> list[torch.Tensor]:
     return [pool.fill_random(b, seed=100 + b) for b in block_ids]
 
 
-def counters(core: OffloadStoreCore) -> tuple[int, int, int, int, int]:
+def counters(core: OffloadStore) -> tuple[int, int, int, int, int]:
     s = core.stats()
     return s.dram_hits, s.disk_hits, s.misses, s.saves, s.corruptions
 

@@ -255,11 +255,11 @@ def test_running_request_preempted_after_its_slots_were_granted_is_rolled_back()
 def test_prefix_caching_off_says_the_offload_tier_is_unused(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """Issue 13: turning prefix caching off used to drop the offload-store (and swap preemption)
     silently; the scheduler now says so once, and still works without it."""
+    from services.offload_store.client import InProcessOffload
     from services.offload_store.config import OffloadConfig
-    from services.offload_store.store import OffloadStoreCore
-    from services.scheduler.offload import InProcessOffload, OffloadConnector
+    from services.scheduler.offload import OffloadConnector
 
-    core = OffloadStoreCore(OffloadConfig(data_dir=str(tmp_path / "offload")))
+    store = InProcessOffload(OffloadConfig(data_dir=str(tmp_path / "offload")))
     try:
         manager = KVCacheManager(CacheConfig(block_size=16, num_blocks=40, max_model_len=4096,
                                              hash_seed=hash_seed(b"kvmesh-dev", "m")))
@@ -269,10 +269,10 @@ def test_prefix_caching_off_says_the_offload_tier_is_unused(tmp_path: Path, capl
             caplog.clear()
             cfg = SchedulerConfig(enable_prefix_caching=prefix, preemption_mode="swap")
             with caplog.at_level(logging.WARNING, logger="services.scheduler.scheduler"):
-                sched = Scheduler(cfg, InProcessKVCache(manager), info, OffloadConnector(InProcessOffload(core)))
+                sched = Scheduler(cfg, InProcessKVCache(manager), info, OffloadConnector(store))
             warned = [r.getMessage() for r in caplog.records if "offload-store is not used" in r.getMessage()]
             assert (sched.offload is None) == expect_warning
             assert warned == ([("prefix caching is off, so the offload-store is not used: no offload reloads, "
                                 "and preemption_mode=swap falls back to recompute")] if expect_warning else [])
     finally:
-        core.close()
+        store.close()
