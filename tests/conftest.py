@@ -15,6 +15,11 @@ import pytest
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Suites started as processes run the exact mode (fp32) unless a test asks for another: their byte
+# budgets (KV pool, DRAM tier) are counted in fp32 blocks and their answers are compared with
+# transformers' fp32 generate(). `auto` (bf16 on a CPU with AVX512-BF16 or AMX) is tested where a
+# test sets it (tests/integration/test_default_mode.py, the factory's selection tests).
+os.environ.setdefault("KVMESH_RUNNER_DTYPE", "float32")
 # Native CPU kernels are built once per machine into a test-only folder, not the user's cache.
 os.environ.setdefault("KVMESH_NATIVE_CACHE", os.path.join(tempfile.gettempdir(), f"kvmesh-native-tests-{os.getuid()}"))
 
