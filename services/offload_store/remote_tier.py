@@ -143,7 +143,9 @@ class RemoteTier:
         return [bool(r) and parse_prefix(r) is not None for r in replies]
 
     def get_many(self, hashes: Sequence[BlockHash], fmt: BlockFormat) -> list[memoryview | None]:
-        """Per hash, the verified payload (``fmt.nbytes`` bytes) or None (a miss); one round trip."""
+        """The verified payloads (``fmt.nbytes`` bytes each) of the leading run of ``hashes``, then
+        None from the first miss on; one round trip. A load stops at its first miss, so the values
+        after it are neither verified nor counted."""
         if not hashes:
             return []
         ttl = self.ttl_seconds
@@ -162,7 +164,7 @@ class RemoteTier:
         out: list[memoryview | None] = []
         corrupt: list[BlockHash] = []
         for h, value in zip(hashes, replies, strict=True):
-            out.append(self._verify(h, value, fmt, expect, corrupt))
+            out.append(self._verify(h, value, fmt, expect, corrupt) if not out or out[-1] is not None else None)
         if corrupt:
             log.warning("remote tier: %d corrupt block(s) deleted, e.g. %s", len(corrupt), self.key(corrupt[0]))
             self._pipeline(lambda p: [p.delete(self.key(h)) for h in corrupt])
