@@ -257,9 +257,11 @@ def connect(url: str, timeout_seconds: float) -> redis.Redis:
     """A client whose every call is bounded by ``timeout_seconds`` (connect and each read).
 
     NOTE: redis-py retries a failed call 3 times by default, which would multiply the bound: off.
+    Reads are 1 MiB (redis-py's default is 64 KiB): a block value is most of a megabyte, and the
+    pure-Python reply parser copies once per read (docs/offload-remote.md, measured there).
     """
     return redis.Redis.from_url(url, socket_timeout=timeout_seconds, socket_connect_timeout=timeout_seconds,
-                                retry=Retry(NoBackoff(), 0), health_check_interval=0)
+                                retry=Retry(NoBackoff(), 0), health_check_interval=0, socket_read_size=1 << 20)
 
 
 def copy_payload(payload: memoryview, out: torch.Tensor) -> None:
