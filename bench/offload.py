@@ -66,7 +66,10 @@ def _ttft(suite: InProcessSuite, prompt: list[int], salt: str) -> tuple[float, i
 
 def _suite(model: str, pool_blocks: int, block_bytes: int, data: Path, dram: bool, threads: int,
            remote_url: str = "", remote_prefix: str = "") -> InProcessSuite:
-    rc = RunnerConfig(model_dir=model, kv_cache_memory_bytes=pool_blocks * block_bytes, num_threads=threads)
+    # NOTE: fp32 pinned: ``block_bytes`` (and so the pool size the filler must fill) assumes it, and
+    # ``auto`` is bf16 on CPUs with BF16 instructions (docs/model_runner.md).
+    rc = RunnerConfig(model_dir=model, kv_cache_memory_bytes=pool_blocks * block_bytes, num_threads=threads,
+                      dtype="float32")
     sc = SchedulerConfig(max_num_batched_tokens=4096)
     oc = OffloadConfig(data_dir=str(data), dram_bytes=(2 << 30) if dram else 0, disk_bytes=8 << 30,
                        remote_url=remote_url, remote_key_prefix=remote_prefix, remote_timeout_seconds=5.0)
