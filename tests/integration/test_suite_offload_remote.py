@@ -19,7 +19,7 @@ from services.suite import Suite, SuiteConfig
 from shared.client import KVMeshClient
 from shared.pb.kvmesh.v1 import offload_store_pb2, offload_store_pb2_grpc
 
-pytestmark = pytest.mark.redis
+pytestmark = [pytest.mark.redis, pytest.mark.slow]  # two suites: eight processes
 OFFLOAD_METRICS_OFFSET = 3  # services/suite.py METRICS_PORT_OFFSETS
 
 
