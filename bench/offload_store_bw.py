@@ -15,11 +15,18 @@ Rows:
   disk load (cached)  ``load`` with DRAM disabled, files in the page cache: read, verify, copy in
   disk load (cold)    the same after ``posix_fadvise(DONTNEED)`` on every file (our files only,
                       no global cache drop), so reads go to the device (or the VM host's cache)
+  redis set / get     peer: one redis-py pipeline of ``--blocks`` plain SETs / GETs of block-sized
+                      values (the client and server cost alone, no header, no checksum)
+  remote save         ``save`` by a store whose only tier is Redis (``--redis-url``; DRAM and disk
+                      budgets 0): copy out, header + CRC-32, an EXISTS pipeline, a SET pipeline
+                      per 16 blocks (the staging rows); the keys are deleted before each call
+  remote load         ``load`` by another store (another replica) of the same blocks: GET
+                      pipelines of up to 64 MiB, verify, copy into its pool
 
 Each row is the median of ``--repeat`` timed calls after one warm-up; GB/s = bytes / time. Torch
 runs with ``--threads`` intra-op threads (default 1, the service's default; 0 = torch's default),
 peers included.
-Run: ``python bench/offload_store_bw.py [--data-dir /var/tmp]``; writes
+Run: ``python bench/offload_store_bw.py [--data-dir /var/tmp] [--redis-url URL | --redis-url ""]``; writes
 ``bench/results/offload_store_bw.json``.
 """
 
@@ -108,7 +115,56 @@ def peers(nbytes: int, repeat: int) -> dict[str, float]:
     }
 
 
-def run(blocks: int, repeat: int, data_root: str) -> dict[str, Any]:
+def remote_rows(handle: PoolHandle, pool: torch.Tensor, blocks: int, repeat: int, work: Path, url: str
+                ) -> dict[str, float]:
+    """The remote-tier rows (see the module docstring); keys under a prefix of their own, deleted."""
+    import redis
+
+    prefix = f"kvmesh-bench:{uuid.uuid4().hex[:8]}:"
+    raw = redis.Redis.from_url(url)
+    rows: dict[str, float] = {}
+    src_ids, dst_ids = list(range(1, blocks + 1)), list(range(blocks + 1, 2 * blocks + 1))
+    values = [torch.empty(BLOCK_BYTES, dtype=torch.uint8).random_(0, 255).numpy().tobytes() for _ in range(blocks)]
+    keys = [f"{prefix}raw:{i}" for i in range(blocks)]
+
+    def pipe(fill: Callable[[Any], Any]) -> Any:
+        p = raw.pipeline(transaction=False)
+        fill(p)
+        return p.execute()
+
+    def clear(_: int) -> None:
+        found = list(raw.scan_iter(match=prefix + "*", count=1000))
+        if found:
+            raw.delete(*found)
+
+    stores: list[OffloadStore] = []
+    try:
+        rows["redis set"] = median_seconds(lambda _: pipe(lambda p: [p.set(k, v) for k, v in zip(keys, values,
+                                                                                            strict=True)]), repeat)
+        rows["redis get"] = median_seconds(lambda _: pipe(lambda p: [p.get(k) for k in keys]), repeat)
+        clear(0)
+        for name in ("a", "b"):
+            cfg = OffloadConfig(data_dir=str(work / f"remote-{name}"), dram_bytes=0, disk_bytes=0,
+                                remote_url=url, remote_key_prefix=prefix, remote_timeout_seconds=5.0)
+            stores.append(OffloadStore(cfg))
+            stores[-1].attach_pool(handle)
+        a, b = stores
+        hashes = hashes_for(0, blocks)
+        rows["remote save"] = median_seconds(lambda _: a.save(list(zip(hashes, src_ids, strict=True))), repeat,
+                                             before=clear)
+        pool[:, :, dst_ids] = 0
+        rows["remote load"] = median_seconds(lambda _: b.load(list(zip(hashes, dst_ids, strict=True))), repeat)
+        assert torch.equal(pool[:, :, dst_ids], pool[:, :, src_ids]), "remote load: wrong bytes"
+        assert b.remote is not None and b.remote.stats.hits == (repeat + 1) * blocks and b.remote.stats.errors == 0
+        return rows
+    finally:
+        clear(0)
+        for store in stores:
+            store.close()
+        raw.close()
+
+
+def run(blocks: int, repeat: int, data_root: str, redis_url: str = "") -> dict[str, Any]:
     nbytes = blocks * BLOCK_BYTES
     handle, pool = make_pool(2 * blocks + 1)  # sources 1..blocks, destinations blocks+1..2*blocks
     src_ids = list(range(1, blocks + 1))
@@ -147,6 +203,8 @@ def run(blocks: int, repeat: int, data_root: str) -> dict[str, Any]:
         stats = disk.stats()
         assert stats.disk_hits == 2 * (repeat + 1) * blocks and stats.corruptions == 0
         disk.close()
+        if redis_url:
+            rows.update(remote_rows(handle, pool, blocks, repeat, work, redis_url))
     finally:
         shutil.rmtree(work, ignore_errors=True)
         os.unlink(handle.path)
@@ -194,11 +252,13 @@ def main() -> int:
     parser.add_argument(
         "--threads", type=int, default=OffloadConfig.torch_threads, help="torch intra-op threads (0 = torch's default)"
     )
+    parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0",
+                        help="the remote tier's Redis (empty: skip the remote rows)")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "offload_store_bw.json"))
     args = parser.parse_args()
     if args.threads > 0:
         torch.set_num_threads(args.threads)
-    report = run(args.blocks, args.repeat, args.data_dir)
+    report = run(args.blocks, args.repeat, args.data_dir, args.redis_url)
     geo = report["geometry"]
     print(
         f"offload-store bandwidth: {geo['blocks_per_call']} blocks x {geo['bytes_per_block']:,} B "

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -98,3 +99,42 @@ def postgres_url() -> str | None:
         except psycopg.Error:
             continue
     return None
+
+
+REDIS_URL = "redis://127.0.0.1:6379/0"
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> str | None:
+    """The Redis server the machines run (127.0.0.1:6379, database 0), or None.
+
+    Tests that need it skip with a clear reason when it does not answer.
+    """
+    import redis
+
+    client = redis.Redis.from_url(REDIS_URL, socket_timeout=2, socket_connect_timeout=2)
+    try:
+        client.ping()
+    except (redis.RedisError, OSError):
+        return None
+    finally:
+        client.close()
+    return REDIS_URL
+
+
+@pytest.fixture
+def remote_prefix(redis_url: str | None) -> Iterator[str]:
+    """A key prefix no other test uses in the shared Redis; its keys are deleted afterwards."""
+    import uuid
+
+    import redis
+
+    if redis_url is None:
+        pytest.skip("no Redis server answers at 127.0.0.1:6379")
+    prefix = f"kvmesh-test:{uuid.uuid4().hex[:12]}:"
+    yield prefix
+    client = redis.Redis.from_url(redis_url)
+    keys = list(client.scan_iter(match=prefix + "*", count=1000))
+    if keys:
+        client.delete(*keys)
+    client.close()

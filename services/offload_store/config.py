@@ -27,6 +27,16 @@ class OffloadConfig:
             the model-runner, and on a busy node every multi-threaded copy waits for a descheduled
             OpenMP worker: measured on 2 shared cores, a 128-block disk load took 0.77 s with 2
             threads and 0.08 s with 1.
+        remote_url: the shared remote tier, a redis-py URL (``redis://host:6379/0``,
+            ``rediss://`` for TLS); empty (the default) turns the tier off. docs/offload-remote.md.
+        remote_timeout_seconds: connect and read timeout of every remote call: the longest a step
+            waits on a slow or dead Redis before treating its blocks as misses.
+        remote_key_prefix: namespace of this deployment's keys in the shared Redis.
+        remote_ttl_seconds: expiry of a remote block, refreshed when it is served (0: none, space
+            is bounded by Redis' ``maxmemory`` + ``allkeys-lru`` alone).
+        remote_retry_seconds: after a failed remote call the tier is bypassed this long, so an
+            outage costs one timeout per period rather than one per step.
+        remote_batch_bytes: payload bytes one remote load pipeline carries (one round trip).
     """
 
     data_dir: str = "/var/tmp/kvmesh-offload"
@@ -36,6 +46,12 @@ class OffloadConfig:
     disk_bytes: int = 16 * GIB
     pool_dir: str = "/dev/shm"
     torch_threads: int = 1
+    remote_url: str = ""
+    remote_timeout_seconds: float = 0.2
+    remote_key_prefix: str = "kvmesh:kv:"
+    remote_ttl_seconds: int = 0
+    remote_retry_seconds: float = 2.0
+    remote_batch_bytes: int = 64 << 20
 
     def __post_init__(self) -> None:
         if not self.data_dir:
@@ -44,6 +60,10 @@ class OffloadConfig:
             raise ValueError("dram_bytes and disk_bytes must be >= 0")
         if self.torch_threads < 0:
             raise ValueError("torch_threads must be >= 0")
+        if self.remote_timeout_seconds <= 0 or self.remote_retry_seconds < 0:
+            raise ValueError("remote_timeout_seconds must be > 0 and remote_retry_seconds >= 0")
+        if self.remote_ttl_seconds < 0 or self.remote_batch_bytes <= 0:
+            raise ValueError("remote_ttl_seconds must be >= 0 and remote_batch_bytes > 0")
         if not self.db_table.isidentifier():
             raise ValueError(f"db_table must be an identifier, got {self.db_table!r}")
 

@@ -2,19 +2,23 @@
 
 Variables: ``KVMESH_OFFLOAD_DATA_DIR``, ``KVMESH_OFFLOAD_DB_URL`` (default: SQLite in the data
 dir), ``KVMESH_OFFLOAD_DB_TABLE``, ``KVMESH_OFFLOAD_DRAM_BYTES``, ``KVMESH_OFFLOAD_DISK_BYTES``,
-``KVMESH_OFFLOAD_POOL_DIR``, ``KVMESH_OFFLOAD_TORCH_THREADS``, and the server's ``KVMESH_HOST`` / ``KVMESH_PORT`` /
-``KVMESH_PORT_FILE``.
+``KVMESH_OFFLOAD_POOL_DIR``, ``KVMESH_OFFLOAD_TORCH_THREADS``, the remote tier's
+``KVMESH_OFFLOAD_REMOTE_URL`` (empty: off), ``..._REMOTE_TIMEOUT_SECONDS``, ``..._REMOTE_KEY_PREFIX``,
+``..._REMOTE_TTL_SECONDS``, ``..._REMOTE_RETRY_SECONDS``, ``..._REMOTE_BATCH_BYTES``, and the
+server's ``KVMESH_HOST`` / ``KVMESH_PORT`` / ``KVMESH_PORT_FILE``.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from urllib.parse import urlsplit
 
 import torch
 
 from services.offload_store.config import OffloadConfig
 from services.offload_store.metrics import OffloadMetrics
+from services.offload_store.remote_metrics import RemoteTierCollector
 from services.offload_store.servicer import OffloadStoreServicer
 from services.offload_store.store import OffloadStore
 from shared.config import ServerConfig, from_env
@@ -38,6 +42,11 @@ def main() -> int:
         torch.set_num_threads(config.torch_threads)
     core = OffloadStore(config)
     log.info("offload-store: data dir %s, reconcile %s", config.data_dir, core.reconcile_report)
+    if core.remote is not None:
+        registry.register(RemoteTierCollector(core.remote, mcfg.model_name))
+        # NOTE: the host only: the URL may carry a password
+        log.info("offload-store: remote tier at %s, keys %s*", urlsplit(config.remote_url).hostname,
+                 config.remote_key_prefix)
     try:
         registration = ServiceRegistration(
             SERVICE_NAME, OffloadStoreServicer(core, OffloadMetrics(registry, mcfg.model_name)),

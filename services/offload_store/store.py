@@ -3,14 +3,16 @@
 ::
 
     pool (shared memory) ──save──▶ DRAM tier ──evict (demote)──▶ disk tier ──▶ index (SQL)
-            ▲                          │                           │
+            ▲   │                      │                           │
+            │   └──save (if enabled)──▶ remote tier (Redis, shared by every replica)
             └──────────load────────────┴──(verify, promote)────────┘
 
 Tiers are inclusive: a disk hit is promoted to DRAM and stays on disk, so demoting it again
-costs nothing. Data faults (a missing, truncated or corrupt file) never raise: they are counted,
-the bad entry is removed and the load stops there; bytes are verified *before* they reach the
-pool, so a failed block leaves the pool block untouched. Malformed requests raise
-:mod:`shared.errors` exceptions before anything changes.
+costs nothing. The remote tier (off unless configured) is asked after DRAM and disk, and a remote
+hit is promoted to DRAM like a disk hit. Data faults (a missing, truncated or corrupt file or
+remote value) never raise: they are counted, the bad entry is removed and the load stops there;
+bytes are verified *before* they reach the pool, so a failed block leaves the pool block
+untouched. Malformed requests raise :mod:`shared.errors` exceptions before anything changes.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from services.offload_store.disk_tier import DiskTier, ReconcileReport
 from services.offload_store.dram_tier import DramTier
 from services.offload_store.index import BlockIndex
 from services.offload_store.pool_mapping import MappedPool, PoolHandle, map_pool
+from services.offload_store.remote_tier import RemoteTier, copy_payload, open_remote
 from services.offload_store.types import BlockFormat, LoadResult, LookupResult, OffloadStats, SaveResult
 from shared.errors import FailedPrecondition, IntegrityError, InvalidArgument
 from shared.hashing import HASH_BYTES, BlockHash
@@ -53,6 +56,7 @@ class OffloadStore:
         self._disk = DiskTier(config.data_dir, self._index, config.disk_bytes)
         self.reconcile_report: ReconcileReport = self._disk.reconcile()
         self._dram = DramTier(config.dram_bytes, demote=self._demote)
+        self.remote: RemoteTier | None = open_remote(config)  # public for its counters (metrics)
         self._pool: MappedPool | None = None
         self._pool_generation = ""
         self._staging = torch.empty((0, 0), dtype=torch.uint8)
@@ -61,6 +65,8 @@ class OffloadStore:
     def close(self) -> None:
         """Releases the pool mapping and the index connections (DRAM contents are dropped)."""
         self._pool = None
+        if self.remote is not None:
+            self.remote.close()
         self._disk.close()
         self._index.close()
 
@@ -83,14 +89,18 @@ class OffloadStore:
         """
         _check_hashes(hashes)
         fmt = self._pool.block_format if self._pool is not None else None
-        present = in_dram = 0
-        for raw in hashes:
+        present = in_dram = start = 0
+        remote: list[bool] = []  # remote presence of hashes[start:], asked at the first local miss
+        for i, raw in enumerate(hashes):
             h = BlockHash(raw)
             dram = self._dram.peek(h)
             dram_ok = dram is not None and (fmt is None or dram.fmt == fmt)
             disk = self._disk.get(h)
             if not dram_ok and (disk is None or (fmt is not None and disk.fmt != fmt)):
-                break
+                if not remote and self.remote is not None:
+                    start, remote = i, self.remote.present([BlockHash(r) for r in hashes[i:]], fmt)
+                if not remote or not remote[i - start]:
+                    break
             present += 1
             in_dram += int(dram_ok)
         return LookupResult(present, in_dram)
@@ -143,7 +153,8 @@ class OffloadStore:
         loaded = 0
         from_disk: list[BlockHash] = []
         failed: list[BlockHash] = []
-        for raw, block_id in blocks:
+        fetched: dict[BlockHash, memoryview | None] = {}  # verified remote payloads, one batch
+        for k, (raw, block_id) in enumerate(blocks):
             h = BlockHash(raw)
             entry = self._dram.get(h)
             if entry is not None and entry.fmt == fmt:
@@ -152,7 +163,12 @@ class OffloadStore:
                 loaded += 1
                 continue
             stored = self._disk.get(h)
-            if stored is None or stored.fmt != fmt:
+            on_disk = stored is not None and stored.fmt == fmt
+            if not on_disk and h not in fetched and self.remote is not None:  # the next remote batch
+                rest = [BlockHash(r) for r, _ in blocks[k:]]
+                fetched = self.remote.get_batch(rest, fmt, held=lambda x: self._holds(x, fmt))
+            payload = None if on_disk else fetched.get(h)
+            if not on_disk and payload is None:
                 self._stats.misses += 1
                 failed.append(h)
                 break
@@ -161,12 +177,15 @@ class OffloadStore:
                 self._copy_in(pool, pending)
                 staged = 0
             buf = slots[0] if slots is not None else staging[staged]
-            if not self._read_verified(h, buf, promoted=slots is not None):
+            if payload is not None:
+                copy_payload(payload, buf)
+            elif self._read_verified(h, buf, promoted=slots is not None):
+                from_disk.append(h)
+            else:
                 failed.append(h)
                 break
             staged += slots is None
             pending.append((block_id, buf))
-            from_disk.append(h)
             loaded += 1
         self._copy_in(pool, pending)
         self._disk.touch(from_disk)
@@ -212,6 +231,7 @@ class OffloadStore:
             if rows is None:  # chunks never exceed the slots and nothing is protected
                 raise IntegrityError("DRAM tier refused a save chunk that fits")
             copy_out(pool, [b for _, b in chunk], rows)
+            self._put_remote(chunk, fmt, rows)
         return len(todo)
 
     def _save_disk(self, pool: MappedPool, todo: list[tuple[BlockHash, int]]) -> int:
@@ -222,10 +242,15 @@ class OffloadStore:
             chunk = todo[i : i + _STAGING_ROWS]
             rows = list(staging[: len(chunk)])
             copy_out(pool, [b for _, b in chunk], rows)
+            self._put_remote(chunk, fmt, rows)
             result = self._disk.put_many([(h, fmt, r) for (h, _), r in zip(chunk, rows, strict=True)])
             self._stats.dropped += result.dropped
             written += result.written
         return written
+
+    def _put_remote(self, chunk: list[tuple[BlockHash, int]], fmt: BlockFormat, rows: list[torch.Tensor]) -> None:
+        if self.remote is not None:
+            self.remote.put_many([(h, fmt, r) for (h, _), r in zip(chunk, rows, strict=True)])
 
     def _read_verified(self, h: BlockHash, buf: torch.Tensor, promoted: bool) -> bool:
         """Reads the disk block ``h`` into ``buf`` and verifies it. On a fault: counts it, drops
