@@ -16,10 +16,11 @@ import os
 
 from services.kv_cache_manager.binding import ManagerBinding
 from services.kv_cache_manager.events import EventHub
+from services.kv_cache_manager.metrics import KVCacheMetrics
 from services.kv_cache_manager.servicer import SERVICE_NAME, KVCacheManagerServicer
 from shared.config import ServerConfig, from_env
 from shared.grpc_server import ServiceRegistration, serve_forever, start_server
-from shared.metrics import KVCacheMetrics, metrics_config, new_registry, start_metrics_server
+from shared.metrics import metrics_config, new_registry, start_metrics_server
 from shared.pb.kvmesh.v1 import kv_cache_manager_pb2_grpc as pb_grpc
 from shared.telemetry import server_interceptors, setup_tracing
 

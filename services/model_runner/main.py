@@ -12,10 +12,11 @@ import os
 
 from services.model_runner.config import RunnerConfig
 from services.model_runner.factory import build_runner
+from services.model_runner.metrics import RunnerMetrics
 from services.model_runner.servicer import ModelRunnerServicer
 from shared.config import ServerConfig, from_env
 from shared.grpc_server import ServiceRegistration, serve_forever, start_server
-from shared.metrics import RunnerMetrics, metrics_config, new_registry, start_metrics_server
+from shared.metrics import metrics_config, new_registry, start_metrics_server
 from shared.pb.kvmesh.v1 import model_runner_pb2_grpc
 from shared.telemetry import server_interceptors, setup_tracing
 

@@ -18,9 +18,9 @@ import grpc
 
 from services.model_runner.block_copy import copy_blocks
 from services.model_runner.convert import output_to_proto, step_from_proto
+from services.model_runner.metrics import RunnerMetrics
 from services.model_runner.runner import ModelRunnerCore
 from shared.errors import FailedPrecondition
-from shared.metrics import RunnerMetrics
 from shared.pb.kvmesh.v1 import common_pb2, model_runner_pb2, model_runner_pb2_grpc
 from shared.tensor_handle import handle_from_proto, handle_to_proto
 

@@ -30,11 +30,12 @@ from typing import Any
 
 from services.scheduler.backends import KVCacheBackend, RunnerBackend, RunnerInfo, RunnerRestarted
 from services.scheduler.config import SchedulerConfig
-from services.scheduler.metrics import RequestMetrics
+from services.scheduler.metrics import SchedulerMetrics, request_metrics
 from services.scheduler.offload import OffloadBackend, OffloadConnector
 from services.scheduler.request import FinishReason, Request, RequestSpec
 from services.scheduler.scheduler import ScheduledStep, Scheduler
 from services.scheduler.tracing import record_queue_span, step_span
+from services.scheduler.types import RequestMetrics
 from shared.config import CacheConfig
 from shared.errors import (
     DeadlineExceeded,
@@ -45,7 +46,6 @@ from shared.errors import (
     Unavailable,
 )
 from shared.hashing import hash_seed
-from shared.metrics import SchedulerMetrics
 
 log = logging.getLogger(__name__)
 # Re-binds allowed in a row without a successful step before the live requests are failed instead
@@ -417,7 +417,7 @@ class Engine:
                 req = ev.request
                 self._finish_queue(ev.request_id, EngineOutput(
                     ev.request_id, (ev.token_id,), (ev.logprobs,), True, req.finish_reason,
-                    req.stop_reason, RequestMetrics.of(req),
+                    req.stop_reason, request_metrics(req),
                 ))
             else:
                 q.put(EngineOutput(ev.request_id, (ev.token_id,), (ev.logprobs,)))
@@ -425,7 +425,7 @@ class Engine:
     def _emit_final(self, req: Request, error: KVMeshError | None = None) -> None:
         self._finish_queue(req.request_id, EngineOutput(
             req.request_id, finished=True, finish_reason=req.finish_reason,
-            stop_reason=req.stop_reason, metrics=RequestMetrics.of(req), error=error,
+            stop_reason=req.stop_reason, metrics=request_metrics(req), error=error,
         ))
 
     def _finish_queue(self, request_id: str, out: EngineOutput) -> None:

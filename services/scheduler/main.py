@@ -14,6 +14,7 @@ import uuid
 from services.scheduler.auth import AuthInterceptor, key_store_for
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.engine import Engine
+from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.offload import RemoteOffload
 from services.scheduler.readiness import DependencyWatcher
 from services.scheduler.remote import RemoteKVCache, RemoteRunner
@@ -25,7 +26,7 @@ from shared.channels import configure as configure_channels
 from shared.config import ServerConfig, from_env
 from shared.grpc_server import ServiceRegistration, serve_forever, start_server
 from shared.launcher import HealthProbe, wait_healthy
-from shared.metrics import SchedulerMetrics, metrics_config, new_registry, start_metrics_server
+from shared.metrics import metrics_config, new_registry, start_metrics_server
 from shared.pb.kvmesh.v1 import scheduler_pb2_grpc
 from shared.telemetry import server_interceptors, setup_tracing
 from shared.tls import TLSFiles

@@ -17,7 +17,10 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry
 
-from shared.metrics import KVCacheMetrics, OffloadMetrics, RunnerMetrics, SchedulerMetrics
+from services.kv_cache_manager.metrics import KVCacheMetrics
+from services.model_runner.metrics import RunnerMetrics
+from services.scheduler.metrics import SchedulerMetrics
+from shared.metrics import OffloadMetrics
 
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = REPO / "docker-compose.yml"
