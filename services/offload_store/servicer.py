@@ -16,6 +16,7 @@ from typing import Any
 
 from services.offload_store.store import OffloadStoreCore
 from services.offload_store.types import OffloadStats
+from shared.grpc_server import ServiceName
 from shared.metrics import OffloadMetrics
 from shared.ownership import Lease, owner_from_metadata
 from shared.pb.kvmesh.v1 import offload_store_pb2, offload_store_pb2_grpc
@@ -24,6 +25,8 @@ from shared.tensor_handle import handle_from_proto
 
 def _blocks(refs: Any) -> list[tuple[bytes, int]]:
     return [(r.block_hash, r.block_id) for r in refs]
+
+SERVICE = ServiceName.of("offload-store", offload_store_pb2, "OffloadStore")
 
 
 class OffloadStoreServicer(offload_store_pb2_grpc.OffloadStoreServicer):

@@ -23,7 +23,10 @@ from services.scheduler.types import GenerateRequest, SchedulerModelInfo
 from services.scheduler.validation import validate_priority, validate_string_fields
 from shared.auth import tenant_cache_salt
 from shared.errors import InvalidArgument
+from shared.grpc_server import ServiceName
 from shared.pb.kvmesh.v1 import scheduler_pb2, scheduler_pb2_grpc
+
+SERVICE = ServiceName.of("scheduler", scheduler_pb2, "Scheduler")
 
 
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
