@@ -131,7 +131,7 @@ def test_steps_renew_the_lease_so_no_keepalive_runs_while_they_do(
 
 
 def test_an_idle_engine_renews_once_per_interval(engine_and_calls: tuple[Engine, CallCounter, Clock]) -> None:
-    engine, counter, clock = engine_and_calls
+    _engine, counter, clock = engine_and_calls
     time.sleep(0.3)  # idle loop iterations with the clock standing still: nothing is due
     assert counter.calls == ["Initialize"]
     clock.now += INTERVAL - 0.001
