@@ -31,8 +31,8 @@ sys.path.insert(0, str(ROOT))
 
 import grpc  # noqa: E402
 
+from services.scheduler.client import KVMeshClient  # noqa: E402
 from services.suite import Suite, SuiteConfig  # noqa: E402
-from shared.client import KVMeshClient  # noqa: E402
 from shared.pb.kvmesh.v1 import kv_cache_manager_pb2, kv_cache_manager_pb2_grpc  # noqa: E402
 
 SERVICES = ("kv-cache-manager", "model-runner", "offload-store", "scheduler")

@@ -20,7 +20,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-DEFAULT_ADDRESS = "127.0.0.1:50051"
+from services.scheduler.config import DEFAULT_ADDRESS
+
 FALLBACK_MODEL_DIR = "/tmp/kvmesh-cache/SmolLM2-135M-Instruct"
 SYSTEMS = ("suite", "inprocess", "hf-static", "hf-cb")
 

@@ -25,6 +25,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from services.scheduler.config import DEFAULT_PORT
+
 SERVICES: dict[str, str] = {
     "kv-cache-manager": "services.kv_cache_manager.main",
     "model-runner": "services.model_runner.main",
@@ -166,7 +168,7 @@ def _demo(ns: argparse.Namespace) -> int:
 def _add_suite_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="",
                    help="checkpoint folder (default: $KVMESH_MODEL_DIR, else the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--port", type=int, default=50051, help="the public gRPC API's port")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT, help="the public gRPC API's port")
     p.add_argument("--http-port", type=int, default=8000,
                    help="the OpenAI-compatible HTTP API's port (0 = any free port, -1 = no gateway)")
     p.add_argument("--no-offload", action="store_true", help="run without the offload-store")

@@ -15,10 +15,9 @@ from typing import Any, TextIO
 
 import grpc
 
-from shared.client import KVMeshClient
+from services.scheduler.client import DEFAULT_ADDRESS, KVMeshClient
 from shared.tls import TLSFiles
 
-DEFAULT_ADDRESS = "127.0.0.1:50051"
 _FINISH = {0: "unspecified", 1: "stop", 2: "length", 3: "abort"}
 CHAT_HELP = "commands: /system TEXT (set the system prompt and start over), /reset (forget the conversation), /exit"
 

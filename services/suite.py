@@ -21,6 +21,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from services.scheduler.config import DEFAULT_PORT
 from shared.grpc_server import check_port_free
 from shared.launcher import ServiceProcess, ServiceStartError
 
@@ -41,7 +42,7 @@ class SuiteConfig:
 
     model_dir: str
     host: str = "127.0.0.1"
-    scheduler_port: int = 50051
+    scheduler_port: int = DEFAULT_PORT
     kvm_port: int = 0
     runner_port: int = 0
     offload_port: int = 0

@@ -10,8 +10,7 @@ Options (see docs/security.md):
 * keepalive: a ping every 30 s while calls are open, 10 s to answer, so a peer that vanished
   without a FIN (a killed pod, a dropped route) ends its streams instead of hanging them; servers
   accept pings at that rate (``shared/grpc_server.py``);
-* message size: 64 MiB each way, the largest step (``Execute`` with a full batch of new prompts)
-  plus headroom; gRPC's 4 MiB default would refuse a legitimate batch.
+* message size: ``shared.config.MAX_MESSAGE_BYTES`` each way (why that size is written there).
 """
 
 from __future__ import annotations
@@ -21,9 +20,11 @@ from typing import Any
 
 import grpc
 
+from shared.config import MAX_MESSAGE_BYTES
 from shared.tls import TLSFiles, channel_credentials
 
-MAX_MESSAGE_BYTES = 64 << 20
+__all__ = ["CHANNEL_OPTIONS", "MAX_MESSAGE_BYTES", "configure", "default_tls", "open_aio_channel", "open_channel"]
+
 KEEPALIVE_TIME_MS = 30_000
 KEEPALIVE_TIMEOUT_MS = 10_000
 

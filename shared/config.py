@@ -14,6 +14,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+# The largest gRPC message between kvmesh processes, each way: the largest step (``Execute`` with a
+# full batch of new prompts) plus headroom; gRPC's 4 MiB default would refuse a legitimate batch.
+# The one owner: every channel (``shared.channels``) and every server (``ServerConfig``) use it.
+MAX_MESSAGE_BYTES = 64 << 20
+
 T = TypeVar("T")
 
 
@@ -37,7 +42,7 @@ class ServerConfig:
     health_port: int = -1
     # Largest request message accepted (internal services exchange whole steps; the scheduler,
     # facing clients, sets a smaller bound in its main.py).
-    max_receive_message_bytes: int = 64 << 20
+    max_receive_message_bytes: int = MAX_MESSAGE_BYTES
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from shared.pb.kvmesh.v1 import common_pb2
-from shared.sampling_params import SamplingParams
+from shared.sampling_params import SampledLogprobs, SamplingParams, TokenLogprob
 
 
 def sampling_from_proto(
@@ -46,3 +46,19 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
     if params.logprobs is not None:
         msg.logprobs = params.logprobs
     return msg
+
+
+def logprobs_to_proto(lp: SampledLogprobs) -> common_pb2.SampledLogprobs:
+    """A logprobs dataclass as its proto message (the runner's step output, the scheduler's chunks)."""
+    return common_pb2.SampledLogprobs(
+        sampled=common_pb2.TokenLogprob(token_id=lp.sampled.token_id, logprob=lp.sampled.logprob),
+        top=[common_pb2.TokenLogprob(token_id=t.token_id, logprob=t.logprob) for t in lp.top],
+    )
+
+
+def logprobs_from_proto(msg: common_pb2.SampledLogprobs) -> SampledLogprobs:
+    """A proto logprobs message as the dataclass."""
+    return SampledLogprobs(
+        sampled=TokenLogprob(msg.sampled.token_id, msg.sampled.logprob),
+        top=tuple(TokenLogprob(t.token_id, t.logprob) for t in msg.top),
+    )

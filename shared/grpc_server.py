@@ -17,8 +17,7 @@ import logging
 import signal
 import socket
 import threading
-import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,9 +27,9 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from shared.channels import MAX_MESSAGE_BYTES
-from shared.config import ServerConfig
-from shared.errors import KVMeshError, PortInUseError
+from shared.config import MAX_MESSAGE_BYTES, ServerConfig
+from shared.errors import PortInUseError
+from shared.interceptors import ErrorMappingInterceptor, Gate
 from shared.peer_auth import PeerIdentityInterceptor
 from shared.tls import TLSFiles, server_credentials
 
@@ -39,7 +38,6 @@ log = logging.getLogger(__name__)
 # A health name that stays SERVING while the process runs (readiness may not): the liveness
 # probe's target, so a dependency outage makes a pod unready without getting it restarted.
 LIVENESS_SERVICE = "kvmesh.liveness"
-_HEALTH_PREFIX = "/grpc.health.v1.Health/"
 # Keepalive: pings find dead peers (a killed pod, a dropped NAT entry) in bounded time; the
 # server tolerates client pings this frequent, and no more (too-chatty clients get GOAWAY).
 KEEPALIVE_OPTIONS: tuple[tuple[str, Any], ...] = (
@@ -52,134 +50,24 @@ KEEPALIVE_OPTIONS: tuple[tuple[str, Any], ...] = (
 
 
 
-def _status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
-    if isinstance(exc, KVMeshError):
-        return getattr(grpc.StatusCode, exc.status), str(exc)
-    return grpc.StatusCode.INTERNAL, "internal error"
+@dataclass(frozen=True)
+class ServiceName:
+    """A service's one name, in its two spellings; each service defines it once, in its servicer.
 
-
-def _internal(method: str, context: grpc.ServicerContext, exc: BaseException) -> None:
-    """Logs an unexpected exception under a fresh error id and aborts with a clean message.
-
-    NOTE: exception text can name internal addresses, paths and peers; clients get the id only,
-    operators find the details in the log by it.
-    """
-    error_id = uuid.uuid4().hex[:12]
-    log.error("unhandled error in %s (error id %s)", method, error_id, exc_info=exc)
-    context.abort(grpc.StatusCode.INTERNAL, f"internal error (error id {error_id})")
-
-
-class _Malformed:
-    """What a request deserializer returns for bytes that are not a valid message."""
-
-    __slots__ = ("error", "size")
-
-    def __init__(self, error: Exception, size: int) -> None:
-        self.error = error
-        self.size = size
-
-
-def _tolerant(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
-    """Wraps a request deserializer so a parse failure reaches the handler as a value.
-
-    grpc itself answers a raising deserializer with ``INTERNAL`` and a traceback per call.
-    """
-    if deserializer is None:
-        return None
-
-    def deserialize(data: bytes) -> Any:
-        try:
-            return deserializer(data)
-        except Exception as exc:  # DecodeError, and whatever a custom deserializer raises
-            return _Malformed(exc, len(data))
-
-    return deserialize
-
-
-def _refuse_malformed(method: str, request: Any, context: grpc.ServicerContext) -> None:
-    if isinstance(request, _Malformed):
-        log.warning("%s: malformed request message (%d bytes): %s", method, request.size, request.error)
-        context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request: not a valid protobuf message for this method")
-
-
-class _Gate:
-    """Whether the server still takes new calls (health checks are always answered)."""
-
-    def __init__(self) -> None:
-        self._closed = threading.Event()
-
-    def close(self) -> None:
-        self._closed.set()
-
-    def refuse(self, method: str, context: grpc.ServicerContext) -> None:
-        if self._closed.is_set() and not method.startswith(_HEALTH_PREFIX):
-            context.abort(grpc.StatusCode.UNAVAILABLE, "server is shutting down; retry on another instance")
-
-
-def _already_aborted(context: grpc.ServicerContext) -> bool:
-    # context.abort() raises an Exception subclass; do not re-abort such a call.
-    code = getattr(context, "code", None)
-    return callable(code) and code() is not None
-
-
-class ErrorMappingInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]
-    """Aborts the call with the status an exception names, instead of an opaque UNKNOWN.
-
-    Also refuses new calls once the server drains, and malformed request bytes, before the
-    handler runs.
+    Attributes:
+        label: ``"kv-cache-manager"``: what ``kvmesh serve`` calls it, its log lines, tracing's
+            ``service.name``.
+        grpc: the proto service's full name (``"kvmesh.v1.KVCacheManager"``): health and
+            reflection, taken from the generated descriptor so it cannot drift from the proto.
     """
 
-    def __init__(self, gate: _Gate | None = None) -> None:
-        self._gate = gate or _Gate()
+    label: str
+    grpc: str
 
-    def intercept_service(self, continuation: Callable[[Any], Any], details: Any) -> Any:
-        handler = continuation(details)
-        if handler is None:
-            return None
-        method: str = details.method
-        if handler.unary_unary is not None:
-            inner_uu = handler.unary_unary
-
-            def unary_unary(request: Any, context: grpc.ServicerContext) -> Any:
-                self._gate.refuse(method, context)
-                _refuse_malformed(method, request, context)
-                try:
-                    return inner_uu(request, context)
-                except KVMeshError as exc:
-                    code, msg = _status_of(exc)
-                    context.abort(code, msg)
-                except Exception as exc:
-                    if _already_aborted(context):
-                        raise
-                    _internal(method, context, exc)  # a downstream RpcError too: it names the peer
-
-            return grpc.unary_unary_rpc_method_handler(
-                unary_unary,
-                request_deserializer=_tolerant(handler.request_deserializer),
-                response_serializer=handler.response_serializer,
-            )
-        if handler.unary_stream is not None:
-            inner_us = handler.unary_stream
-
-            def unary_stream(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
-                self._gate.refuse(method, context)
-                _refuse_malformed(method, request, context)
-                try:
-                    yield from inner_us(request, context)
-                except KVMeshError as exc:
-                    code, msg = _status_of(exc)
-                    context.abort(code, msg)
-                except Exception as exc:
-                    if _already_aborted(context):
-                        raise
-                    _internal(method, context, exc)  # a downstream RpcError too: it names the peer
-
-            return grpc.unary_stream_rpc_method_handler(
-                unary_stream,
-                request_deserializer=_tolerant(handler.request_deserializer),
-                response_serializer=handler.response_serializer,
-            )
-        return handler
+    @classmethod
+    def of(cls, label: str, pb_module: Any, service: str) -> ServiceName:
+        """``label`` and the full name of ``service`` in the generated ``*_pb2`` module."""
+        return cls(label, pb_module.DESCRIPTOR.services_by_name[service].full_name)
 
 
 @dataclass(frozen=True)
@@ -195,13 +83,13 @@ class RunningServer:
     """A started server: its bound port, health state and a blocking wait for shutdown."""
 
     def __init__(self, server: grpc.Server, port: int, health_servicer: health.HealthServicer,
-                 names: Sequence[str], grace: float, gate: _Gate | None = None) -> None:
+                 names: Sequence[str], grace: float, gate: Gate | None = None) -> None:
         self.server = server
         self.port = port
         self._health = health_servicer
         self._names = list(names)
         self._grace = grace
-        self._gate = gate or _Gate()
+        self._gate = gate or Gate()
         self._stopping = threading.Event()
         self._stopped = threading.Event()
         self._lock = threading.Lock()
@@ -307,7 +195,7 @@ def start_server(
         names = config.tls_allowed_peers.split(",") if config.tls_client_auth and config.tls_ca else []
         allowed = frozenset(n.strip() for n in names if n.strip())
         interceptors = [PeerIdentityInterceptor(allowed), *interceptors]
-    gate = _Gate()
+    gate = Gate()
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=config.max_workers),
         # NOTE: error mapping innermost, so outer interceptors (tracing) see the mapped status.

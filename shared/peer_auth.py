@@ -9,12 +9,12 @@ came in on, and which service a valid certificate belongs to.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import grpc
 
-_HEALTH_PREFIX = "/grpc.health.v1."
+from shared.interceptors import HEALTH_PREFIX, wrap_handler
 
 
 def peer_names(context: grpc.ServicerContext) -> set[str]:
@@ -42,37 +42,7 @@ class PeerIdentityInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]
 
     def intercept_service(self, continuation: Callable[[Any], Any], details: Any) -> Any:
         handler = continuation(details)
-        if handler is None or details.method.startswith(_HEALTH_PREFIX):
+        if handler is None or details.method.startswith(HEALTH_PREFIX):
             return handler
         allowed = self.allowed
-        if handler.unary_unary is not None:
-            inner_uu = handler.unary_unary
-
-            def unary_unary(request: Any, context: grpc.ServicerContext) -> Any:
-                _check(context, allowed)
-                return inner_uu(request, context)
-
-            return grpc.unary_unary_rpc_method_handler(
-                unary_unary, request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer)
-        if handler.unary_stream is not None:
-            inner_us = handler.unary_stream
-
-            def unary_stream(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
-                _check(context, allowed)
-                yield from inner_us(request, context)
-
-            return grpc.unary_stream_rpc_method_handler(
-                unary_stream, request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer)
-        if handler.stream_stream is not None:  # reflection
-            inner_ss = handler.stream_stream
-
-            def stream_stream(requests: Any, context: grpc.ServicerContext) -> Iterator[Any]:
-                _check(context, allowed)
-                yield from inner_ss(requests, context)
-
-            return grpc.stream_stream_rpc_method_handler(
-                stream_stream, request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer)
-        return handler
+        return wrap_handler(handler, lambda _request, context: _check(context, allowed))

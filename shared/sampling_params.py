@@ -65,3 +65,19 @@ class SamplingParams:
         for tok in self.stop_token_ids:
             if not 0 <= tok < vocab_size:
                 raise InvalidArgument(f"stop_token_ids: {tok} is outside the vocabulary [0, {vocab_size})")
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A token and its log-probability (the runner samples it, the scheduler streams it)."""
+
+    token_id: int
+    logprob: float
+
+
+@dataclass(frozen=True)
+class SampledLogprobs:
+    """The sampled token's logprob and the top-n alternatives."""
+
+    sampled: TokenLogprob
+    top: tuple[TokenLogprob, ...]

@@ -52,10 +52,10 @@ class Transport(Protocol):
 
 
 class GrpcTransport:
-    """The public API through :class:`shared.client.KVMeshClient` (one channel, many streams)."""
+    """The public API through :class:`services.scheduler.client.KVMeshClient` (one channel, many streams)."""
 
     def __init__(self, address: str) -> None:
-        from shared.client import KVMeshClient
+        from services.scheduler.client import KVMeshClient
 
         self.client = KVMeshClient(address)
 

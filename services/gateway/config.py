@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from services.scheduler.config import DEFAULT_ADDRESS
+
 
 @dataclass(frozen=True)
 class GatewayConfig:
@@ -19,7 +21,7 @@ class GatewayConfig:
         health_timeout_seconds: how long ``/health`` waits for the scheduler's health answer.
     """
 
-    scheduler_address: str = "127.0.0.1:50051"
+    scheduler_address: str = DEFAULT_ADDRESS
     served_model_name: str = ""
     request_timeout_seconds: float = 0.0
     retry_after_seconds: int = 1

@@ -16,20 +16,20 @@ import os
 
 from services.kv_cache_manager.binding import ManagerBinding
 from services.kv_cache_manager.events import EventHub
-from services.kv_cache_manager.servicer import SERVICE_NAME, KVCacheManagerServicer
+from services.kv_cache_manager.metrics import KVCacheMetrics
+from services.kv_cache_manager.servicer import SERVICE, KVCacheManagerServicer
 from shared.config import ServerConfig, from_env
 from shared.grpc_server import ServiceRegistration, serve_forever, start_server
-from shared.metrics import KVCacheMetrics, metrics_config, new_registry, start_metrics_server
+from shared.metrics import metrics_config, new_registry, start_metrics_server
 from shared.pb.kvmesh.v1 import kv_cache_manager_pb2_grpc as pb_grpc
 from shared.telemetry import server_interceptors, setup_tracing
 
 log = logging.getLogger(__name__)
-LABEL = "kv-cache-manager"
 
 
 def main() -> int:
     """Reads the configuration, serves until a signal, returns the exit code."""
-    setup_tracing(LABEL, os.environ)
+    setup_tracing(SERVICE.label, os.environ)
     registry = new_registry()
     server_config = from_env(ServerConfig, "KVMESH_")
     mcfg = metrics_config(os.environ, server_config.host)
@@ -39,9 +39,9 @@ def main() -> int:
     servicer = KVCacheManagerServicer(binding, hub, max_subscribers=max(1, server_config.max_workers // 4),
                                       metrics=KVCacheMetrics(registry, mcfg.model_name))
     running = start_server(server_config, [
-        ServiceRegistration(SERVICE_NAME, servicer, pb_grpc.add_KVCacheManagerServicer_to_server),
+        ServiceRegistration(SERVICE.grpc, servicer, pb_grpc.add_KVCacheManagerServicer_to_server),
     ], interceptors=server_interceptors())
     start_metrics_server(mcfg.port, registry, addr=mcfg.host)
-    log.info("%s: instance %s up, waiting for a scheduler's Initialize", LABEL, binding.instance_id)
-    serve_forever(running, LABEL, on_stop=servicer.close)
+    log.info("%s: instance %s up, waiting for a scheduler's Initialize", SERVICE.label, binding.instance_id)
+    serve_forever(running, SERVICE.label, on_stop=servicer.close)
     return 0

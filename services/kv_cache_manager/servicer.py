@@ -14,15 +14,16 @@ import grpc
 from services.kv_cache_manager import convert
 from services.kv_cache_manager.binding import ManagerBinding
 from services.kv_cache_manager.events import EventHub
+from services.kv_cache_manager.metrics import KVCacheMetrics
 from services.kv_cache_manager.types import KVCacheStats
 from shared.config import CacheConfig
 from shared.errors import InvalidArgument, ResourceExhausted
-from shared.metrics import KVCacheMetrics
+from shared.grpc_server import ServiceName
 from shared.ownership import owner_from_metadata
 from shared.pb.kvmesh.v1 import kv_cache_manager_pb2 as pb
 from shared.pb.kvmesh.v1 import kv_cache_manager_pb2_grpc as pb_grpc
 
-SERVICE_NAME = "kvmesh.v1.KVCacheManager"
+SERVICE = ServiceName.of("kv-cache-manager", pb, "KVCacheManager")
 # Initial metadata sent once a SubscribeEvents stream is registered: a client that waits for
 # it (``call.initial_metadata()``) knows every later operation's events will reach it.
 SUBSCRIBED_METADATA = (("kvmesh-subscribed", "1"),)

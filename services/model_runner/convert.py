@@ -5,14 +5,12 @@ from __future__ import annotations
 from services.model_runner.types import (
     CachedRequestData,
     NewRequestData,
-    SampledLogprobs,
     SampledToken,
     StepInput,
     StepOutput,
-    TokenLogprob,
 )
-from shared.convert import sampling_from_proto, sampling_to_proto
-from shared.pb.kvmesh.v1 import common_pb2, model_runner_pb2
+from shared.convert import logprobs_from_proto, logprobs_to_proto, sampling_from_proto, sampling_to_proto
+from shared.pb.kvmesh.v1 import model_runner_pb2
 
 
 def step_to_proto(step: StepInput) -> model_runner_pb2.ExecuteRequest:
@@ -70,22 +68,6 @@ def step_from_proto(msg: model_runner_pb2.ExecuteRequest) -> StepInput:
             for r in msg.cached_requests
         ),
         finished_request_ids=tuple(msg.finished_request_ids),
-    )
-
-
-def logprobs_to_proto(lp: SampledLogprobs) -> common_pb2.SampledLogprobs:
-    """A logprobs dataclass as its proto message."""
-    return common_pb2.SampledLogprobs(
-        sampled=common_pb2.TokenLogprob(token_id=lp.sampled.token_id, logprob=lp.sampled.logprob),
-        top=[common_pb2.TokenLogprob(token_id=t.token_id, logprob=t.logprob) for t in lp.top],
-    )
-
-
-def logprobs_from_proto(msg: common_pb2.SampledLogprobs) -> SampledLogprobs:
-    """A proto logprobs message as the dataclass."""
-    return SampledLogprobs(
-        sampled=TokenLogprob(msg.sampled.token_id, msg.sampled.logprob),
-        top=tuple(TokenLogprob(t.token_id, t.logprob) for t in msg.top),
     )
 
 

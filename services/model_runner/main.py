@@ -12,21 +12,21 @@ import os
 
 from services.model_runner.config import RunnerConfig
 from services.model_runner.factory import build_runner
-from services.model_runner.servicer import ModelRunnerServicer
+from services.model_runner.metrics import RunnerMetrics
+from services.model_runner.servicer import SERVICE, ModelRunnerServicer
 from shared.config import ServerConfig, from_env
 from shared.grpc_server import ServiceRegistration, serve_forever, start_server
-from shared.metrics import RunnerMetrics, metrics_config, new_registry, start_metrics_server
+from shared.metrics import metrics_config, new_registry, start_metrics_server
 from shared.pb.kvmesh.v1 import model_runner_pb2_grpc
 from shared.telemetry import server_interceptors, setup_tracing
 
 log = logging.getLogger(__name__)
-_GRPC_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
 
 
 def main() -> int:
     """Loads the model and the pool, then serves until SIGTERM; the pool file is removed on exit."""
     env = os.environ
-    setup_tracing("model-runner", env)
+    setup_tracing(SERVICE.label, env)
     registry = new_registry()
     config = from_env(RunnerConfig, "KVMESH_RUNNER_")
     if env.get("KVMESH_MODEL_DIR"):
@@ -43,11 +43,11 @@ def main() -> int:
     metrics = RunnerMetrics(registry, mcfg.model_name)
     start_metrics_server(mcfg.port, registry, addr=mcfg.host)
     running = start_server(server_cfg, [
-        ServiceRegistration("kvmesh.v1.ModelRunner", ModelRunnerServicer(core, metrics),
+        ServiceRegistration(SERVICE.grpc, ModelRunnerServicer(core, metrics),
                             model_runner_pb2_grpc.add_ModelRunnerServicer_to_server),
-    ], interceptors=server_interceptors(), options=_GRPC_OPTIONS)
+    ], interceptors=server_interceptors())
     try:
-        serve_forever(running, "model-runner")
+        serve_forever(running, SERVICE.label)
     finally:
         core.pool.close()
     return 0

@@ -18,11 +18,14 @@ import grpc
 
 from services.model_runner.block_copy import copy_blocks
 from services.model_runner.convert import output_to_proto, step_from_proto
+from services.model_runner.metrics import RunnerMetrics
 from services.model_runner.runner import ModelRunnerCore
 from shared.errors import FailedPrecondition
-from shared.metrics import RunnerMetrics
+from shared.grpc_server import ServiceName
 from shared.pb.kvmesh.v1 import common_pb2, model_runner_pb2, model_runner_pb2_grpc
 from shared.tensor_handle import handle_from_proto, handle_to_proto
+
+SERVICE = ServiceName.of("model-runner", model_runner_pb2, "ModelRunner")
 
 
 class ModelRunnerServicer(model_runner_pb2_grpc.ModelRunnerServicer):

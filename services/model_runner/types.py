@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from shared.sampling_params import SamplingParams
+from shared.sampling_params import SampledLogprobs, SamplingParams, TokenLogprob
+
+__all__ = ["SampledLogprobs", "TokenLogprob"]  # the runner's API names them; shared owns them
 
 
 @dataclass(frozen=True)
@@ -42,22 +44,6 @@ class StepInput:
     new_requests: tuple[NewRequestData, ...] = ()
     cached_requests: tuple[CachedRequestData, ...] = ()
     finished_request_ids: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
-class TokenLogprob:
-    """A token and its log-probability."""
-
-    token_id: int
-    logprob: float
-
-
-@dataclass(frozen=True)
-class SampledLogprobs:
-    """The sampled token's logprob and the top-n alternatives."""
-
-    sampled: TokenLogprob
-    top: tuple[TokenLogprob, ...]
 
 
 @dataclass(frozen=True)

@@ -19,21 +19,20 @@ import torch
 from services.offload_store.config import OffloadConfig
 from services.offload_store.metrics import OffloadMetrics
 from services.offload_store.remote_metrics import RemoteTierCollector
-from services.offload_store.servicer import OffloadStoreServicer
+from services.offload_store.servicer import SERVICE, OffloadStoreServicer
 from services.offload_store.store import OffloadStore
 from shared.config import ServerConfig, from_env
 from shared.grpc_server import ServiceRegistration, serve_forever, start_server
 from shared.metrics import metrics_config, new_registry, start_metrics_server
-from shared.pb.kvmesh.v1 import offload_store_pb2, offload_store_pb2_grpc
+from shared.pb.kvmesh.v1 import offload_store_pb2_grpc
 from shared.telemetry import server_interceptors, setup_tracing
 
 log = logging.getLogger(__name__)
-SERVICE_NAME = offload_store_pb2.DESCRIPTOR.services_by_name["OffloadStore"].full_name
 
 
 def main() -> int:
     """Opens the store (reconciling disk and index), serves until SIGTERM, then closes it."""
-    setup_tracing("offload-store", os.environ)
+    setup_tracing(SERVICE.label, os.environ)
     registry = new_registry()
     config = from_env(OffloadConfig, "KVMESH_OFFLOAD_")
     server_config = from_env(ServerConfig, "KVMESH_")
@@ -41,20 +40,20 @@ def main() -> int:
     if config.torch_threads > 0:
         torch.set_num_threads(config.torch_threads)
     core = OffloadStore(config)
-    log.info("offload-store: data dir %s, reconcile %s", config.data_dir, core.reconcile_report)
+    log.info("%s: data dir %s, reconcile %s", SERVICE.label, config.data_dir, core.reconcile_report)
     if core.remote is not None:
         registry.register(RemoteTierCollector(core.remote, mcfg.model_name))
         # NOTE: the host only: the URL may carry a password
-        log.info("offload-store: remote tier at %s, keys %s*", urlsplit(config.remote_url).hostname,
+        log.info("%s: remote tier at %s, keys %s*", SERVICE.label, urlsplit(config.remote_url).hostname,
                  config.remote_key_prefix)
     try:
         registration = ServiceRegistration(
-            SERVICE_NAME, OffloadStoreServicer(core, OffloadMetrics(registry, mcfg.model_name)),
+            SERVICE.grpc, OffloadStoreServicer(core, OffloadMetrics(registry, mcfg.model_name)),
             offload_store_pb2_grpc.add_OffloadStoreServicer_to_server,
         )
         running = start_server(server_config, [registration], interceptors=server_interceptors())
         start_metrics_server(mcfg.port, registry, addr=mcfg.host)
-        serve_forever(running, "offload-store")
+        serve_forever(running, SERVICE.label)
     finally:
         core.close()
     return 0

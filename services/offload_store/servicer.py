@@ -18,9 +18,12 @@ from services.offload_store import convert
 from services.offload_store.metrics import OffloadMetrics
 from services.offload_store.store import OffloadStore
 from services.offload_store.types import OffloadStats
+from shared.grpc_server import ServiceName
 from shared.ownership import Lease, owner_from_metadata
 from shared.pb.kvmesh.v1 import offload_store_pb2 as pb
 from shared.pb.kvmesh.v1 import offload_store_pb2_grpc
+
+SERVICE = ServiceName.of("offload-store", pb, "OffloadStore")
 
 
 class OffloadStoreServicer(offload_store_pb2_grpc.OffloadStoreServicer):

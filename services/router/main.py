@@ -18,7 +18,7 @@ from services.router.config import RouterConfig
 from services.router.index import PrefixIndex
 from services.router.metrics import RouterMetrics
 from services.router.routing import Router
-from services.router.servicer import RouterFront, RouterSchedulerServicer, RouterServicer
+from services.router.servicer import PUBLIC_API, SERVICE, RouterFront, RouterSchedulerServicer, RouterServicer
 from services.scheduler.auth import AuthInterceptor, key_store_for
 from services.scheduler.tokenizer import Tokenizer
 from shared.auth import AuthConfig
@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 def main() -> int:
     """Connects to every replica (waiting a bounded time), then serves the public API."""
     env = os.environ
-    setup_tracing("router", env)
+    setup_tracing(SERVICE.label, env)
     registry = new_registry()
     config = from_env(RouterConfig, "KVMESH_ROUTER_", model_dir=env.get("KVMESH_MODEL_DIR", ""))
     if env.get("KVMESH_DEPLOYMENT_KEY"):  # the replicas' key (one secret for the whole mesh)
@@ -61,15 +61,15 @@ def main() -> int:
     mcfg = metrics_config(env, server_cfg.host)  # bound to KVMESH_HOST like every service's
     start_metrics_server(mcfg.port, registry, addr=mcfg.host)
     running = start_server(server_cfg, [
-        ServiceRegistration("kvmesh.v1.Scheduler", RouterSchedulerServicer(front),
+        ServiceRegistration(PUBLIC_API.grpc, RouterSchedulerServicer(front),
                             scheduler_pb2_grpc.add_SchedulerServicer_to_server),
-        ServiceRegistration("kvmesh.v1.Router", RouterServicer(front), router_pb2_grpc.add_RouterServicer_to_server),
+        ServiceRegistration(SERVICE.grpc, RouterServicer(front), router_pb2_grpc.add_RouterServicer_to_server),
     ], interceptors=[*server_interceptors(), AuthInterceptor(keys)])
     log.info("router: %d replicas%s, policy %s, tokenizer %s", len(replicas.replicas),
              f" (discovered through {config.discovery_name})" if config.discovery_name else "", config.policy,
              config.model_dir or "(the replicas' Tokenize)")
     try:
-        serve_forever(running, "router")
+        serve_forever(running, SERVICE.label)
     finally:
         replicas.close()
     return 0

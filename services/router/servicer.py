@@ -23,9 +23,13 @@ from services.router.types import Decision
 from services.scheduler.auth import current_tenant
 from services.scheduler.tokenizer import Tokenizer
 from shared.errors import InvalidArgument, Unavailable
+from shared.grpc_server import ServiceName
 from shared.pb.kvmesh.v1 import router_pb2, router_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
 T = TypeVar("T")
+# One label, two proto services: the public API (unchanged from a replica's) and the operators' view.
+SERVICE = ServiceName.of("router", router_pb2, "Router")
+PUBLIC_API = ServiceName.of("router", scheduler_pb2, "Scheduler")
 # Caller metadata not passed on: transport headers, and the trace context (the router's client
 # instrumentation injects its own span as the parent instead).
 _NOT_FORWARDED = frozenset({"user-agent", "traceparent", "tracestate"})

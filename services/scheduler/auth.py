@@ -9,16 +9,17 @@ from __future__ import annotations
 
 import contextvars
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import grpc
 
 from shared.auth import DEFAULT_TENANT, AuthConfig, KeyStore, Tenant
+from shared.interceptors import HEALTH_PREFIX, wrap_handler
 
 log = logging.getLogger(__name__)
 _LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
-_OPEN_PREFIXES = ("/grpc.health.v1.", "/grpc.reflection.")
+_OPEN_PREFIXES = (HEALTH_PREFIX, "/grpc.reflection.")
 _current: contextvars.ContextVar[Tenant | None] = contextvars.ContextVar("kvmesh_tenant", default=None)
 
 
@@ -53,43 +54,20 @@ def bearer_key(metadata: Any) -> str | None:
     return None
 
 
-def _abort_handler(handler: Any, message: str) -> Any:
-    def deny(request: Any, context: grpc.ServicerContext) -> Any:
+def _deny(message: str) -> Callable[[Any, grpc.ServicerContext], None]:
+    def check(_request: Any, context: grpc.ServicerContext) -> None:
         context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
 
-    if handler.unary_stream is not None:
-        return grpc.unary_stream_rpc_method_handler(
-            deny, request_deserializer=handler.request_deserializer,
-            response_serializer=handler.response_serializer)
-    return grpc.unary_unary_rpc_method_handler(
-        deny, request_deserializer=handler.request_deserializer,
-        response_serializer=handler.response_serializer)
+    return check
 
 
 def _with_tenant(handler: Any, tenant: Tenant) -> Any:
     # NOTE: the tenant is set inside the behaviour, which runs on the RPC's worker thread (for a
     # stream: where gRPC iterates the generator), not in intercept_service's thread.
-    if handler.unary_unary is not None:
-        inner_uu: Callable[..., Any] = handler.unary_unary
+    def check(_request: Any, _context: grpc.ServicerContext) -> None:
+        _current.set(tenant)
 
-        def unary_unary(request: Any, context: grpc.ServicerContext) -> Any:
-            _current.set(tenant)
-            return inner_uu(request, context)
-
-        return grpc.unary_unary_rpc_method_handler(
-            unary_unary, request_deserializer=handler.request_deserializer,
-            response_serializer=handler.response_serializer)
-    if handler.unary_stream is not None:
-        inner_us: Callable[..., Iterator[Any]] = handler.unary_stream
-
-        def unary_stream(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
-            _current.set(tenant)
-            yield from inner_us(request, context)
-
-        return grpc.unary_stream_rpc_method_handler(
-            unary_stream, request_deserializer=handler.request_deserializer,
-            response_serializer=handler.response_serializer)
-    return handler
+    return wrap_handler(handler, check)
 
 
 class AuthInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]
@@ -106,8 +84,8 @@ class AuthInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]
             return _with_tenant(handler, Tenant(DEFAULT_TENANT))
         key = bearer_key(details.invocation_metadata)
         if key is None:
-            return _abort_handler(handler, "missing API key: send 'authorization: Bearer <key>' metadata")
+            return wrap_handler(handler, _deny("missing API key: send 'authorization: Bearer <key>' metadata"))
         tenant = self.keys.authenticate(key)
         if tenant is None:
-            return _abort_handler(handler, "invalid API key")
+            return wrap_handler(handler, _deny("invalid API key"))
         return _with_tenant(handler, tenant)

@@ -4,6 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# The public API's port: the one owner of "where a scheduler listens unless told" (the CLI, the
+# suite, the gateway and the client default to it).
+DEFAULT_PORT = 50051
+DEFAULT_ADDRESS = f"127.0.0.1:{DEFAULT_PORT}"
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:

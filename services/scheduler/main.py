@@ -15,9 +15,10 @@ from services.offload_store.client import RemoteOffload
 from services.scheduler.auth import AuthInterceptor, key_store_for
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.engine import Engine
+from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.readiness import DependencyWatcher
 from services.scheduler.remote import RemoteKVCache, RemoteRunner
-from services.scheduler.servicer import SchedulerServicer
+from services.scheduler.servicer import SERVICE, SchedulerServicer
 from services.scheduler.shutdown import drain_engine
 from services.scheduler.tokenizer import Tokenizer
 from shared.auth import AuthConfig
@@ -25,7 +26,7 @@ from shared.channels import configure as configure_channels
 from shared.config import ServerConfig, from_env
 from shared.grpc_server import ServiceRegistration, serve_forever, start_server
 from shared.launcher import HealthProbe, wait_healthy
-from shared.metrics import SchedulerMetrics, metrics_config, new_registry, start_metrics_server
+from shared.metrics import metrics_config, new_registry, start_metrics_server
 from shared.pb.kvmesh.v1 import scheduler_pb2_grpc
 from shared.telemetry import server_interceptors, setup_tracing
 from shared.tls import TLSFiles
@@ -36,7 +37,7 @@ log = logging.getLogger(__name__)
 def main() -> int:
     """Connects to the kv-cache-manager and model-runner, then serves the public API."""
     env = os.environ
-    setup_tracing("scheduler", env)
+    setup_tracing(SERVICE.label, env)
     registry = new_registry()
     config = from_env(SchedulerConfig, "KVMESH_SCHED_", model_dir=env.get("KVMESH_MODEL_DIR", ""))
     if env.get("KVMESH_DEPLOYMENT_KEY"):  # the prefix-hash key: only the scheduler reads it (sent as a seed)
@@ -72,7 +73,7 @@ def main() -> int:
     engine.start()
     servicer = SchedulerServicer(engine, tokenizer)
     running = start_server(server_cfg, [
-        ServiceRegistration("kvmesh.v1.Scheduler", servicer, scheduler_pb2_grpc.add_SchedulerServicer_to_server),
+        ServiceRegistration(SERVICE.grpc, servicer, scheduler_pb2_grpc.add_SchedulerServicer_to_server),
     ], interceptors=[*server_interceptors(), AuthInterceptor(keys)])
     deps = {"kv-cache-manager": config.kvm_address, "model-runner": config.runner_address}
     if config.offload_address:
@@ -81,7 +82,7 @@ def main() -> int:
     watcher = DependencyWatcher(probes, ("kv-cache-manager", "model-runner"), running.set_serving,
                                 running.set_status, config.dependency_check_seconds).start()
     try:
-        serve_forever(running, "scheduler", drain=lambda grace: drain_engine(engine, grace))
+        serve_forever(running, SERVICE.label, drain=lambda grace: drain_engine(engine, grace))
     finally:
         watcher.stop()
         for probe in probes.values():

@@ -8,48 +8,25 @@ from collections.abc import Iterator
 
 import grpc
 
-from services.model_runner.convert import logprobs_to_proto
 from services.scheduler.auth import current_tenant
+from services.scheduler.convert import (
+    chat_from_proto,
+    chunk_to_proto,
+    generate_request_from_proto,
+    model_info_to_proto,
+)
 from services.scheduler.engine import Engine
-from services.scheduler.request import FinishReason
-from services.scheduler.stream import Chunk, OutputStream, build_spec
+from services.scheduler.stream import OutputStream, build_spec
 from services.scheduler.tokenizer import TokenizeGate, Tokenizer
 from services.scheduler.tracing import capture_context
+from services.scheduler.types import GenerateRequest, SchedulerModelInfo
 from services.scheduler.validation import validate_priority, validate_string_fields
 from shared.auth import tenant_cache_salt
-from shared.convert import sampling_from_proto
 from shared.errors import InvalidArgument
+from shared.grpc_server import ServiceName
 from shared.pb.kvmesh.v1 import scheduler_pb2, scheduler_pb2_grpc
 
-_FINISH = {
-    FinishReason.STOP: scheduler_pb2.FINISH_REASON_STOP,
-    FinishReason.LENGTH: scheduler_pb2.FINISH_REASON_LENGTH,
-    FinishReason.ABORT: scheduler_pb2.FINISH_REASON_ABORT,
-}
-
-
-def chunk_to_proto(chunk: Chunk) -> scheduler_pb2.GenerateResponse:
-    """One engine chunk as a stream message."""
-    msg = scheduler_pb2.GenerateResponse(
-        request_id=chunk.request_id, token_ids=chunk.token_ids, text=chunk.text,
-        logprobs=[logprobs_to_proto(lp) for lp in chunk.logprobs if lp is not None],
-    )
-    if chunk.final is not None:
-        f = chunk.final
-        msg.final.finish_reason = _FINISH[f.finish_reason]
-        msg.final.stop_reason = f.stop_reason
-        if f.metrics is not None:
-            m = f.metrics
-            msg.final.prompt_tokens = m.prompt_tokens
-            msg.final.completion_tokens = m.completion_tokens
-            msg.final.cached_tokens = m.cached_tokens
-            msg.final.preemptions = m.preemptions
-            msg.final.timing.queue_seconds = m.queue_seconds
-            msg.final.timing.ttft_seconds = m.ttft_seconds
-            msg.final.timing.tpot_seconds = m.tpot_seconds
-            msg.final.timing.e2e_seconds = m.e2e_seconds
-            msg.final.timing.max_itl_seconds = m.max_itl_seconds
-    return msg
+SERVICE = ServiceName.of("scheduler", scheduler_pb2, "Scheduler")
 
 
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
@@ -66,38 +43,36 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             raise InvalidArgument(f"{what}: this deployment has no tokenizer; send token_ids")
         return self.tokenizer
 
-    def _prompt_ids(self, request: scheduler_pb2.GenerateRequest) -> list[int]:
-        kind = request.WhichOneof("prompt")
+    def _prompt_ids(self, request: GenerateRequest) -> list[int]:
+        kind = request.prompt_kind
         # NOTE: every string is bounded before any of it is tokenized (docs/lifecycle.md).
         validate_string_fields(
             self.engine.info, self.engine.config, request_id=request.request_id, stop=request.stop,
-            cache_salt=request.cache_salt, text=request.text if kind == "text" else None,
-            chat=[(m.role, m.content) for m in request.chat.messages] if kind == "chat" else None)
-        if kind == "text":
+            cache_salt=request.cache_salt, text=request.text, chat=request.chat)
+        if request.text is not None:
             tok = self._require_tokenizer("text")
             with self.tokenize_gate.slot():
                 return tok.encode(request.text)
-        if kind == "chat":
-            msgs = [(m.role, m.content) for m in request.chat.messages]
-            if not msgs:
+        if request.chat is not None:
+            if not request.chat:
                 raise InvalidArgument("prompt: chat.messages must not be empty")
             tok = self._require_tokenizer("chat")
             with self.tokenize_gate.slot():
-                return tok.apply_chat_template(msgs)
+                return tok.apply_chat_template(request.chat)
         if kind == "token_ids":
-            return list(request.token_ids.ids)
+            return list(request.token_ids or ())
         raise InvalidArgument("prompt: one of text, chat or token_ids is required")
 
-    def Generate(self, request: scheduler_pb2.GenerateRequest, context: grpc.ServicerContext
+    def Generate(self, message: scheduler_pb2.GenerateRequest, context: grpc.ServicerContext
                  ) -> Iterator[scheduler_pb2.GenerateResponse]:
         tenant = current_tenant()
+        request = generate_request_from_proto(message)
         validate_priority(request.priority, tenant, self.engine.config.min_priority)
         prompt = self._prompt_ids(request)
-        sampling = sampling_from_proto(request.sampling, request.stop_token_ids, request.ignore_eos)
         remaining = context.time_remaining()
         deadline = time.monotonic() + remaining if remaining is not None and remaining < 1e8 else None
         spec = build_spec(
-            self.engine, prompt, sampling, request.max_tokens, stop=list(request.stop),
+            self.engine, prompt, request.sampling, request.max_tokens, stop=request.stop,
             request_id=request.request_id, priority=request.priority, cache_salt=request.cache_salt,
             deadline=deadline, trace_context=capture_context(),
         )
@@ -113,7 +88,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                  ) -> scheduler_pb2.TokenizeResponse:
         tok = self._require_tokenizer("text")
         kind = request.WhichOneof("input")
-        msgs = [(m.role, m.content) for m in request.chat.messages] if kind == "chat" else None
+        msgs = chat_from_proto(request.chat) if kind == "chat" else None
         validate_string_fields(self.engine.info, self.engine.config,
                                text=request.text if kind == "text" else None, chat=msgs)
         if kind == "chat":
@@ -142,11 +117,11 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     def GetModelInfo(self, request: scheduler_pb2.SchedulerModelInfoRequest, context: grpc.ServicerContext
                      ) -> scheduler_pb2.SchedulerModelInfo:
         info, cfg = self.engine.info, self.engine.config
-        return scheduler_pb2.SchedulerModelInfo(
+        return model_info_to_proto(SchedulerModelInfo(
             model_id=info.model_id, vocab_size=info.vocab_size, max_model_len=info.max_model_len,
             block_size=info.block_size, num_blocks=info.num_blocks, max_num_seqs=cfg.max_num_seqs,
             max_num_batched_tokens=cfg.max_num_batched_tokens, max_logprobs=cfg.max_logprobs,
             has_chat_template=self.tokenizer is not None and self.tokenizer.has_chat_template,
             dtype=info.dtype, attention_backend=info.attention_backend, dtype_reason=info.dtype_reason,
             attention_backend_reason=info.attention_backend_reason,
-        )
+        ))

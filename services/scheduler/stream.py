@@ -8,37 +8,15 @@ from __future__ import annotations
 import dataclasses
 import uuid
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
-from services.model_runner.types import SampledLogprobs
 from services.scheduler.detokenizer import IncrementalDetokenizer
 from services.scheduler.engine import Engine
-from services.scheduler.metrics import RequestMetrics
 from services.scheduler.request import FinishReason, RequestSpec
 from services.scheduler.tokenizer import Tokenizer
+from services.scheduler.types import Chunk, Final
 from services.scheduler.validation import validate_request
 from shared.sampling_params import SamplingParams
-
-
-@dataclass(frozen=True)
-class Final:
-    """The totals sent with a stream's last chunk."""
-
-    finish_reason: FinishReason
-    stop_reason: str
-    metrics: RequestMetrics | None
-
-
-@dataclass(frozen=True)
-class Chunk:
-    """One streamed piece of output."""
-
-    request_id: str
-    token_ids: tuple[int, ...]
-    text: str
-    logprobs: tuple[SampledLogprobs | None, ...] = ()
-    final: Final | None = None
 
 
 def build_spec(

@@ -17,8 +17,10 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry
 
+from services.kv_cache_manager.metrics import KVCacheMetrics
+from services.model_runner.metrics import RunnerMetrics
 from services.offload_store.metrics import OffloadMetrics
-from shared.metrics import KVCacheMetrics, RunnerMetrics, SchedulerMetrics
+from services.scheduler.metrics import SchedulerMetrics
 
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = REPO / "docker-compose.yml"

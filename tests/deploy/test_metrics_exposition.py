@@ -9,11 +9,11 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from services.kv_cache_manager.metrics import KVCacheMetrics
+from services.model_runner.metrics import RunnerMetrics
 from services.offload_store.metrics import OffloadMetrics
+from services.scheduler.metrics import SchedulerMetrics
 from shared.metrics import (
-    KVCacheMetrics,
-    RunnerMetrics,
-    SchedulerMetrics,
     new_registry,
     start_metrics_server,
     token_buckets,

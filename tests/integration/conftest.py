@@ -11,9 +11,9 @@ from pathlib import Path
 import grpc
 import pytest
 
+from services.scheduler.client import KVMeshClient
 from services.suite import Suite, SuiteConfig
 from shared.channels import open_channel
-from shared.client import KVMeshClient
 from shared.devcerts import make_ca, make_cert
 from shared.tls import TLSFiles
 

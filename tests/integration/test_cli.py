@@ -10,8 +10,8 @@ from pathlib import Path
 
 import grpc
 
+from services.scheduler.client import KVMeshClient
 from shared.auth import DEFAULT_TENANT, tenant_cache_salt
-from shared.client import KVMeshClient
 from shared.hashing import hash_blocks, hash_seed
 from shared.launcher import ServiceProcess
 from shared.pb.kvmesh.v1 import kv_cache_manager_pb2, kv_cache_manager_pb2_grpc, model_runner_pb2, model_runner_pb2_grpc

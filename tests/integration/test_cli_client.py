@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from services.scheduler.client import KVMeshClient
 from services.suite import Suite, SuiteConfig
-from shared.client import KVMeshClient
 
 
 def _kvmesh(*args: str, stdin: str | None = None, env: dict[str, str] | None = None,

@@ -27,8 +27,8 @@ import openai
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from services.scheduler.client import KVMeshClient
 from services.suite import Suite, SuiteConfig
-from shared.client import KVMeshClient
 from shared.launcher import ServiceProcess
 from shared.pb.kvmesh.v1 import kv_cache_manager_pb2, kv_cache_manager_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 

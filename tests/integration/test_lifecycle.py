@@ -26,8 +26,8 @@ import psutil
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.scheduler.client import KVMeshClient
 from services.suite import Suite, SuiteConfig
-from shared.client import KVMeshClient
 from shared.grpc_server import LIVENESS_SERVICE
 from shared.launcher import ServiceProcess, ServiceStartError
 from shared.pb.kvmesh.v1 import kv_cache_manager_pb2, kv_cache_manager_pb2_grpc, scheduler_pb2

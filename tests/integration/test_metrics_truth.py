@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from shared.client import KVMeshClient
+from services.scheduler.client import KVMeshClient
 
 SERVICES = ("scheduler", "kv-cache-manager", "model-runner", "offload-store")  # metrics port = base + index
 N_REQUESTS, MAX_TOKENS = 3, 12

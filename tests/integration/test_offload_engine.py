@@ -21,7 +21,8 @@ from services.model_runner.config import RunnerConfig
 from services.offload_store.config import OffloadConfig
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.inprocess import InProcessSuite, build_inprocess
-from services.scheduler.stream import Final, OutputStream, build_spec
+from services.scheduler.stream import OutputStream, build_spec
+from services.scheduler.types import Final
 from shared.hashing import hash_blocks
 from shared.sampling_params import SamplingParams
 

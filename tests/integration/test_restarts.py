@@ -21,8 +21,8 @@ import grpc
 import pytest
 import torch
 
+from services.scheduler.client import KVMeshClient
 from services.suite import Suite, SuiteConfig
-from shared.client import KVMeshClient
 from shared.hashing import hash_blocks, hash_seed
 from shared.owner_channel import with_owner
 from shared.pb.kvmesh.v1 import (

@@ -18,9 +18,9 @@ import grpc
 import pytest
 
 from services.mesh import Mesh, MeshConfig
+from services.scheduler.client import KVMeshClient
 from services.suite import Suite
 from shared.auth import tenant_cache_salt
-from shared.client import KVMeshClient
 from shared.launcher import ServiceProcess
 from shared.pb.kvmesh.v1 import kv_cache_manager_pb2 as kvm_pb2
 from shared.pb.kvmesh.v1 import kv_cache_manager_pb2_grpc as kvm_grpc

@@ -13,7 +13,7 @@ import pytest
 from services.kv_cache_manager.binding import ManagerBinding
 from services.kv_cache_manager.events import EventHub
 from services.kv_cache_manager.manager import KVCacheManager
-from services.kv_cache_manager.servicer import SERVICE_NAME, KVCacheManagerServicer
+from services.kv_cache_manager.servicer import SERVICE, KVCacheManagerServicer
 from services.router.client import Replica
 from services.router.config import RouterConfig
 from services.router.index import PrefixIndex
@@ -43,7 +43,7 @@ def serve_kvm(port: int = 0) -> KVM:
     manager = binding.manager()
     servicer = KVCacheManagerServicer(binding, hub)
     server = start_server(ServerConfig(port=port), [
-        ServiceRegistration(SERVICE_NAME, servicer, kvm_grpc.add_KVCacheManagerServicer_to_server)])
+        ServiceRegistration(SERVICE.grpc, servicer, kvm_grpc.add_KVCacheManagerServicer_to_server)])
     return KVM(manager, hub, servicer, server)
 
 

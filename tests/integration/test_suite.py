@@ -16,8 +16,8 @@ import grpc
 import pytest
 import torch
 
+from services.scheduler.client import KVMeshClient
 from services.suite import Suite, SuiteConfig
-from shared.client import KVMeshClient
 from shared.pb.kvmesh.v1 import (
     common_pb2,
     kv_cache_manager_pb2,
@@ -258,7 +258,7 @@ def test_async_client_equals_the_sync_client_and_sends_every_sampling_field(suit
     and carries min_p / penalties to the server (an out-of-range value is refused naming it)."""
     import asyncio
 
-    from shared.client import AsyncKVMeshClient
+    from services.scheduler.client import AsyncKVMeshClient
 
     prompt = list(range(60, 90))
     with KVMeshClient(suite.address) as client:

@@ -10,8 +10,8 @@ import grpc
 import pytest
 import torch
 
+from services.scheduler.client import KVMeshClient
 from services.suite import Suite, SuiteConfig
-from shared.client import KVMeshClient
 from shared.pb.kvmesh.v1 import offload_store_pb2, offload_store_pb2_grpc
 
 

@@ -15,8 +15,8 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
+from services.scheduler.client import KVMeshClient
 from services.suite import Suite, SuiteConfig
-from shared.client import KVMeshClient
 from shared.pb.kvmesh.v1 import offload_store_pb2, offload_store_pb2_grpc
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]  # two suites: eight processes

@@ -12,9 +12,9 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.scheduler.client import KVMeshClient
 from shared.auth import tenant_cache_salt
 from shared.channels import open_channel
-from shared.client import KVMeshClient
 from shared.hashing import hash_blocks, hash_seed
 from shared.pb.kvmesh.v1 import offload_store_pb2, offload_store_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from shared.tls import TLSFiles

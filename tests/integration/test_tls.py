@@ -13,8 +13,8 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.scheduler.client import KVMeshClient
 from shared.channels import open_channel
-from shared.client import KVMeshClient
 from shared.launcher import ServiceProcess
 from shared.pb.kvmesh.v1 import (
     kv_cache_manager_pb2,

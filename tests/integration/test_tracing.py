@@ -19,8 +19,8 @@ import grpc
 import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
+from services.scheduler.client import KVMeshClient
 from services.suite import Suite, SuiteConfig
-from shared.client import KVMeshClient
 
 
 @dataclass(frozen=True)

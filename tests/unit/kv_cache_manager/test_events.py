@@ -11,7 +11,7 @@ import pytest
 
 from services.kv_cache_manager.events import EventHub
 from services.kv_cache_manager.manager import KVCacheManager
-from services.kv_cache_manager.servicer import SERVICE_NAME, KVCacheManagerServicer
+from services.kv_cache_manager.servicer import SERVICE, KVCacheManagerServicer
 from services.kv_cache_manager.types import AllBlocksCleared, BlockRemoved, KVEventBatch
 from shared.config import ServerConfig
 from shared.grpc_server import RunningServer, ServiceRegistration, start_server
@@ -79,7 +79,7 @@ def server() -> Iterator[tuple[RunningServer, EventHub, KVCacheManagerServicer]]
     hub = EventHub()
     servicer = KVCacheManagerServicer(make_binding(hub), hub, max_subscribers=2)
     running = start_server(ServerConfig(port=0, max_workers=4),
-                           [ServiceRegistration(SERVICE_NAME, servicer, pb_grpc.add_KVCacheManagerServicer_to_server)])
+                           [ServiceRegistration(SERVICE.grpc, servicer, pb_grpc.add_KVCacheManagerServicer_to_server)])
     yield running, hub, servicer
     servicer.close()
     running.stop(grace=0)

@@ -17,7 +17,8 @@ from services.model_runner.config import RunnerConfig
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.inprocess import InProcessSuite, build_inprocess
 from services.scheduler.request import FinishReason
-from services.scheduler.stream import Chunk, OutputStream, build_spec
+from services.scheduler.stream import OutputStream, build_spec
+from services.scheduler.types import Chunk
 from shared.sampling_params import SamplingParams
 
 MAX_TOKENS = 10

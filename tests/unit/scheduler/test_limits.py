@@ -13,10 +13,10 @@ import grpc
 import pytest
 
 from services.model_runner.config import RunnerConfig
+from services.scheduler.client import KVMeshClient
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.inprocess import InProcessSuite, build_inprocess
 from services.scheduler.servicer import SchedulerServicer
-from shared.client import KVMeshClient
 from shared.config import ServerConfig
 from shared.grpc_server import RunningServer, ServiceRegistration, start_server
 from shared.pb.kvmesh.v1 import scheduler_pb2, scheduler_pb2_grpc

@@ -1,12 +1,13 @@
-"""A small Python client for kvmesh's public API (wraps the generated ``Scheduler`` stub).
+"""The scheduler's client: kvmesh's public API from Python (wraps the generated ``Scheduler`` stub).
 
-    with KVMeshClient("127.0.0.1:50051") as client:
+    with KVMeshClient(DEFAULT_ADDRESS) as client:
         for chunk in client.generate("The capital of France is", max_tokens=16):
             print(chunk.text, end="", flush=True)
 
 With authentication on, pass ``api_key=`` (sent as ``authorization: Bearer <key>`` metadata on
 every call); with TLS, ``tls=TLSFiles(ca=...)`` (see docs/security.md). :class:`AsyncKVMeshClient`
-is the same API for asyncio programs (``grpc.aio``), built from the same request builder.
+is the same API for asyncio programs (``grpc.aio``), built from the same request builder, which
+writes the message with the servicer's own converter (``services.scheduler.convert``).
 """
 
 from __future__ import annotations
@@ -14,9 +15,15 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
+from services.scheduler.config import DEFAULT_ADDRESS
+from services.scheduler.convert import generate_request_to_proto
+from services.scheduler.types import GenerateRequest
 from shared.channels import open_aio_channel, open_channel
-from shared.pb.kvmesh.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from shared.pb.kvmesh.v1 import scheduler_pb2, scheduler_pb2_grpc
+from shared.sampling_params import SamplingParams
 from shared.tls import TLSFiles
+
+__all__ = ["DEFAULT_ADDRESS", "AsyncKVMeshClient", "KVMeshClient"]
 
 
 def _auth_metadata(api_key: str | None) -> tuple[tuple[str, str], ...]:
@@ -68,29 +75,20 @@ class KVMeshClient:
         Every sampling field of the API is here (``None`` = the server's default); the server
         validates them (``INVALID_ARGUMENT`` naming the field).
         """
-        sampling = common_pb2.SamplingParams(temperature=temperature, top_k=top_k, min_p=min_p,
-                                             presence_penalty=presence_penalty,
-                                             frequency_penalty=frequency_penalty)
-        if top_p is not None:
-            sampling.top_p = top_p
-        if repetition_penalty is not None:
-            sampling.repetition_penalty = repetition_penalty
-        if seed is not None:
-            sampling.seed = seed
-        if logprobs is not None:
-            sampling.logprobs = logprobs
-        req = scheduler_pb2.GenerateRequest(
-            sampling=sampling, max_tokens=max_tokens, stop=list(stop), stop_token_ids=list(stop_token_ids),
-            ignore_eos=ignore_eos, request_id=request_id, priority=priority, cache_salt=cache_salt,
-            include_special_tokens=include_special_tokens,
-        )
+        sampling = SamplingParams(
+            temperature=temperature, top_k=top_k, min_p=min_p, presence_penalty=presence_penalty,
+            frequency_penalty=frequency_penalty, seed=seed, logprobs=logprobs, stop_token_ids=tuple(stop_token_ids),
+            ignore_eos=ignore_eos, top_p=1.0 if top_p is None else top_p,
+            repetition_penalty=1.0 if repetition_penalty is None else repetition_penalty)
         if isinstance(prompt, str):
-            req.text = prompt
+            kind: dict[str, Any] = {"text": prompt}
         elif prompt and isinstance(prompt[0], tuple):
-            req.chat.messages.extend(scheduler_pb2.ChatMessage(role=r, content=c) for r, c in prompt)  # type: ignore[misc]
+            kind = {"chat": tuple((str(r), str(c)) for r, c in prompt)}  # type: ignore[misc]
         else:
-            req.token_ids.ids.extend(int(t) for t in prompt)  # type: ignore[arg-type]
-        return req
+            kind = {"token_ids": tuple(int(t) for t in prompt)}  # type: ignore[arg-type]
+        return generate_request_to_proto(GenerateRequest(
+            **kind, sampling=sampling, max_tokens=max_tokens, stop=tuple(stop), request_id=request_id,
+            priority=priority, cache_salt=cache_salt, include_special_tokens=include_special_tokens))
 
     def generate(self, prompt: Any, max_tokens: int = 64, timeout: float | None = None,
                  **kwargs: Any) -> Iterator[scheduler_pb2.GenerateResponse]:
