@@ -15,6 +15,7 @@ from services.kv_cache_manager.types import (
     PrefixLookup,
     StepResult,
 )
+from shared.hashing import BlockHash
 from shared.pb.kvmesh.v1 import kv_cache_manager_pb2 as pb
 
 _STATUS = {
@@ -31,10 +32,10 @@ def spec_from_pb(msg: pb.Allocation) -> AllocationSpec:
         new_token_ids=tuple(msg.new_token_ids[:]),
         num_new_tokens=msg.num_new_tokens,
         is_new=msg.is_new,
-        cache_salt=msg.cache_salt,
         use_prefix_cache=msg.use_prefix_cache,
         is_resumed=msg.is_resumed,
         num_external_blocks=msg.num_external_blocks,
+        block_hashes=tuple([BlockHash(h) for h in msg.block_hashes]),
     )
 
 
@@ -84,7 +85,6 @@ def lookup_to_pb(lookup: PrefixLookup) -> pb.LookupPrefixResponse:
     return pb.LookupPrefixResponse(
         num_cached_tokens=lookup.num_cached_tokens,
         block_ids=lookup.block_ids,
-        block_hashes=lookup.block_hashes,
     )
 
 

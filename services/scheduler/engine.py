@@ -14,9 +14,10 @@ Binding (docs/reliability.md): the engine *binds* the suite before serving and a
 finds the other side is not the one it bound — a new runner incarnation (its pool id, checked on
 every step and by a periodic keep-alive), a kv-cache-manager that restarted (``FAILED_PRECONDITION
 not initialized``) — : every live request goes back to waiting, the kv-cache-manager is
-re-initialized with the runner's geometry, the scheduler's hash seed and the runner's pool id
-(dropping every cached hash of a dead pool), and the offload-store is attached to the current pool.
-Requests then recompute, so answers are those of a cold run.
+re-initialized with the runner's geometry and the runner's pool id (dropping every cached hash of
+a dead pool; the hash seed stays the scheduler's, which sends hashes with every allocation), and
+the offload-store is attached to the current pool. Requests then recompute, so answers are those
+of a cold run.
 """
 
 from __future__ import annotations
@@ -123,7 +124,7 @@ class Engine:
         info = self.runner.info()
         seed = self._seed(info)
         cache = CacheConfig(num_blocks=info.num_blocks, block_size=info.block_size,
-                            max_model_len=info.max_model_len, model_id=info.model_id, hash_seed=seed)
+                            max_model_len=info.max_model_len, model_id=info.model_id)
         self.runner.bind(info.pool_id)
         kept = self.kv.initialize(cache, info.pool_id)
         if self.offload is not None:

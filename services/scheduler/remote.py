@@ -62,8 +62,8 @@ def _stats_from_proto(s: kvm_pb2.KVCacheStats) -> KVCacheStats:
 def _allocation_to_proto(a: AllocationSpec) -> kvm_pb2.Allocation:
     return kvm_pb2.Allocation(
         request_id=a.request_id, new_token_ids=a.new_token_ids, num_new_tokens=a.num_new_tokens,
-        is_new=a.is_new, cache_salt=a.cache_salt, use_prefix_cache=a.use_prefix_cache,
-        is_resumed=a.is_resumed, num_external_blocks=a.num_external_blocks,
+        is_new=a.is_new, use_prefix_cache=a.use_prefix_cache,
+        is_resumed=a.is_resumed, num_external_blocks=a.num_external_blocks, block_hashes=a.block_hashes,
     )
 
 
@@ -138,7 +138,7 @@ class RemoteKVCache:
             resp = self.stub.Initialize(
                 kvm_pb2.InitializeRequest(num_blocks=config.num_blocks, block_size=config.block_size,
                                           max_model_len=config.max_model_len, model_id=config.model_id,
-                                          hash_seed=config.hash_seed, pool_id=pool_id,
+                                          pool_id=pool_id,
                                           lease_seconds=self.lease_seconds),
                 timeout=self.timeout, metadata=self.metadata,
             )

@@ -38,7 +38,7 @@ from services.scheduler.config import SchedulerConfig
 from services.scheduler.offload import OffloadConnector
 from services.scheduler.request import FinishReason, Request, RequestStatus
 from shared.errors import InvalidArgument
-from shared.hashing import hash_blocks
+from shared.hashing import BlockHash, hash_blocks
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +80,9 @@ class Scheduler:
                  offload: OffloadConnector | None = None, hash_seed: bytes = b"") -> None:
         """Args:
             offload: the offload-store connector, or None to run without the offload tier.
-            hash_seed: the prefix-hash chain root; must equal the kv-cache-manager's (checked at start).
+            hash_seed: the prefix-hash chain root. The scheduler is its one owner: it hashes each
+                request's full blocks once (offload keys, and the kv-cache-manager's prefix map,
+                which receives them with every allocation and never hashes).
         """
         self.config = config
         self.kv = kv
@@ -181,8 +183,16 @@ class Scheduler:
         return frees, rollbacks
 
     # ----------------------------------------------------------------- planning
-    def _block_hashes(self, req: Request) -> list[bytes]:
-        """Hashes of the request's full blocks (the offload-store's keys), extended incrementally."""
+    def _block_hashes(self, req: Request) -> list[BlockHash]:
+        """Hashes of the request's full blocks, extended incrementally: each block is hashed once.
+
+        The one computation of a request's hashes: the kv-cache-manager's prefix map and the
+        offload-store's keys both take these.
+        """
+        return req.block_hashes[: self._extend_hashes(req)]
+
+    def _extend_hashes(self, req: Request) -> int:
+        """Hashes the full blocks not hashed yet; returns how many full blocks the request has."""
         n_full = req.num_tokens // self.block_size
         if len(req.block_hashes) < n_full:
             start = len(req.block_hashes)
@@ -190,19 +200,25 @@ class Scheduler:
                 self.hash_seed, req.all_token_ids(), self.block_size, req.spec.cache_salt,
                 start_block=start, parent=req.block_hashes[-1] if start else None,
             ))
-        return req.block_hashes[:n_full]
+        return n_full
 
     def _allocation(self, req: Request, num_new: int, is_new: bool, external: int = 0) -> AllocationSpec:
+        """What the kv-cache-manager gets: the tokens and full-block hashes it does not know yet.
+
+        Every allocation sends the hashes of every full block of the tokens known so far, so the
+        manager holds ``num_tokens_sent_to_kvm // block_size`` of them and the rest follow here.
+        """
         start = 0 if is_new else req.num_tokens_sent_to_kvm
+        n_full = self._extend_hashes(req)
         return AllocationSpec(
             request_id=req.request_id,
             new_token_ids=tuple(req.token_ids_from(start)),
             num_new_tokens=num_new,
             is_new=is_new,
-            cache_salt=req.spec.cache_salt if is_new else b"",
             use_prefix_cache=self.config.enable_prefix_caching,
             is_resumed=is_new and req.num_preemptions > 0,
             num_external_blocks=external,
+            block_hashes=tuple(req.block_hashes[start // self.block_size : n_full]),
         )
 
     def schedule(self) -> ScheduledStep | None:

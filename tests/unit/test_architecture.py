@@ -257,3 +257,21 @@ def test_map_parser_reads_headings_and_rows() -> None:
     )
     assert _documented_files(text) == {"services/x/a.py": 5, "services/x/b.h": 6, "services/x/c.h": 6,
                                        "services/x/y/d.py": 9}  # fmt: skip
+
+
+# The hash functions of shared/hashing.py; only the seed's owner (the scheduler) and the router,
+# which predicts the scheduler's hashes, may call them (docs/design.md, "Prefix hashes").
+HASHERS = frozenset({"hash_blocks", "hash_block", "hash_seed"})
+
+
+def _hash_callers(rel: str, imports: Iterator[Import]) -> list[str]:
+    return [f"{rel}:{imp.line} imports {name}" for imp in imports if imp.module == "shared.hashing"
+            for name in imp.names if name in HASHERS]  # fmt: skip
+
+
+def test_the_kv_cache_manager_never_hashes() -> None:
+    """One owner for block hashes: the scheduler computes them once and sends them."""
+    found = [hit for path in _sources("services/kv_cache_manager") for hit in _hash_callers(_rel(path), _imports(path))]
+    assert not found, f"the kv-cache-manager is sent the scheduler's hashes; it must not compute them: {found}"
+    probe = "from shared.hashing import BlockHash, hash_blocks\nimport shared.hashing\n"
+    assert _hash_callers("probe.py", _imports_in(probe, "services")) == ["probe.py:1 imports hash_blocks"]
