@@ -48,9 +48,9 @@ if str(ROOT) not in sys.path:  # NOTE: run as a script, the repo root is not on 
 
 import grpc  # noqa: E402
 
+from services.kv_cache_manager.config import CacheConfig  # noqa: E402
 from services.kv_cache_manager.manager import KVCacheManager  # noqa: E402
 from services.kv_cache_manager.types import AllocationSpec  # noqa: E402
-from shared.config import CacheConfig  # noqa: E402
 from shared.hashing import BlockHash, hash_blocks, hash_seed  # noqa: E402
 from shared.launcher import ServiceProcess  # noqa: E402
 from shared.owner_channel import with_owner  # noqa: E402

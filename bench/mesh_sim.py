@@ -33,6 +33,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from services.kv_cache_manager.config import CacheConfig
 from services.kv_cache_manager.events import EventHub, Subscription
 from services.kv_cache_manager.manager import KVCacheManager
 from services.kv_cache_manager.types import AllocationSpec, AllocationStatus
@@ -42,7 +43,6 @@ from services.router.prefix import request_hashes
 from services.router.scoring import Scorer
 from services.router.types import ReplicaLoad
 from shared.auth import tenant_cache_salt
-from shared.config import CacheConfig
 from shared.hashing import hash_blocks, hash_seed
 
 KEY, MODEL, BS = "mesh-sim-key", "mesh-sim-model", 16

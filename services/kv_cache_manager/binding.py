@@ -20,10 +20,10 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from services.kv_cache_manager.config import CacheConfig
 from services.kv_cache_manager.events import EventHub
 from services.kv_cache_manager.manager import KVCacheManager
 from services.kv_cache_manager.types import KVCacheStats
-from shared.config import CacheConfig
 from shared.errors import FailedPrecondition
 from shared.ownership import Acquired, Lease
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from services.kv_cache_manager.block_pool import BlockPool, KVCacheBlock
+from services.kv_cache_manager.config import CacheConfig
 from services.kv_cache_manager.events import EventHub
 from services.kv_cache_manager.integrity import check_integrity
 from services.kv_cache_manager.request import RequestState
@@ -39,7 +40,6 @@ from services.kv_cache_manager.types import (
     StepResult,
 )
 from services.kv_cache_manager.validation import validate_free, validate_hashes, validate_step
-from shared.config import CacheConfig
 from shared.errors import FailedPrecondition, InvalidArgument, NotFound
 from shared.hashing import BlockHash
 

@@ -15,7 +15,6 @@ from services.kv_cache_manager import convert
 from services.kv_cache_manager.binding import ManagerBinding
 from services.kv_cache_manager.events import EventHub
 from services.kv_cache_manager.types import KVCacheStats
-from shared.config import CacheConfig
 from shared.errors import InvalidArgument, ResourceExhausted
 from shared.hashing import BlockHash
 from shared.metrics import KVCacheMetrics
@@ -81,8 +80,7 @@ class KVCacheManagerServicer(pb_grpc.KVCacheManagerServicer):
     def Initialize(self, request: pb.InitializeRequest, context: grpc.ServicerContext) -> pb.InitializeResponse:
         owner = owner_from_metadata(context.invocation_metadata())
         try:
-            config = CacheConfig(num_blocks=request.num_blocks, block_size=request.block_size,
-                                 max_model_len=request.max_model_len, model_id=request.model_id)
+            config = convert.config_from_pb(request)
         except ValueError as exc:
             raise InvalidArgument(str(exc)) from exc
         with self._lock:

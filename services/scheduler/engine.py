@@ -29,14 +29,15 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from services.scheduler.backends import KVCacheBackend, RunnerBackend, RunnerInfo, RunnerRestarted
+from services.kv_cache_manager.client import KVCacheBackend
+from services.kv_cache_manager.config import CacheConfig
+from services.model_runner.client import RunnerBackend, RunnerInfo, RunnerRestarted
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.metrics import RequestMetrics
 from services.scheduler.offload import OffloadBackend, OffloadConnector
 from services.scheduler.request import FinishReason, Request, RequestSpec
 from services.scheduler.scheduler import ScheduledStep, Scheduler
 from services.scheduler.tracing import record_queue_span, step_span
-from shared.config import CacheConfig
 from shared.errors import (
     DeadlineExceeded,
     FailedPrecondition,

@@ -25,6 +25,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from services.kv_cache_manager.client import KVCacheBackend
 from services.kv_cache_manager.types import (
     AllocationResult,
     AllocationSpec,
@@ -32,8 +33,8 @@ from services.kv_cache_manager.types import (
     KVCacheStats,
     StepResult,
 )
+from services.model_runner.client import RunnerInfo
 from services.model_runner.types import CachedRequestData, NewRequestData, StepInput, StepOutput
-from services.scheduler.backends import KVCacheBackend, RunnerInfo
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.offload import OffloadConnector
 from services.scheduler.request import FinishReason, Request, RequestStatus

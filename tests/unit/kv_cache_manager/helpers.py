@@ -12,10 +12,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from services.kv_cache_manager.binding import ManagerBinding
+from services.kv_cache_manager.config import CacheConfig
 from services.kv_cache_manager.events import EventHub
 from services.kv_cache_manager.manager import KVCacheManager
 from services.kv_cache_manager.types import AllocationSpec
-from shared.config import CacheConfig
 from shared.hashing import BlockHash, hash_blocks, hash_seed
 
 BS = 16

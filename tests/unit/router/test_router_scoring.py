@@ -4,17 +4,18 @@ from __future__ import annotations
 
 import pytest
 
+from services.kv_cache_manager.client import InProcessKVCache
+from services.kv_cache_manager.config import CacheConfig
 from services.kv_cache_manager.manager import KVCacheManager
+from services.model_runner.client import RunnerInfo
 from services.router.config import RouterConfig
 from services.router.prefix import replica_hash_seed, request_hashes
 from services.router.scoring import Scorer
 from services.router.types import ReplicaAddress, ReplicaLoad
-from services.scheduler.backends import InProcessKVCache, RunnerInfo
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.request import Request, RequestSpec
 from services.scheduler.scheduler import Scheduler
 from shared.auth import tenant_cache_salt
-from shared.config import CacheConfig
 from shared.hashing import hash_seed
 from shared.sampling_params import SamplingParams
 

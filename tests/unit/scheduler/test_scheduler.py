@@ -12,13 +12,14 @@ from pathlib import Path
 
 import pytest
 
+from services.kv_cache_manager.client import InProcessKVCache
+from services.kv_cache_manager.config import CacheConfig
 from services.kv_cache_manager.manager import KVCacheManager
+from services.model_runner.client import RunnerInfo
 from services.model_runner.types import SampledToken, StepOutput
-from services.scheduler.backends import InProcessKVCache, RunnerInfo
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.request import FinishReason, Request, RequestSpec, RequestStatus
 from services.scheduler.scheduler import ScheduledStep, Scheduler
-from shared.config import CacheConfig
 from shared.hashing import BlockHash, hash_blocks, hash_seed
 from shared.sampling_params import SamplingParams
 

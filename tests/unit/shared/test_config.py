@@ -6,7 +6,8 @@ import dataclasses
 
 import pytest
 
-from shared.config import CacheConfig, ServerConfig, from_env
+from services.kv_cache_manager.config import CacheConfig
+from shared.config import ServerConfig, from_env
 
 
 def test_defaults_and_overrides() -> None:
