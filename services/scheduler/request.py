@@ -117,6 +117,14 @@ class Request:
             return self.output_token_ids[start - n_prompt :]
         return [*self.spec.prompt_token_ids[start:], *self.output_token_ids]
 
+    def forget_placement(self) -> None:
+        """Preempted or re-bound: no peer holds its KV or knows it any more (its tokens and hashes
+        stay: recomputing them gives the same answer)."""
+        self.known_to_runner = False
+        self.num_computed_tokens = 0
+        self.num_tokens_sent_to_kvm = 0
+        self.block_ids = []
+
     @property
     def trace_context(self) -> Any:
         """The request's trace context, if it is traced."""
