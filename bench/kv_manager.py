@@ -4,9 +4,10 @@ Workload: ``--requests`` prompts of ``--prompt-len`` tokens (block size 16) shar
 97% of their tokens as a common prefix (same salt), the rest random; a pool of ``--num-blocks``.
 
 In-process, one request at a time (vLLM's per-request view):
-  hash      ``shared.hashing.hash_blocks`` over the prompt (timed alone, same call the manager makes)
-  alloc     one ``step`` admitting the request: validation, hashing, prefix lookup, allocation,
-            registration of the computed full blocks; ``lookup+allocate`` = alloc - hash
+  hash      ``shared.hashing.hash_blocks`` over the prompt (timed alone: the scheduler's call; the
+            manager never hashes, it is sent the hashes)
+  alloc     one ``step`` admitting the request: validation, prefix lookup, allocation, registration
+            of the computed full blocks; ``lookup+allocate`` = alloc
   free      ``free`` of that request
 Batched, as the scheduler calls it: steps of ``--step-size`` new requests, each step also freeing
 the previous step's requests; the same steps in-process and as one AllocateSlots RPC to the real
@@ -29,6 +30,7 @@ Run: ``python bench/kv_manager.py``; writes ``bench/results/kv_manager.json``.
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import os
@@ -46,10 +48,10 @@ if str(ROOT) not in sys.path:  # NOTE: run as a script, the repo root is not on 
 
 import grpc  # noqa: E402
 
+from services.kv_cache_manager.config import CacheConfig  # noqa: E402
 from services.kv_cache_manager.manager import KVCacheManager  # noqa: E402
 from services.kv_cache_manager.types import AllocationSpec  # noqa: E402
-from shared.config import CacheConfig  # noqa: E402
-from shared.hashing import hash_blocks, hash_seed  # noqa: E402
+from shared.hashing import BlockHash, hash_blocks, hash_seed  # noqa: E402
 from shared.launcher import ServiceProcess  # noqa: E402
 from shared.owner_channel import with_owner  # noqa: E402
 from shared.pb.kvmesh.v1 import kv_cache_manager_pb2 as pb  # noqa: E402
@@ -84,10 +86,28 @@ def process_cpu_ns(pid: int) -> int:
     return total
 
 
+SEED = hash_seed(b"bench", "bench")  # the scheduler's seed: this benchmark plays the scheduler
+
+
+@functools.lru_cache(maxsize=4096)
+def _hashes(tokens: tuple[int, ...]) -> tuple[BlockHash, ...]:
+    return tuple(hash_blocks(SEED, tokens, BLOCK_SIZE))
+
+
+def prompt_hashes(tokens: list[int]) -> tuple[BlockHash, ...]:
+    """The prompt's full-block hashes, as the scheduler sends them (memoised: not the manager's cost)."""
+    return _hashes(tuple(tokens))
+
+
+def new_spec(rid: str, tokens: list[int]) -> AllocationSpec:
+    """A whole prompt's first allocation, hashes included."""
+    return AllocationSpec(rid, tuple(tokens), len(tokens), is_new=True, block_hashes=prompt_hashes(tokens))
+
+
 def per_request(prompts: list[list[int]], config: CacheConfig) -> dict[str, float]:
     """Admit then free each request alone; median CPU microseconds per phase."""
     manager = KVCacheManager(config)
-    seed = config.hash_seed
+    seed = SEED
     clock = time.thread_time_ns
     hash_ns: list[int] = []
     alloc_ns: list[int] = []
@@ -96,9 +116,10 @@ def per_request(prompts: list[list[int]], config: CacheConfig) -> dict[str, floa
     for i, tokens in enumerate(prompts):
         rid = f"r{i}"
         t0 = clock()
-        hash_blocks(seed, tokens, BLOCK_SIZE)
+        hashes = tuple(hash_blocks(seed, tokens, BLOCK_SIZE))
         t1 = clock()
-        result = manager.step((), [AllocationSpec(rid, tuple(tokens), len(tokens), is_new=True)])
+        result = manager.step((), [AllocationSpec(rid, tuple(tokens), len(tokens), is_new=True,
+                                                  block_hashes=hashes)])
         t2 = clock()
         manager.free([rid])
         t3 = clock()
@@ -112,7 +133,7 @@ def per_request(prompts: list[list[int]], config: CacheConfig) -> dict[str, floa
     free_us = statistics.median(free_ns) / 1e3
     return {
         "hash_us": hash_us,
-        "lookup_allocate_us": alloc_us - hash_us,
+        "lookup_allocate_us": alloc_us,
         "alloc_step_us": alloc_us,
         "free_us": free_us,
         "total_us": alloc_us + free_us,
@@ -154,7 +175,7 @@ def steps_in_process(prompts: list[list[int]], config: CacheConfig, step_size: i
         holder[:] = [KVCacheManager(config)]
 
     def do_step(free: list[str], batch: Batch) -> None:
-        specs = [AllocationSpec(rid, tuple(tokens), len(tokens), is_new=True) for rid, tokens in batch]
+        specs = [new_spec(rid, tokens) for rid, tokens in batch]
         holder[0].step(free, specs)
 
     out = run_steps(prompts, step_size, repeat, reset, do_step, time.thread_time_ns)
@@ -173,7 +194,7 @@ def steps_grpc(
     def reset() -> None:
         init = pb.InitializeRequest(
             num_blocks=config.num_blocks, block_size=config.block_size, max_model_len=config.max_model_len,
-            hash_seed=config.hash_seed, lease_seconds=600,
+            lease_seconds=600,
         )
         stub.Initialize(init, timeout=30)
 
@@ -181,7 +202,8 @@ def steps_grpc(
         request = pb.AllocateSlotsRequest(free_request_ids=free)
         add = request.allocations.add  # NOTE: ~2x faster than a list of constructed messages
         for rid, tokens in batch:
-            add(request_id=rid, new_token_ids=tokens, num_new_tokens=len(tokens), is_new=True, use_prefix_cache=True)
+            add(request_id=rid, new_token_ids=tokens, num_new_tokens=len(tokens), is_new=True, use_prefix_cache=True,
+                block_hashes=prompt_hashes(tokens))
         stub.AllocateSlots(request, timeout=30)
 
     def both_cpu_ns() -> int:
@@ -193,14 +215,28 @@ def steps_grpc(
     return out
 
 
-def decode_tokens(batch: Batch, num_steps: int) -> list[list[tuple[str, int]]]:
-    """One sampled token per request per step."""
+Decode = tuple[str, int, tuple[BlockHash, ...]]  # request id, sampled token, hash of the block it completes
+
+
+def decode_tokens(batch: Batch, num_steps: int) -> list[list[Decode]]:
+    """One sampled token per request per step, with the hash the scheduler sends when it fills a block."""
     rng = random.Random(7)
-    return [[(rid, rng.randrange(VOCAB)) for rid, _ in batch] for _ in range(num_steps)]
+    known = {rid: list(tokens) for rid, tokens in batch}
+    steps: list[list[Decode]] = []
+    for _ in range(num_steps):
+        step: list[Decode] = []
+        for rid, _ in batch:
+            tokens = known[rid]
+            tokens.append(rng.randrange(VOCAB))
+            full = len(tokens) // BLOCK_SIZE
+            fresh = tuple(hash_blocks(SEED, tokens, BLOCK_SIZE)[full - 1 :]) if len(tokens) % BLOCK_SIZE == 0 else ()
+            step.append((rid, tokens[-1], fresh))
+        steps.append(step)
+    return steps
 
 
 def time_steps(
-    run_step: Callable[[list[tuple[str, int]]], None], steps: list[list[tuple[str, int]]], cpu_ns: Callable[[], int]
+    run_step: Callable[[list[Decode]], None], steps: list[list[Decode]], cpu_ns: Callable[[], int]
 ) -> dict[str, float]:
     wall: list[float] = []
     cpu: list[float] = []
@@ -214,13 +250,13 @@ def time_steps(
     return {"step_ms": statistics.median(wall), "step_cpu_ms": statistics.median(cpu)}
 
 
-def decode_in_process(batch: Batch, steps: list[list[tuple[str, int]]], config: CacheConfig) -> dict[str, float]:
+def decode_in_process(batch: Batch, steps: list[list[Decode]], config: CacheConfig) -> dict[str, float]:
     """Decode steps of a running batch, in-process."""
     manager = KVCacheManager(config)
-    manager.step((), [AllocationSpec(rid, tuple(tokens), len(tokens), is_new=True) for rid, tokens in batch])
+    manager.step((), [new_spec(rid, tokens) for rid, tokens in batch])
 
-    def run_step(step: list[tuple[str, int]]) -> None:
-        manager.step((), [AllocationSpec(rid, (token,), 1) for rid, token in step])
+    def run_step(step: list[Decode]) -> None:
+        manager.step((), [AllocationSpec(rid, (token,), 1, block_hashes=h) for rid, token, h in step])
 
     out = time_steps(run_step, steps, time.thread_time_ns)
     manager.check_integrity()
@@ -231,25 +267,25 @@ def decode_grpc(
     stub: pb_grpc.KVCacheManagerStub,
     server_pid: int,
     batch: Batch,
-    steps: list[list[tuple[str, int]]],
+    steps: list[list[Decode]],
     config: CacheConfig,
 ) -> dict[str, float]:
     """The same decode steps, one AllocateSlots RPC each."""
     stub.Initialize(pb.InitializeRequest(num_blocks=config.num_blocks, block_size=config.block_size,
-                                         max_model_len=config.max_model_len, hash_seed=config.hash_seed,
-                                         lease_seconds=600), timeout=30)
+                                         max_model_len=config.max_model_len, lease_seconds=600), timeout=30)
     admit = pb.AllocateSlotsRequest()
     for rid, tokens in batch:
         admit.allocations.add(
-            request_id=rid, new_token_ids=tokens, num_new_tokens=len(tokens), is_new=True, use_prefix_cache=True
+            request_id=rid, new_token_ids=tokens, num_new_tokens=len(tokens), is_new=True, use_prefix_cache=True,
+            block_hashes=prompt_hashes(tokens),
         )
     stub.AllocateSlots(admit, timeout=30)
 
-    def run_step(step: list[tuple[str, int]]) -> None:
+    def run_step(step: list[Decode]) -> None:
         request = pb.AllocateSlotsRequest()
         add = request.allocations.add
-        for rid, token in step:
-            add(request_id=rid, new_token_ids=(token,), num_new_tokens=1)
+        for rid, token, h in step:
+            add(request_id=rid, new_token_ids=(token,), num_new_tokens=1, block_hashes=h)
         stub.AllocateSlots(request, timeout=30)
 
     def both_cpu_ns() -> int:
@@ -280,8 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-grpc", action="store_true", help="skip the service process")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "kv_manager.json")
     args = parser.parse_args(argv)
-    config = CacheConfig(block_size=BLOCK_SIZE, num_blocks=args.num_blocks, max_model_len=max(args.prompt_len, 2048),
-                         hash_seed=hash_seed(b"bench", "bench"))
+    config = CacheConfig(block_size=BLOCK_SIZE, num_blocks=args.num_blocks, max_model_len=max(args.prompt_len, 2048))
     workloads = {f"{s:.2f}": workload(args.requests, args.prompt_len, s, seed=1) for s in args.shares}
     warm = workload(200, args.prompt_len, 0.5, seed=99)
     decode_batch = batches(workload(args.step_size, args.prompt_len, 0.5, seed=3), args.step_size)[0]

@@ -33,6 +33,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from services.kv_cache_manager.config import CacheConfig
 from services.kv_cache_manager.events import EventHub, Subscription
 from services.kv_cache_manager.manager import KVCacheManager
 from services.kv_cache_manager.types import AllocationSpec, AllocationStatus
@@ -42,8 +43,7 @@ from services.router.prefix import request_hashes
 from services.router.scoring import Scorer
 from services.router.types import ReplicaLoad
 from shared.auth import tenant_cache_salt
-from shared.config import CacheConfig
-from shared.hashing import hash_seed
+from shared.hashing import hash_blocks, hash_seed
 
 KEY, MODEL, BS = "mesh-sim-key", "mesh-sim-model", 16
 
@@ -91,11 +91,17 @@ def make_trace(n: int, args: argparse.Namespace, rate: float, seed: int) -> list
 
 def new_manager(num_blocks: int, hub: EventHub | None) -> KVCacheManager:
     return KVCacheManager(CacheConfig(block_size=BS, num_blocks=num_blocks + 1, max_model_len=8192,
-                                      model_id=MODEL, hash_seed=hash_seed(KEY.encode(), MODEL)), hub)
+                                      model_id=MODEL), hub)
 
 
 def salt(tenant: str) -> bytes:
     return tenant_cache_salt(KEY, tenant)
+
+
+def first_allocation(req: Req) -> AllocationSpec:
+    """A whole prompt's allocation, with the hashes its replica's scheduler would send."""
+    hashes = hash_blocks(hash_seed(KEY.encode(), MODEL), req.tokens, BS, salt(req.tenant))
+    return AllocationSpec(req.rid, req.tokens, len(req.tokens), is_new=True, block_hashes=tuple(hashes))
 
 
 def simulate(n: int, policy: str, trace: Sequence[Req], args: argparse.Namespace) -> dict[str, float]:
@@ -126,8 +132,7 @@ def simulate(n: int, policy: str, trace: Sequence[Req], args: argparse.Namespace
         if r.prefilling or not r.waiting:
             return
         req, arrived = r.waiting[0]
-        spec = AllocationSpec(req.rid, req.tokens, len(req.tokens), is_new=True, cache_salt=salt(req.tenant))
-        res = r.manager.step([], [spec]).results[0]
+        res = r.manager.step([], [first_allocation(req)]).results[0]
         drain(r)
         if res.status != AllocationStatus.OK:
             return  # the pool is full: wait for a finish
@@ -182,8 +187,7 @@ def ideal_hit_rate(n: int, trace: Sequence[Req], args: argparse.Namespace) -> fl
     m = new_manager(args.blocks_per_replica * n, None)
     prompt = cached = 0
     for req in trace:
-        res = m.step([], [AllocationSpec(req.rid, req.tokens, len(req.tokens), is_new=True,
-                                         cache_salt=salt(req.tenant))]).results[0]
+        res = m.step([], [first_allocation(req)]).results[0]
         prompt += len(req.tokens)
         cached += res.num_computed_tokens
         m.free([req.rid])

@@ -47,6 +47,7 @@ from services.offload_store.config import OffloadConfig  # noqa: E402
 from services.scheduler.config import SchedulerConfig  # noqa: E402
 from services.scheduler.inprocess import InProcessSuite, build_inprocess  # noqa: E402
 from services.scheduler.stream import OutputStream, build_spec  # noqa: E402
+from shared.hashing import hash_blocks  # noqa: E402
 from shared.sampling_params import SamplingParams  # noqa: E402
 
 
@@ -144,7 +145,9 @@ def run(model: str, prompt_len: int, repeats: int, threads: int, redis_url: str 
                         t, cached["pool"] = _ttft(suite, prompt, salt)
                         rows["pool"].append(t)
                     _ttft(suite, filler, salt + "-filler")  # evicts the prefix (saved on the way out)
-                    assert suite.manager.lookup_prefix(prompt, salt.encode()).num_cached_tokens == 0
+                    hashes = hash_blocks(suite.engine.scheduler.hash_seed, prompt, block_size,
+                                         salt.encode())
+                    assert suite.manager.lookup_prefix(hashes).num_cached_tokens == 0
                     t, cached[tier] = _ttft(suite, prompt, salt)
                     rows[tier].append(t)
             finally:

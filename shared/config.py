@@ -45,32 +45,6 @@ class ServerConfig:
     max_receive_message_bytes: int = MAX_MESSAGE_BYTES
 
 
-@dataclass(frozen=True)
-class CacheConfig:
-    """Geometry of the paged KV cache and the root of its prefix hashes.
-
-    NOTE: no defaults for the pool size or the seed: the kv-cache-manager never serves a pool of
-    its own invention. Both come from the scheduler in ``Initialize`` (the geometry is the
-    runner's, the seed is derived from the deployment key and the model id): one owner each.
-    """
-
-    num_blocks: int  # including the null block 0
-    hash_seed: bytes  # from shared.hashing.hash_seed
-    block_size: int = 16
-    max_model_len: int = 2048
-    model_id: str = ""  # a label for logs and metrics; the seed already covers the model
-
-    def __post_init__(self) -> None:
-        if self.block_size <= 0:
-            raise ValueError("block_size must be positive")
-        if self.num_blocks < 2:
-            raise ValueError("num_blocks must be >= 2 (block 0 is the null block)")
-        if self.max_model_len <= 0:
-            raise ValueError("max_model_len must be positive")
-        if len(self.hash_seed) != 32:
-            raise ValueError(f"hash_seed must be 32 bytes, got {len(self.hash_seed)}")
-
-
 def _coerce(raw: str, typ: Any) -> Any:
     origin = typing.get_origin(typ)
     if origin in (typing.Union, types.UnionType):

@@ -6,8 +6,9 @@ the per-request cache salt, so equal hashes mean equal prefixes, not merely equa
     seed ──▶ h0 = H(seed, salt, tokens[0:16]) ──▶ h1 = H(h0, tokens[16:32]) ──▶ h2 = ...
 
 The seed is derived from a deployment key and the model identity: two deployments or two models
-never produce the same hashes. The kv-cache-manager, the scheduler (offload lookups) and the
-offload-store (keys) all call this one module, so their keys agree.
+never produce the same hashes. In a replica the scheduler is the one caller: it hashes each
+request once and sends the hashes to the kv-cache-manager (prefix map) and the offload-store
+(keys); the router calls it with the same seed derivation to predict them.
 
 NOTE: encoding is fixed-width and length-prefixed (32-byte parent, 4-byte extra length, int32
 little-endian tokens), so no two different inputs share an encoding.

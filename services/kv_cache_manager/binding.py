@@ -1,8 +1,8 @@
 """The kv-cache-manager as a service: unbound until a scheduler binds it, then owned by it.
 
-A bare process knows neither the pool geometry (the model-runner's) nor the hash seed (the
-scheduler's), so it serves nothing until ``Initialize`` brings both: a restarted manager never
-invents a pool that disagrees with the runner. The binding also records
+A bare process does not know the pool geometry (the model-runner's), so it serves nothing until
+``Initialize`` brings it: a restarted manager never invents a pool that disagrees with the runner.
+(It needs no hash seed: the scheduler hashes and sends the hashes.) The binding also records
 
 * the **owner** (a scheduler incarnation, :class:`shared.ownership.Lease`): only it may change or
   read per-request state, and a successor takes over only once the lease lapsed or was released;
@@ -20,10 +20,10 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from services.kv_cache_manager.config import CacheConfig
 from services.kv_cache_manager.events import EventHub
 from services.kv_cache_manager.manager import KVCacheManager
 from services.kv_cache_manager.types import KVCacheStats
-from shared.config import CacheConfig
 from shared.errors import FailedPrecondition
 from shared.ownership import Acquired, Lease
 
@@ -87,7 +87,7 @@ class ManagerBinding:
         """
         if self._manager is None:
             raise FailedPrecondition("not initialized: the scheduler sends Initialize with the runner's "
-                                     "geometry and the hash seed first")
+                                     "geometry first")
         return self._manager
 
     def owned(self, owner: str) -> KVCacheManager:

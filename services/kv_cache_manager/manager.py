@@ -4,6 +4,10 @@ One step = frees, then allocations in order. Each allocation either succeeds or 
 OUT_OF_BLOCKS having changed nothing; malformed input raises before anything changes. Not
 thread-safe: the servicer serialises calls with one lock.
 
+The manager never hashes: the scheduler owns the hash seed and sends each request's full-block
+hashes with its allocations (docs/design.md, "Block hashes"); a hit is verified by the block's
+stored token ids, so a colliding hash is a miss, never another prompt's KV.
+
 A new request's table, with a pool hit on two blocks and an external (offload-store) hit on one::
 
     prompt:  [ 16 tok ][ 16 tok ][ 16 tok ][ 16 tok ][ 7 tok  ]
@@ -17,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from services.kv_cache_manager.block_pool import BlockPool, KVCacheBlock
+from services.kv_cache_manager.config import CacheConfig
 from services.kv_cache_manager.events import EventHub
 from services.kv_cache_manager.integrity import check_integrity
 from services.kv_cache_manager.request import RequestState
@@ -34,10 +39,9 @@ from services.kv_cache_manager.types import (
     PrefixLookup,
     StepResult,
 )
-from services.kv_cache_manager.validation import validate_free, validate_step, validate_token_ids
-from shared.config import CacheConfig
+from services.kv_cache_manager.validation import validate_free, validate_hashes, validate_step
 from shared.errors import FailedPrecondition, InvalidArgument, NotFound
-from shared.hashing import BlockHash, hash_blocks
+from shared.hashing import BlockHash
 
 _OK = AllocationStatus.OK
 
@@ -46,7 +50,7 @@ class KVCacheManager:
     """The kv-cache-manager core.
 
     Args:
-        config: pool geometry and hash identity.
+        config: pool geometry.
         events: where KV events go; they are only built while it has subscribers.
     """
 
@@ -57,7 +61,6 @@ class KVCacheManager:
     def _reset(self, config: CacheConfig) -> None:
         self._config = config
         self._block_size = config.block_size
-        self._seed = config.hash_seed
         self._pool = BlockPool(config.num_blocks)
         self._requests: dict[str, RequestState] = {}
         self._prefix_queries = self._prefix_hits = 0
@@ -81,7 +84,8 @@ class KVCacheManager:
         on (their scheduler forgot them), so all are released *with a rollback*: their latest
         allocation may never have run, and a block registered for KV nobody computed must not stay
         cached. The cache survives only when ``keep_cache`` (same runner pool incarnation) and the
-        geometry and seed are unchanged; otherwise the pool is recreated and counters restart.
+        geometry (and model id) are unchanged; otherwise the pool is recreated and counters restart.
+        (A scheduler with another hash seed simply never hits the old blocks; LRU reuses them.)
 
         Returns:
             The stats afterwards, whether the cache was kept, and how many requests were freed.
@@ -119,7 +123,7 @@ class KVCacheManager:
             InvalidArgument, NotFound, AlreadyExists: malformed step; nothing changed.
         """
         validate_step(self._requests, [*free_request_ids, *rollback_request_ids], allocations,
-                      self._config.max_model_len)
+                      self._config.max_model_len, self._block_size)
         events = self._begin_events()
         self._free_all(free_request_ids, rollback_request_ids, events)
         evicted: list[EvictedBlock] = []
@@ -182,7 +186,7 @@ class KVCacheManager:
 
     def _allocate_new(self, spec: AllocationSpec, evicted: list[EvictedBlock],
                       events: list[KVEvent] | None) -> AllocationResult:
-        """Registers a request: hash, prefix hit, external blocks, then slots for its first chunk.
+        """Registers a request: prefix hit, external blocks, then slots for its first chunk.
 
         NOTE: ``use_prefix_cache=False`` only skips *reading* the cache (and its stats); the
         request's computed blocks are still registered, so later requests can reuse them.
@@ -191,7 +195,7 @@ class KVCacheManager:
         pool = self._pool
         tokens = list(spec.new_token_ids)
         num_tokens = len(tokens)
-        hashes = hash_blocks(self._seed, tokens, bs, spec.cache_salt)
+        hashes = list(spec.block_hashes)
         # NOTE: the last token is always computed (its logits are needed), so at most
         # (num_tokens - 1) // block_size full blocks can come from any cache tier.
         max_cached_blocks = (num_tokens - 1) // bs
@@ -208,9 +212,8 @@ class KVCacheManager:
 
         pool.touch(hits)
         fresh = self._get_new_blocks(num_fresh, evicted, events)
-        state = RequestState(spec.request_id, tokens, hashes, spec.cache_salt)
+        state = RequestState(spec.request_id, num_tokens, tokens[num_hit * bs :], hashes, num_hit)
         state.blocks = hits + fresh
-        state.num_cached_blocks = state.num_committed_blocks = num_hit
         state.num_computed_tokens = num_computed + num_new
         self._requests[spec.request_id] = state
         self._cache_full_blocks(state, (num_computed + num_new) // bs, events)
@@ -238,8 +241,7 @@ class KVCacheManager:
         num_fresh = max(0, -(-total // bs) - len(state.blocks))
         if num_fresh > self._pool.num_free_blocks:
             return AllocationResult(spec.request_id, AllocationStatus.OUT_OF_BLOCKS)
-        if spec.new_token_ids:
-            state.append_tokens(spec.new_token_ids, self._seed, bs)
+        state.append(spec.new_token_ids, spec.block_hashes)
         fresh = self._get_new_blocks(num_fresh, evicted, events) if num_fresh else []
         state.blocks.extend(fresh)
         state.num_computed_tokens = total
@@ -252,13 +254,14 @@ class KVCacheManager:
             num_new_tokens=spec.num_new_tokens,
         )
 
-    def get_computed_blocks(self, hashes: Sequence[BlockHash], token_ids: Sequence[int],
+    def get_computed_blocks(self, hashes: Sequence[BlockHash], token_ids: Sequence[int] | None,
                             max_blocks: int) -> list[KVCacheBlock]:
         """The longest run of leading blocks cached in the pool (read-only).
 
         Args:
             hashes: the sequence's full-block hashes.
-            token_ids: the sequence, to verify each hit's stored tokens.
+            token_ids: the sequence, to verify each hit's stored tokens (None: by hash alone,
+                for the read-only :meth:`lookup_prefix`, which hands out no KV).
             max_blocks: cap on the hit (callers pass ``(num_tokens - 1) // block_size``).
 
         Returns:
@@ -271,7 +274,8 @@ class KVCacheManager:
         for i in range(min(max_blocks, len(hashes))):
             block = cached.get(hashes[i])
             start = i * bs
-            if block is None or block.token_ids != tuple(token_ids[start : start + bs]):
+            if block is None or (token_ids is not None
+                                 and block.token_ids != tuple(token_ids[start : start + bs])):
                 break
             hits.append(block)
         return hits
@@ -296,13 +300,13 @@ class KVCacheManager:
         if end <= start:
             return
         bs = self._block_size
-        tokens, hashes, blocks = state.token_ids, state.block_hashes, state.blocks
+        hashes, blocks = state.block_hashes, state.blocks
         cache_block = self._pool.cache_block
         stored: list[int] = []
         for i in range(start, end):
-            if cache_block(blocks[i], hashes[i], tuple(tokens[i * bs : (i + 1) * bs])):
+            if cache_block(blocks[i], hashes[i], state.block_tokens(i, bs)):
                 stored.append(i)
-        state.num_cached_blocks = end
+        state.mark_cached(end, bs)
         if events is not None and stored:
             self._stored_events(state, stored, events)
 
@@ -325,16 +329,19 @@ class KVCacheManager:
 
     # ------------------------------------------------------------------ queries
 
-    def lookup_prefix(self, token_ids: Sequence[int], cache_salt: bytes = b"") -> PrefixLookup:
-        """How many leading tokens are cached in the pool; changes nothing (not even LRU order)."""
-        validate_token_ids(token_ids, "lookup")
-        if len(token_ids) > self._config.max_model_len:
-            raise InvalidArgument(f"{len(token_ids)} tokens exceed max_model_len {self._config.max_model_len}")
+    def lookup_prefix(self, block_hashes: Sequence[BlockHash]) -> PrefixLookup:
+        """How many leading blocks of a hash chain are cached; changes nothing (not even LRU order).
+
+        By hash alone (no tokens travel): an estimate for routers and tests. Reusing a block
+        (``step``) also compares its token ids.
+        """
+        validate_hashes(block_hashes, "lookup")
         bs = self._block_size
-        tokens = list(token_ids)
-        hashes = hash_blocks(self._seed, tokens, bs, cache_salt)
-        hits = self.get_computed_blocks(hashes, tokens, max(0, (len(tokens) - 1) // bs))
-        return PrefixLookup(len(hits) * bs, tuple([b.block_id for b in hits]), tuple(hashes))
+        if len(block_hashes) * bs > self._config.max_model_len:
+            raise InvalidArgument(f"{len(block_hashes)} blocks of {bs} tokens exceed max_model_len "
+                                  f"{self._config.max_model_len}")
+        hits = self.get_computed_blocks(block_hashes, None, len(block_hashes))
+        return PrefixLookup(len(hits) * bs, tuple([b.block_id for b in hits]))
 
     def get_block_table(self, request_id: str) -> BlockTable:
         """A live request's blocks, known token count and computed full-block hashes."""

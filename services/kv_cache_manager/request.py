@@ -1,4 +1,4 @@
-"""Per-request state the manager keeps between steps: tokens, block table, hashes, progress.
+"""Per-request state the manager keeps between steps: counts, hashes, block table, the unregistered tail.
 
 A request's block table covers its computed tokens plus those scheduled this step::
 
@@ -6,9 +6,12 @@ A request's block table covers its computed tokens plus those scheduled this ste
     blocks:  [ b0 ][ b1 ][ b2 ][ b3 ]
              |<-- cached -->|        full, hashed, registered: num_cached_blocks = 2
              |<---- num_computed_tokens ---->|
+                            |<------ tail_token_ids --------->|
 
-Hashes are kept for every *known* full block and extended incrementally as tokens arrive, so a
-decode step hashes at most the one block it completes, never the whole prompt again.
+The hashes come from the scheduler (the seed's one owner, shared/hashing.py), with the tokens
+that complete their blocks; the manager never hashes. It keeps token ids only for blocks not yet
+registered (the tail): a registered block holds its own tokens (the hit check compares them), so
+the request keeps no second copy of them and a long decode holds less than one block of tokens.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from services.kv_cache_manager.block_pool import KVCacheBlock
-from shared.hashing import BlockHash, hash_blocks
+from shared.hashing import BlockHash
 
 
 class RequestState:
@@ -24,42 +27,41 @@ class RequestState:
 
     Args:
         request_id: unique among live requests.
-        token_ids: every token known so far (the prompt, or prompt + output on a resume).
-        block_hashes: hashes of the full blocks of ``token_ids`` (computed by the caller,
-            which needs them for the prefix lookup before the request exists).
-        cache_salt: mixed into the first block's hash; kept for hashing later blocks' parents.
+        num_tokens: tokens known so far (the prompt, or prompt + output on a resume).
+        tail_token_ids: the known tokens from block ``num_cached_blocks`` on.
+        block_hashes: hashes of the known full blocks, as the scheduler sent them.
+        num_cached_blocks: leading blocks already registered (prefix hits).
     """
 
-    __slots__ = ("block_hashes", "blocks", "cache_salt", "num_cached_blocks", "num_committed_blocks",
-                 "num_computed_tokens",
-                 "request_id", "token_ids")
+    __slots__ = ("block_hashes", "blocks", "num_cached_blocks", "num_committed_blocks",
+                 "num_computed_tokens", "num_tokens", "request_id", "tail_token_ids")
 
-    def __init__(self, request_id: str, token_ids: list[int], block_hashes: list[BlockHash],
-                 cache_salt: bytes) -> None:
+    def __init__(self, request_id: str, num_tokens: int, tail_token_ids: list[int],
+                 block_hashes: list[BlockHash], num_cached_blocks: int = 0) -> None:
         self.request_id = request_id
-        self.token_ids = token_ids
+        self.num_tokens = num_tokens
+        self.tail_token_ids = tail_token_ids
         self.block_hashes = block_hashes
-        self.cache_salt = cache_salt
         self.blocks: list[KVCacheBlock] = []
         self.num_computed_tokens = 0
         # Leading blocks already registered in the prefix map (or skipped as duplicates).
-        self.num_cached_blocks = 0
+        self.num_cached_blocks = num_cached_blocks
         # Leading registered blocks whose KV is known to be written: those registered before the
         # latest allocation (plus prefix hits). A rollback unregisters the ones past it.
-        self.num_committed_blocks = 0
+        self.num_committed_blocks = num_cached_blocks
 
-    @property
-    def num_tokens(self) -> int:
-        """Tokens known to the manager."""
-        return len(self.token_ids)
+    def append(self, new_token_ids: Sequence[int], new_hashes: Sequence[BlockHash]) -> None:
+        """Appends tokens and the hashes of the blocks they complete."""
+        self.tail_token_ids.extend(new_token_ids)
+        self.num_tokens += len(new_token_ids)
+        self.block_hashes.extend(new_hashes)
 
-    def append_tokens(self, new_token_ids: Sequence[int], seed: bytes, block_size: int) -> None:
-        """Appends tokens and hashes only the full blocks they complete."""
-        tokens = self.token_ids
-        tokens.extend(new_token_ids)
-        hashes = self.block_hashes
-        start = len(hashes)
-        if len(tokens) // block_size > start:
-            parent = hashes[-1] if start else None
-            hashes.extend(hash_blocks(seed, tokens, block_size, self.cache_salt,
-                                      start_block=start, parent=parent))
+    def block_tokens(self, index: int, block_size: int) -> tuple[int, ...]:
+        """The tokens of full block ``index`` (not yet registered, so still in the tail)."""
+        start = (index - self.num_cached_blocks) * block_size
+        return tuple(self.tail_token_ids[start : start + block_size])
+
+    def mark_cached(self, end: int, block_size: int) -> None:
+        """Blocks up to ``end`` are registered: their tokens now live in the blocks, not here."""
+        del self.tail_token_ids[: (end - self.num_cached_blocks) * block_size]
+        self.num_cached_blocks = end

@@ -16,9 +16,9 @@ from services.kv_cache_manager.binding import ManagerBinding
 from services.kv_cache_manager.events import EventHub
 from services.kv_cache_manager.metrics import KVCacheMetrics
 from services.kv_cache_manager.types import KVCacheStats
-from shared.config import CacheConfig
 from shared.errors import InvalidArgument, ResourceExhausted
 from shared.grpc_server import ServiceName
+from shared.hashing import BlockHash
 from shared.ownership import owner_from_metadata
 from shared.pb.kvmesh.v1 import kv_cache_manager_pb2 as pb
 from shared.pb.kvmesh.v1 import kv_cache_manager_pb2_grpc as pb_grpc
@@ -34,7 +34,7 @@ class KVCacheManagerServicer(pb_grpc.KVCacheManagerServicer):
 
     Who may call what (docs/reliability.md): ``Initialize`` binds the caller as the owner;
     ``AllocateSlots``, ``Free``, ``GetBlockTable``, ``ResetPrefixCache`` and ``Release`` are the
-    owner's only; ``LookupPrefix`` answers anyone, but block ids and hashes only to the owner;
+    owner's only; ``LookupPrefix`` answers anyone, but block ids only to the owner;
     ``GetStats``, ``CheckIntegrity`` and ``SubscribeEvents`` are read-only aggregates open to
     monitoring (``GetStats`` answers before ``Initialize`` too, with ``num_blocks`` 0).
 
@@ -81,9 +81,7 @@ class KVCacheManagerServicer(pb_grpc.KVCacheManagerServicer):
     def Initialize(self, request: pb.InitializeRequest, context: grpc.ServicerContext) -> pb.InitializeResponse:
         owner = owner_from_metadata(context.invocation_metadata())
         try:
-            config = CacheConfig(num_blocks=request.num_blocks, block_size=request.block_size,
-                                 max_model_len=request.max_model_len, model_id=request.model_id,
-                                 hash_seed=request.hash_seed)
+            config = convert.config_from_pb(request)
         except ValueError as exc:
             raise InvalidArgument(str(exc)) from exc
         with self._lock:
@@ -123,7 +121,7 @@ class KVCacheManagerServicer(pb_grpc.KVCacheManagerServicer):
         with self._lock:
             is_owner = self._binding.lease.is_owner(owner)
             manager = self._binding.owned(owner) if is_owner else self._binding.manager()
-            lookup = manager.lookup_prefix(list(request.token_ids), request.cache_salt)
+            lookup = manager.lookup_prefix([BlockHash(h) for h in request.block_hashes])
         if not is_owner:  # monitoring and routers learn how much is cached, never where
             return pb.LookupPrefixResponse(num_cached_tokens=lookup.num_cached_tokens)
         return convert.lookup_to_pb(lookup)

@@ -6,23 +6,27 @@ These mirror ``proto/kvmesh/v1/kv_cache_manager.proto``; the servicer converts b
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from shared.hashing import BlockHash
 
 
 @dataclass(frozen=True)
 class AllocationSpec:
-    """One request's part of a scheduler step (see ``Allocation`` in the proto)."""
+    """One request's part of a scheduler step (see ``Allocation`` in the proto).
+
+    ``block_hashes``: the scheduler's hashes of the full blocks ``new_token_ids`` complete (on a
+    new request, of every full block); the manager keys its prefix map on them and never hashes.
+    """
 
     request_id: str
     new_token_ids: tuple[int, ...]
     num_new_tokens: int
     is_new: bool = False
-    cache_salt: bytes = b""
     use_prefix_cache: bool = True
     is_resumed: bool = False
     num_external_blocks: int = 0
+    block_hashes: tuple[BlockHash, ...] = ()
 
 
 class AllocationStatus(enum.Enum):
@@ -111,7 +115,6 @@ class PrefixLookup:
 
     num_cached_tokens: int
     block_ids: tuple[int, ...]
-    block_hashes: tuple[BlockHash, ...] = field(default_factory=tuple)
 
 
 @dataclass(frozen=True)

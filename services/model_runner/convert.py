@@ -1,9 +1,15 @@
-"""ExecuteRequest/ExecuteResponse <-> the runner's step dataclasses, for both sides of the RPC."""
+"""Protobuf <-> the model-runner's dataclasses (types.py), both sides of every RPC.
+
+Runner side (``servicer.py``): ``step_from_proto``, ``output_to_proto``, ``model_info_to_proto``.
+Scheduler side (``client.py``): the other direction. The pool handle's message is
+``shared.tensor_handle``'s (the offload-store maps it too).
+"""
 
 from __future__ import annotations
 
 from services.model_runner.types import (
     CachedRequestData,
+    ModelInfo,
     NewRequestData,
     SampledToken,
     StepInput,
@@ -11,6 +17,31 @@ from services.model_runner.types import (
 )
 from shared.convert import logprobs_from_proto, logprobs_to_proto, sampling_from_proto, sampling_to_proto
 from shared.pb.kvmesh.v1 import model_runner_pb2
+
+
+def model_info_to_proto(mi: ModelInfo) -> model_runner_pb2.ModelInfo:
+    """Runner side: what it serves."""
+    return model_runner_pb2.ModelInfo(
+        model_id=mi.model_id, architecture=mi.architecture, vocab_size=mi.vocab_size,
+        max_model_len=mi.max_model_len, eos_token_ids=list(mi.eos_token_ids), num_blocks=mi.num_blocks,
+        block_size=mi.block_size, num_layers=mi.num_layers, num_kv_heads=mi.num_kv_heads,
+        head_dim=mi.head_dim, dtype=mi.dtype, kv_cache_dtype=mi.kv_cache_dtype,
+        attention_backend=mi.attention_backend, bytes_per_block=mi.bytes_per_block, device=mi.device,
+        bos_token_id=mi.bos_token_id, dtype_reason=mi.dtype_reason,
+        attention_backend_reason=mi.attention_backend_reason, pool_id=mi.pool_id,
+    )
+
+
+def model_info_from_proto(msg: model_runner_pb2.ModelInfo) -> ModelInfo:
+    """Scheduler side: what the runner serves."""
+    return ModelInfo(
+        model_id=msg.model_id, architecture=msg.architecture, vocab_size=msg.vocab_size,
+        max_model_len=msg.max_model_len, eos_token_ids=tuple(msg.eos_token_ids), bos_token_id=msg.bos_token_id,
+        num_blocks=msg.num_blocks, block_size=msg.block_size, num_layers=msg.num_layers,
+        num_kv_heads=msg.num_kv_heads, head_dim=msg.head_dim, dtype=msg.dtype, kv_cache_dtype=msg.kv_cache_dtype,
+        attention_backend=msg.attention_backend, bytes_per_block=msg.bytes_per_block, device=msg.device,
+        dtype_reason=msg.dtype_reason, attention_backend_reason=msg.attention_backend_reason, pool_id=msg.pool_id,
+    )
 
 
 def step_to_proto(step: StepInput) -> model_runner_pb2.ExecuteRequest:

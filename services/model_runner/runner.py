@@ -220,6 +220,7 @@ class ModelRunnerCore:
             device=str(self.device),
             dtype_reason=self._reasons[0],
             attention_backend_reason=self._reasons[1],
+            pool_id=self.pool.generation,
         )
 
     def warmup(self, num_tokens: int = 64, num_decodes: int = 4) -> float:

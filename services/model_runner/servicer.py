@@ -17,7 +17,7 @@ import threading
 import grpc
 
 from services.model_runner.block_copy import copy_blocks
-from services.model_runner.convert import output_to_proto, step_from_proto
+from services.model_runner.convert import model_info_to_proto, output_to_proto, step_from_proto
 from services.model_runner.metrics import RunnerMetrics
 from services.model_runner.runner import ModelRunnerCore
 from shared.errors import FailedPrecondition
@@ -38,16 +38,7 @@ class ModelRunnerServicer(model_runner_pb2_grpc.ModelRunnerServicer):
 
     def GetModelInfo(self, request: model_runner_pb2.GetModelInfoRequest, context: grpc.ServicerContext
                      ) -> model_runner_pb2.ModelInfo:
-        mi = self.core.model_info()
-        return model_runner_pb2.ModelInfo(
-            model_id=mi.model_id, architecture=mi.architecture, vocab_size=mi.vocab_size,
-            max_model_len=mi.max_model_len, eos_token_ids=list(mi.eos_token_ids), num_blocks=mi.num_blocks,
-            block_size=mi.block_size, num_layers=mi.num_layers, num_kv_heads=mi.num_kv_heads,
-            head_dim=mi.head_dim, dtype=mi.dtype, kv_cache_dtype=mi.kv_cache_dtype,
-            attention_backend=mi.attention_backend, bytes_per_block=mi.bytes_per_block, device=mi.device,
-            bos_token_id=mi.bos_token_id, dtype_reason=mi.dtype_reason,
-            attention_backend_reason=mi.attention_backend_reason, pool_id=self.core.pool.generation,
-        )
+        return model_info_to_proto(self.core.model_info())
 
     def Warmup(self, request: model_runner_pb2.WarmupRequest, context: grpc.ServicerContext
                ) -> model_runner_pb2.WarmupResponse:

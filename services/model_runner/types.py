@@ -86,3 +86,4 @@ class ModelInfo:
     device: str
     dtype_reason: str = ""  # why this dtype (``factory.select_dtype``)
     attention_backend_reason: str = ""  # why this backend (``factory.select_backend``)
+    pool_id: str = ""  # the pool's incarnation (its handle's generation, new at every start)

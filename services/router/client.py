@@ -31,10 +31,9 @@ from services.router.config import RouterConfig
 from services.router.discovery import DiscoveryDiff, GetAddrInfo
 from services.router.index import PrefixIndex
 from services.router.metrics import RouterMetrics
-from services.router.prefix import replica_hash_seed
 from services.router.types import ReplicaAddress, ReplicaLoad
 from shared.channels import open_channel
-from shared.hashing import BlockHash, hash_blocks
+from shared.hashing import BlockHash
 from shared.pb.kvmesh.v1 import kv_cache_manager_pb2 as kvm_pb2
 from shared.pb.kvmesh.v1 import kv_cache_manager_pb2_grpc as kvm_grpc
 from shared.pb.kvmesh.v1 import scheduler_pb2, scheduler_pb2_grpc
@@ -148,26 +147,8 @@ class Replica:
         if info is None:
             info = self.stub.GetModelInfo(scheduler_pb2.SchedulerModelInfoRequest(), metadata=metadata,
                                           timeout=self._config.rpc_timeout_seconds)
-            self._check_seed(info)
             self.info = info
         return info
-
-    def _check_seed(self, info: scheduler_pb2.SchedulerModelInfo) -> None:
-        """Compares our hashes of a probe block with the replica's own (as the scheduler does at start).
-
-        A mismatch only logs: the replica still serves correctly, the router just cannot see its hits.
-        """
-        probe = list(range(info.block_size))
-        try:
-            theirs = list(self._kvm.LookupPrefix(kvm_pb2.LookupPrefixRequest(token_ids=probe),
-                                                 timeout=self._config.rpc_timeout_seconds).block_hashes)
-        except grpc.RpcError as exc:
-            log.warning("router: replica %s: cannot check its hash seed (%s)", self.id, exc.code())
-            return
-        ours = hash_blocks(replica_hash_seed(self._config.deployment_key, info.model_id), probe, info.block_size)
-        if theirs != ours:
-            log.error("router: replica %s hashes prefixes with another seed: set the same KVMESH_DEPLOYMENT_KEY "
-                      "for the router and every replica (its prefix hits cannot be seen)", self.id)
 
     def _probe_loop(self) -> None:
         while not self._stop.wait(self._config.health_interval_seconds):

@@ -15,13 +15,14 @@ from shared.hashing import BlockHash, hash_blocks, hash_seed
 
 
 def replica_hash_seed(deployment_key: str, model_id: str) -> BlockHash:
-    """The chain root a replica's kv-cache-manager uses.
+    """The chain root a replica hashes with.
 
-    NOTE: the one place the router knows who owns the seed. Today every kv-cache-manager derives
-    it from the deployment key (``KVMESH_DEPLOYMENT_KEY``) and the model id the scheduler
-    initialises it with (the runner's, which the scheduler's GetModelInfo reports). If the seed's
-    owner changes, this function changes; the router checks it against each replica's
-    LookupPrefix at connect time (``client.py``), so a mismatch is logged, not silent.
+    NOTE: the one place the router knows who owns the seed: a replica's scheduler, which derives
+    it from the deployment key (``KVMESH_DEPLOYMENT_KEY``) and the runner's model id (which the
+    scheduler's GetModelInfo reports) and sends the hashes to its kv-cache-manager; nothing else
+    in a replica hashes. The router derives it the same way from the same key. No replica API
+    reveals its hashes of known tokens, so there is no connect-time check: a different key shows
+    as ``router_matched_blocks`` staying 0 (docs/mesh.md).
     """
     return hash_seed(deployment_key.encode(), model_id)
 

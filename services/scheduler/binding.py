@@ -5,8 +5,9 @@ Binding (docs/reliability.md): the engine *binds* the suite before serving and a
 finds the other side is not the one it bound — a new runner incarnation (its pool id, checked on
 every step and by the keep-alive), a kv-cache-manager that restarted (``FAILED_PRECONDITION not
 initialized``) — : every live request goes back to waiting, the kv-cache-manager is re-initialized
-with the runner's geometry, the scheduler's hash seed and the runner's pool id (dropping every
-cached hash of a dead pool), and the offload-store is attached to the current pool. Requests then
+with the runner's geometry and the runner's pool id (dropping every cached hash of a dead pool; the
+hash seed stays the scheduler's, which sends hashes with every allocation), and the offload-store
+is attached to the current pool. Requests then
 recompute, so answers are those of a cold run.
 
 Keep-alive: every successful step already renews the kv-cache-manager's lease (``AllocateSlots``
@@ -22,11 +23,12 @@ import logging
 import time
 from collections.abc import Callable
 
-from services.scheduler.backends import KVCacheBackend, RunnerBackend, RunnerInfo, RunnerRestarted
+from services.kv_cache_manager.client import KVCacheBackend
+from services.kv_cache_manager.config import CacheConfig
+from services.model_runner.client import RunnerBackend, RunnerInfo, RunnerRestarted
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.offload import OffloadConnector
 from services.scheduler.scheduler import Scheduler
-from shared.config import CacheConfig
 from shared.errors import FailedPrecondition, Unavailable
 from shared.hashing import hash_seed
 
@@ -79,7 +81,7 @@ class SuiteBinding:
         info = self.runner.info()
         seed = prefix_hash_seed(self.config, info)
         cache = CacheConfig(num_blocks=info.num_blocks, block_size=info.block_size,
-                            max_model_len=info.max_model_len, model_id=info.model_id, hash_seed=seed)
+                            max_model_len=info.max_model_len, model_id=info.model_id)
         self.runner.bind(info.pool_id)
         kept = self.kv.initialize(cache, info.pool_id)
         if self.offload is not None:

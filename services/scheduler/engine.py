@@ -21,8 +21,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from services.kv_cache_manager.client import KVCacheBackend
+from services.model_runner.client import RunnerBackend, RunnerInfo, RunnerRestarted
 from services.offload_store.client import OffloadBackend
-from services.scheduler.backends import KVCacheBackend, RunnerBackend, RunnerInfo, RunnerRestarted
 from services.scheduler.binding import SuiteBinding, prefix_hash_seed
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.metrics import SchedulerMetrics

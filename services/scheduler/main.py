@@ -11,13 +11,14 @@ import logging
 import os
 import uuid
 
+from services.kv_cache_manager.client import RemoteKVCache
+from services.model_runner.client import RemoteRunner
 from services.offload_store.client import RemoteOffload
 from services.scheduler.auth import AuthInterceptor, key_store_for
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.engine import Engine
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.readiness import DependencyWatcher
-from services.scheduler.remote import RemoteKVCache, RemoteRunner
 from services.scheduler.servicer import SERVICE, SchedulerServicer
 from services.scheduler.shutdown import drain_engine
 from services.scheduler.tokenizer import Tokenizer
@@ -40,7 +41,7 @@ def main() -> int:
     setup_tracing(SERVICE.label, env)
     registry = new_registry()
     config = from_env(SchedulerConfig, "KVMESH_SCHED_", model_dir=env.get("KVMESH_MODEL_DIR", ""))
-    if env.get("KVMESH_DEPLOYMENT_KEY"):  # the prefix-hash key: only the scheduler reads it (sent as a seed)
+    if env.get("KVMESH_DEPLOYMENT_KEY"):  # the prefix-hash key: only the scheduler reads it (it hashes)
         config = dataclasses.replace(config, deployment_key=env["KVMESH_DEPLOYMENT_KEY"])
     # NOTE: every streaming Generate holds a server thread for its whole life, so the pool must
     # exceed the admission bound; otherwise excess requests queue inside gRPC, invisible to

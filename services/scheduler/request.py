@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from shared.hashing import BlockHash
 from shared.sampling_params import SamplingParams
 
 
@@ -78,7 +79,9 @@ class Request:
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
     num_tokens_sent_to_kvm: int = 0  # tokens the kv-cache-manager knows of this request
-    block_hashes: list[bytes] = field(default_factory=list)  # full blocks' chained hashes (offload keys)
+    # Full blocks' chained hashes, computed once here (the scheduler owns the seed): the
+    # kv-cache-manager's prefix keys and the offload-store's keys.
+    block_hashes: list[BlockHash] = field(default_factory=list)
     known_to_runner: bool = False
     num_cached_tokens: int = -1  # prompt tokens from the prefix cache at first scheduling
     num_preemptions: int = 0
@@ -113,6 +116,14 @@ class Request:
         if start >= n_prompt:
             return self.output_token_ids[start - n_prompt :]
         return [*self.spec.prompt_token_ids[start:], *self.output_token_ids]
+
+    def forget_placement(self) -> None:
+        """Preempted or re-bound: no peer holds its KV or knows it any more (its tokens and hashes
+        stay: recomputing them gives the same answer)."""
+        self.known_to_runner = False
+        self.num_computed_tokens = 0
+        self.num_tokens_sent_to_kvm = 0
+        self.block_ids = []
 
     @property
     def trace_context(self) -> Any:

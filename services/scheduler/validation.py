@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from services.scheduler.backends import RunnerInfo
+from services.model_runner.client import RunnerInfo
 from services.scheduler.config import SchedulerConfig
 from shared.auth import Tenant
 from shared.errors import InvalidArgument

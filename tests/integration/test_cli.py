@@ -36,7 +36,7 @@ def test_demo_starts_the_suite_streams_an_answer_and_stops(tiny_llama_dir: Path,
 
 def test_the_scheduler_is_the_one_owner_of_the_hash_seed(tiny_llama_dir: Path, tmp_path: Path) -> None:
     """Issue 11/12: the key had two readers (and a start-up check that they agree); now the manager
-    reads none and hashes with the seed the scheduler derives and sends in Initialize."""
+    reads none and never hashes: its blocks carry the hashes the scheduler computes with its key."""
     common = {"KVMESH_MODEL_DIR": str(tiny_llama_dir), "KVMESH_RUNNER_WARMUP": "0"}
     with ServiceProcess("kv-cache-manager", env={**common, "KVMESH_DEPLOYMENT_KEY": "key-a"}) as kvm, \
             ServiceProcess("model-runner", env=common) as runner, \

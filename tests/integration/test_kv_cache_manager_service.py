@@ -23,14 +23,14 @@ from shared.pb.kvmesh.v1 import kv_cache_manager_pb2 as pb
 from shared.pb.kvmesh.v1 import kv_cache_manager_pb2_grpc as pb_grpc
 
 ENV: dict[str, str] = {}  # nothing about the pool: it all comes with Initialize
-SEED = hash_seed(b"it-key", "it-model")
+SEED = hash_seed(b"it-key", "it-model")  # the scheduler's: this test plays the scheduler and hashes
 OWNER = "it-scheduler"
 
 
 def init_request(num_blocks: int = 11, pool_id: str = "") -> pb.InitializeRequest:
-    """The owner's Initialize: geometry, seed, a fresh pool incarnation unless one is given."""
+    """The owner's Initialize: geometry and a fresh pool incarnation unless one is given (no seed)."""
     return pb.InitializeRequest(num_blocks=num_blocks, block_size=16, max_model_len=256, model_id="it-model",
-                                hash_seed=SEED, pool_id=pool_id or uuid.uuid4().hex, lease_seconds=60)
+                                pool_id=pool_id or uuid.uuid4().hex, lease_seconds=60)
 SERVICE = "kvmesh.v1.KVCacheManager"
 A = list(range(55))
 B = A[:48] + list(range(1000, 1005))
@@ -58,8 +58,15 @@ def stub(channel: grpc.Channel) -> pb_grpc.KVCacheManagerStub:
 
 
 def new(rid: str, tokens: list[int], num_new: int | None = None) -> pb.Allocation:
+    """A new request's allocation with the hashes of its full blocks, as the scheduler sends it."""
     num = len(tokens) if num_new is None else num_new
-    return pb.Allocation(request_id=rid, new_token_ids=tokens, num_new_tokens=num, is_new=True, use_prefix_cache=True)
+    return pb.Allocation(request_id=rid, new_token_ids=tokens, num_new_tokens=num, is_new=True, use_prefix_cache=True,
+                         block_hashes=hash_blocks(SEED, tokens, 16))
+
+
+def lookup(tokens: list[int]) -> pb.LookupPrefixRequest:
+    """The read-only query for ``tokens``: the hashes of every block but the one with the last token."""
+    return pb.LookupPrefixRequest(block_hashes=hash_blocks(SEED, tokens, 16)[: (len(tokens) - 1) // 16])
 
 
 def step(stub: pb_grpc.KVCacheManagerStub, free: list[str], allocs: list[pb.Allocation]) -> pb.AllocateSlotsResponse:
@@ -84,8 +91,8 @@ def test_prefix_sharing_scenario_with_exact_block_ids(stub: pb_grpc.KVCacheManag
     table = stub.GetBlockTable(pb.GetBlockTableRequest(request_id="a"), timeout=TIMEOUT)
     hashes = hash_blocks(SEED, A, 16)
     assert (list(table.block_ids), table.num_tokens, list(table.block_hashes)) == ([1, 2, 3, 4], 55, hashes)
-    lookup = stub.LookupPrefix(pb.LookupPrefixRequest(token_ids=A), timeout=TIMEOUT)
-    assert (lookup.num_cached_tokens, list(lookup.block_ids), list(lookup.block_hashes)) == (48, [1, 2, 3], hashes)
+    found = stub.LookupPrefix(lookup(A), timeout=TIMEOUT)
+    assert (found.num_cached_tokens, list(found.block_ids)) == (48, [1, 2, 3])
 
     free = stub.Free(pb.FreeRequest(request_ids=["a", "b"]), timeout=TIMEOUT)
     assert (free.stats.num_free_blocks, free.stats.num_requests, free.stats.usage_percent) == (10, 0, 0.0)
@@ -141,15 +148,12 @@ BAD_CASES = [
      grpc.StatusCode.NOT_FOUND),
     ("block table of unknown id",
      lambda s: s.GetBlockTable(pb.GetBlockTableRequest(request_id="nope"), timeout=TIMEOUT), grpc.StatusCode.NOT_FOUND),
-    ("lookup with negative token", lambda s: s.LookupPrefix(pb.LookupPrefixRequest(token_ids=[-1]), timeout=TIMEOUT),
-     grpc.StatusCode.INVALID_ARGUMENT),
+    ("lookup with a short hash", lambda s: s.LookupPrefix(pb.LookupPrefixRequest(block_hashes=[b"x"]),
+                                                         timeout=TIMEOUT), grpc.StatusCode.INVALID_ARGUMENT),
     ("reset while in use", lambda s: s.ResetPrefixCache(pb.ResetPrefixCacheRequest(), timeout=TIMEOUT),
      grpc.StatusCode.FAILED_PRECONDITION),
-    ("initialize with a bad seed", lambda s: s.Initialize(pb.InitializeRequest(
-        num_blocks=11, block_size=16, max_model_len=256, hash_seed=b"x", lease_seconds=60), timeout=TIMEOUT),
-     grpc.StatusCode.INVALID_ARGUMENT),
     ("initialize without a lease", lambda s: s.Initialize(pb.InitializeRequest(
-        num_blocks=11, block_size=16, max_model_len=256, hash_seed=SEED), timeout=TIMEOUT),
+        num_blocks=11, block_size=16, max_model_len=256), timeout=TIMEOUT),
      grpc.StatusCode.INVALID_ARGUMENT),
 ]
 
@@ -193,13 +197,12 @@ def test_only_the_owner_may_change_or_read_request_state(stub: pb_grpc.KVCacheMa
             assert observable(stub, []) == before, (who, name)
     assert "owned by another scheduler" in _details(lambda: calls[0][1](stranger))
     assert "not the owner" in _details(lambda: calls[1][1](stranger))
-    # A prefix query answers how much is cached, but only the owner learns the block ids and hashes.
+    # A prefix query answers how much is cached, but only the owner learns the block ids.
     for s in (stranger, anonymous):
-        assert s.LookupPrefix(pb.LookupPrefixRequest(token_ids=A), timeout=TIMEOUT) == \
-            pb.LookupPrefixResponse(num_cached_tokens=48)
+        assert s.LookupPrefix(lookup(A), timeout=TIMEOUT) == pb.LookupPrefixResponse(num_cached_tokens=48)
     # Aggregates stay open to monitoring; the owner still serves.
     assert stranger.GetStats(pb.GetStatsRequest(), timeout=TIMEOUT).num_cached_blocks == 3
-    assert stub.LookupPrefix(pb.LookupPrefixRequest(token_ids=A), timeout=TIMEOUT).num_cached_tokens == 48
+    assert stub.LookupPrefix(lookup(A), timeout=TIMEOUT).num_cached_tokens == 48
 
 
 def test_release_lets_a_successor_take_over_at_once(stub: pb_grpc.KVCacheManagerStub, channel: grpc.Channel) -> None:
@@ -212,11 +215,47 @@ def test_release_lets_a_successor_take_over_at_once(stub: pb_grpc.KVCacheManager
     resp = successor.Initialize(init_request(pool_id=pool), timeout=TIMEOUT)  # same runner pool
     assert (resp.kept_cache, resp.num_freed_requests) == (True, 0)
     assert (resp.stats.num_requests, resp.stats.num_free_blocks, resp.stats.num_cached_blocks) == (0, 10, 3)
-    assert successor.LookupPrefix(pb.LookupPrefixRequest(token_ids=A), timeout=TIMEOUT).num_cached_tokens == 48
+    assert successor.LookupPrefix(lookup(A), timeout=TIMEOUT).num_cached_tokens == 48
     with pytest.raises(grpc.RpcError) as info:
         step(stub, [], [new("b", B)])  # the old owner is fenced out
     assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     successor.Release(pb.ReleaseRequest(), timeout=TIMEOUT)
+
+
+def _with_hashes(alloc: pb.Allocation, hashes: list[bytes]) -> pb.Allocation:
+    out = pb.Allocation()
+    out.CopyFrom(alloc)
+    del out.block_hashes[:]
+    out.block_hashes.extend(hashes)
+    return out
+
+
+HASH_CASES = [
+    ("a hash of 31 bytes", lambda: _with_hashes(new("d", A), [b"x" * 31, *hash_blocks(SEED, A, 16)[1:]]),
+     "block hash 0 is 31 bytes, not 32"),
+    ("more hashes than full blocks", lambda: _with_hashes(new("d", A), hash_blocks(SEED, [*A, *range(9)], 16)),
+     "4 block hashes for 3 full blocks"),
+    ("fewer hashes than blocks the step completes", lambda: _with_hashes(new("d", A), hash_blocks(SEED, A, 16)[:2]),
+     "2 block hashes, but this step can complete 3 blocks"),
+    ("a decode completing a block without its hash",
+     lambda: pb.Allocation(request_id="live", new_token_ids=list(range(900, 908)), num_new_tokens=8),
+     "1 block hashes, but this step can complete 2 blocks"),
+]
+
+
+def test_bad_block_hashes_are_invalid_argument_and_leak_no_block(stub: pb_grpc.KVCacheManagerStub) -> None:
+    """The hashes are the scheduler's; the manager checks their size and number before anything changes."""
+    step(stub, [], [new("live", list(range(24)))])  # 1 full block, 24 tokens computed
+    before = observable(stub, ["live"])
+    free_before = stub.GetStats(pb.GetStatsRequest(), timeout=TIMEOUT).num_free_blocks
+    for name, build, detail in HASH_CASES:
+        with pytest.raises(grpc.RpcError) as info:
+            step(stub, [], [new("ok", B), build()])  # a valid allocation first: not applied either
+        assert (info.value.code(), detail in str(info.value.details())) == (grpc.StatusCode.INVALID_ARGUMENT, True), \
+            (name, info.value.details())
+        assert stub.GetStats(pb.GetStatsRequest(), timeout=TIMEOUT).num_free_blocks == free_before == 8, name
+        assert observable(stub, ["live"]) == before, name
+    stub.Free(pb.FreeRequest(request_ids=["live"]), timeout=TIMEOUT)
 
 
 def _details(call: object) -> str:

@@ -77,7 +77,8 @@ def _evict_from_pool(suite: InProcessSuite, salt: str = "") -> None:
     """Two unrelated 100-token requests push every block of PROMPT out of the pool."""
     for seed in (101, 102):
         _generate(suite, _prompt(seed, 100), max_tokens=2)
-    assert suite.manager.lookup_prefix(PROMPT, salt.encode()).num_cached_tokens == 0
+    hashes = hash_blocks(suite.engine.scheduler.hash_seed, PROMPT, BLOCK, salt.encode())
+    assert suite.manager.lookup_prefix(hashes).num_cached_tokens == 0
 
 
 def _block_file(suite: InProcessSuite, data_dir: Path, index: int, salt: str = "") -> Path:

@@ -21,6 +21,7 @@ from services.mesh import Mesh, MeshConfig
 from services.scheduler.client import KVMeshClient
 from services.suite import Suite
 from shared.auth import tenant_cache_salt
+from shared.hashing import hash_blocks, hash_seed
 from shared.launcher import ServiceProcess
 from shared.pb.kvmesh.v1 import kv_cache_manager_pb2 as kvm_pb2
 from shared.pb.kvmesh.v1 import kv_cache_manager_pb2_grpc as kvm_grpc
@@ -92,6 +93,15 @@ def explain(mesh: Replicas, prompt: list[int], tenant: str = "team-a") -> dict[s
     req.token_ids.ids.extend(prompt)
     d = mesh.admin().Explain(req, metadata=(("authorization", f"Bearer {KEYS[tenant]}"),))
     return {s.id: s.matched_blocks for s in d.scores}
+
+
+def scheduler_hashes(mesh: Replicas, prompt: list[int], tenant: str) -> list[bytes]:
+    """The hashes a replica's scheduler (the seed's owner) sends for ``prompt``, but the last token's block."""
+    with KVMeshClient(mesh.suites[0].address, api_key=KEYS[tenant]) as client:
+        model_id = client.stub.GetModelInfo(scheduler_pb2.SchedulerModelInfoRequest(), metadata=client.metadata,
+                                            timeout=30).model_id
+    hashes = hash_blocks(hash_seed(KEY.encode(), model_id), prompt, BS, tenant_cache_salt(KEY, tenant))
+    return list(hashes[: (len(prompt) - 1) // BS])
 
 
 def wait_index_caught_up(mesh: Replicas, timeout: float = 10.0) -> None:
@@ -189,10 +199,9 @@ def test_index_equals_the_replicas_hashed_blocks_after_churn(mesh: Replicas) -> 
     wait_index_caught_up(mesh)
     for i, p in enumerate(prompts):
         tenant = ("team-a", "team-b")[i % 2]
-        salt = tenant_cache_salt(KEY, tenant)
         # NOTE: not the owner: the manager says how many tokens are cached, not in which blocks.
-        truth = {f"r{j}": mesh.kvm(j).LookupPrefix(kvm_pb2.LookupPrefixRequest(token_ids=p, cache_salt=salt))
-                 .num_cached_tokens // BS for j in range(2)}
+        query = kvm_pb2.LookupPrefixRequest(block_hashes=scheduler_hashes(mesh, p, tenant))
+        truth = {f"r{j}": mesh.kvm(j).LookupPrefix(query).num_cached_tokens // BS for j in range(2)}
         assert explain(mesh, p, tenant) == truth, i
 
 

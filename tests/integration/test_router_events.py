@@ -51,7 +51,7 @@ def traffic(m: KVCacheManager, tag: int, n: int = 6) -> None:
     """``n`` requests on a 12-block pool: prefill, one decode, free (evictions after the third)."""
     for i in range(n):
         rid = f"t{tag}-{i}"
-        m.step([], [new(rid, [tag * 1000 + i * 50 + j for j in range(14)])])
+        m.step([], [new(rid, [tag * 1000 + i * 50 + j for j in range(14)], block_size=4)])
         m.step([], [running(rid, [1], 1)])
         m.free([rid])
 

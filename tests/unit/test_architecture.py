@@ -5,7 +5,9 @@ Each test reads the sources as text (``ast``) and runs nothing, so it is fast an
 - the model-runner's ``model/``, ``attention/`` and ``native/`` depend one way, with no import
   cycle, and no module imports a private name of another;
 - every ``.py`` file under ``services/`` and ``shared/`` has a row in docs/architecture.md, and
-  every row names a file that exists.
+  every row names a file that exists;
+- a service imports another service only through its ``client``, ``types`` and ``config`` rooms;
+- the kv-cache-manager never hashes (the scheduler owns the block hashes).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 ARCHITECTURE = ROOT / "docs" / "architecture.md"
 
 # The files where a service meets the network; gRPC belongs there and nowhere else in services/.
-BOUNDARY_FILES = frozenset({"servicer.py", "main.py", "client.py", "remote.py"})
+BOUNDARY_FILES = frozenset({"servicer.py", "main.py", "client.py"})
 # Today's known exceptions, each with its reason. Debt: the test fails when a file not listed
 # here imports gRPC, and when a listed one no longer does (then delete its line).
 GRPC_EXCEPTIONS = {
@@ -108,7 +110,7 @@ def test_no_core_module_imports_grpc() -> None:
     new = {f: where for f, where in importers.items() if f not in GRPC_EXCEPTIONS}
     assert not new, (
         "core modules must not import gRPC (directly, through generated *_pb2_grpc stubs or a shared gRPC "
-        f"helper); move the gRPC part into servicer.py / main.py / client.py / remote.py: {new}"
+        f"helper); move the gRPC part into servicer.py / main.py / client.py: {new}"
     )
     paid = sorted(set(GRPC_EXCEPTIONS) - set(importers))
     assert not paid, f"these files no longer import gRPC: delete them from GRPC_EXCEPTIONS: {paid}"
@@ -256,3 +258,80 @@ def test_map_parser_reads_headings_and_rows() -> None:
     )
     assert _documented_files(text) == {"services/x/a.py": 5, "services/x/b.h": 6, "services/x/c.h": 6,
                                        "services/x/y/d.py": 9}  # fmt: skip
+
+
+# The hash functions of shared/hashing.py; only the seed's owner (the scheduler) and the router,
+# which predicts the scheduler's hashes, may call them (docs/design.md, "Prefix hashes").
+HASHERS = frozenset({"hash_blocks", "hash_block", "hash_seed"})
+
+
+def _hash_callers(rel: str, imports: Iterator[Import]) -> list[str]:
+    return [f"{rel}:{imp.line} imports {name}" for imp in imports if imp.module == "shared.hashing"
+            for name in imp.names if name in HASHERS]  # fmt: skip
+
+
+def test_the_kv_cache_manager_never_hashes() -> None:
+    """One owner for block hashes: the scheduler computes them once and sends them."""
+    found = [hit for path in _sources("services/kv_cache_manager") for hit in _hash_callers(_rel(path), _imports(path))]
+    assert not found, f"the kv-cache-manager is sent the scheduler's hashes; it must not compute them: {found}"
+    probe = "from shared.hashing import BlockHash, hash_blocks\nimport shared.hashing\n"
+    assert _hash_callers("probe.py", _imports_in(probe, "services")) == ["probe.py:1 imports hash_blocks"]
+
+
+# What one service may import of another: the rooms made for callers (docs/architecture.md).
+PUBLIC_ROOMS = frozenset({"client", "types", "config"})
+# Known exceptions, each with its reason. Debt: the test fails on a new one, and on a listed one
+# that is gone (then delete its line).
+PEER_IMPORT_EXCEPTIONS = {
+    ("services/router/main.py", "services.scheduler.auth"):
+        "the router runs the scheduler's own AuthInterceptor so its tenant is the replica's (docs/mesh.md)",
+    ("services/router/servicer.py", "services.scheduler.auth"):
+        "the router reads the tenant the scheduler's AuthInterceptor set (current_tenant)",
+    ("services/router/main.py", "services.scheduler.tokenizer"):
+        "the router tokenizes text and chat exactly as the replicas do (the scheduler's Tokenizer)",
+    ("services/router/servicer.py", "services.scheduler.tokenizer"):
+        "the router tokenizes text and chat exactly as the replicas do (the scheduler's Tokenizer)",
+}
+
+
+def _service_of(rel: str) -> str | None:
+    """``services/<svc>/...`` -> ``svc``; None for the composition roots (``services/cli.py`` ...)."""
+    parts = rel.split("/")
+    return parts[1] if len(parts) > 2 and parts[0] == "services" else None
+
+
+def _peer_imports(rel: str, imports: Iterator[Import]) -> set[tuple[str, str]]:
+    """(file, module) for each import of another service's module that is not a public room."""
+    own = _service_of(rel)
+    found: set[tuple[str, str]] = set()
+    for imp in imports:
+        for module in (imp.module, *(f"{imp.module}.{n}" for n in imp.names)):
+            parts = module.split(".")
+            if len(parts) < 3 or parts[0] != "services" or parts[1] == own:
+                continue
+            if parts[2] not in PUBLIC_ROOMS and (module == imp.module or imp.module == ".".join(parts[:2])):
+                found.add((rel, ".".join(parts[:3])))
+    return found
+
+
+def test_services_import_each_other_only_through_client_types_and_config() -> None:
+    found = set().union(*(_peer_imports(_rel(p), _imports(p)) for p in _sources("services")
+                          if _service_of(_rel(p)) is not None))  # fmt: skip
+    new = sorted(found - set(PEER_IMPORT_EXCEPTIONS))
+    assert not new, ("a service may import another service's client, types and config only (its core and "
+                     f"converters are its own; give its client what you need): {new}")
+    paid = sorted(set(PEER_IMPORT_EXCEPTIONS) - found)
+    assert not paid, f"these imports are gone: delete them from PEER_IMPORT_EXCEPTIONS: {paid}"
+
+
+def test_the_peer_import_detector() -> None:
+    source = ("from services.kv_cache_manager.client import RemoteKVCache\n"
+              "from services.kv_cache_manager.manager import KVCacheManager\n"
+              "from services.model_runner import convert, types\nimport services.offload_store.store\n"
+              "from services.scheduler.request import Request\n")  # fmt: skip
+    assert _peer_imports("services/scheduler/x.py", _imports_in(source, "services.scheduler")) == {
+        ("services/scheduler/x.py", "services.kv_cache_manager.manager"),
+        ("services/scheduler/x.py", "services.model_runner.convert"),
+        ("services/scheduler/x.py", "services.offload_store.store"),
+    }
+    assert _service_of("services/cli.py") is None and _service_of("services/router/client.py") == "router"

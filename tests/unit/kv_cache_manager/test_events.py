@@ -20,7 +20,7 @@ from shared.owner_channel import with_owner
 from shared.pb.kvmesh.v1 import kv_cache_manager_pb2 as pb
 from shared.pb.kvmesh.v1 import kv_cache_manager_pb2_grpc as pb_grpc
 
-from .helpers import OWNER, make_binding, make_manager, new, seq
+from .helpers import OWNER, hashes_of, make_binding, make_manager, new, seq
 
 CLEARED = (AllBlocksCleared(),)
 
@@ -104,7 +104,7 @@ def test_client_cancel_removes_the_subscription(
         assert hub.has_subscribers
         stub.AllocateSlots(pb.AllocateSlotsRequest(allocations=[
             pb.Allocation(request_id="a", new_token_ids=seq(0, 16), num_new_tokens=16, is_new=True,
-                          use_prefix_cache=True)]), timeout=5)
+                          use_prefix_cache=True, block_hashes=hashes_of(seq(0, 16)))]), timeout=5)
         assert next(iter(stream)).events[0].stored.block_ids == [1]
         stream.cancel()
         assert wait_until(lambda: not hub.has_subscribers)

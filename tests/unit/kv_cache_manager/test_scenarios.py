@@ -6,12 +6,9 @@ Pool: 11 blocks of 16 tokens; block 0 is the null block, so blocks 1..10 are usa
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
 
 import pytest
 
-from services.kv_cache_manager import manager as manager_module
-from services.kv_cache_manager import request as request_module
 from services.kv_cache_manager.events import EventHub, Subscription
 from services.kv_cache_manager.manager import KVCacheManager
 from services.kv_cache_manager.types import (
@@ -25,18 +22,13 @@ from services.kv_cache_manager.types import (
     KVEvent,
 )
 from shared.errors import FailedPrecondition
-from shared.hashing import BlockHash, hash_blocks, hash_seed
+from shared.hashing import BlockHash
 
-from .helpers import BS, free_order, make_manager, new, running, seq, snapshot
+from .helpers import free_order, hashes_of, lookup, make_manager, new, running, seq, snapshot
 
-SEED = hash_seed(b"test-key", "test-model")
 OK = AllocationStatus.OK
 A = seq(0, 55)  # 3 full blocks + 7 tokens
 B = A[:48] + seq(1000, 5)  # shares A's 3 full blocks
-
-
-def hashes_of(tokens: Sequence[int], salt: bytes = b"") -> list[BlockHash]:
-    return hash_blocks(SEED, tokens, BS, salt)
 
 
 def drain(sub: Subscription) -> list[KVEvent]:
@@ -114,8 +106,8 @@ def test_partial_eviction_keeps_the_chain_head_cached(m: KVCacheManager) -> None
     r = m.step((), [new("c", seq(5000, 128))])
     assert r.results[0].new_block_ids == (5, 4, 6, 7, 8, 9, 10, 3)
     assert r.evicted == (EvictedBlock(3, hashes_of(A)[2]),)
-    lookup = m.lookup_prefix(A)
-    assert (lookup.num_cached_tokens, lookup.block_ids) == (32, (1, 2))
+    found = m.lookup_prefix(hashes_of(A))
+    assert (found.num_cached_tokens, found.block_ids) == (32, (1, 2))
     m.check_integrity()
 
 
@@ -132,17 +124,17 @@ def test_fully_cached_prompt_hits_all_but_the_block_holding_the_last_token(m: KV
     assert m.pool.cached[hashes_of(p)[2]].block_id == 3
     assert m.pool.blocks[4].block_hash is None
     assert m.stats().num_cached_blocks == 3
-    assert m.lookup_prefix(p).num_cached_tokens == 32
-    assert m.lookup_prefix([*p, 7]).num_cached_tokens == 48
+    assert lookup(m, p) == 32
+    assert lookup(m, [*p, 7]) == 48
     m.check_integrity()
 
 
 def test_different_cache_salt_hits_nothing(m: KVCacheManager) -> None:
-    m.step((), [new("a", A, cache_salt=b"tenant-1")])
-    assert m.lookup_prefix(A, b"tenant-1").num_cached_tokens == 48
-    assert m.lookup_prefix(A, b"tenant-2").num_cached_tokens == 0
-    assert m.lookup_prefix(A).num_cached_tokens == 0
-    r = m.step((), [new("b", B, cache_salt=b"tenant-2")]).results[0]
+    m.step((), [new("a", A, salt=b"tenant-1")])
+    assert lookup(m, A, b"tenant-1") == 48
+    assert lookup(m, A, b"tenant-2") == 0
+    assert lookup(m, A) == 0
+    r = m.step((), [new("b", B, salt=b"tenant-2")]).results[0]
     assert (r.new_block_ids, r.num_cached_tokens) == ((5, 6, 7, 8), 0)
     # The salt enters the first block, and the chain carries it to every later block.
     assert not set(hashes_of(A, b"tenant-1")) & set(hashes_of(A, b"tenant-2"))
@@ -161,27 +153,33 @@ def test_decode_appends_a_block_when_the_last_one_is_full(m: KVCacheManager) -> 
     m.check_integrity()
 
 
-def test_decode_hashes_only_the_block_it_completes(m: KVCacheManager, monkeypatch: pytest.MonkeyPatch) -> None:
-    hashed: list[int] = []
-
-    def counting(seed: bytes, tokens: Sequence[int], bs: int, salt: bytes = b"", **kw: object) -> list[BlockHash]:
-        out = hash_blocks(seed, tokens, bs, salt, **kw)  # type: ignore[arg-type]
-        hashed.append(len(out))
-        return out
-
-    monkeypatch.setattr(request_module, "hash_blocks", counting)
+def test_decode_registers_the_block_it_completes_under_the_hash_it_is_sent(m: KVCacheManager) -> None:
     hub = EventHub()
     m = make_manager(hub=hub)
     tokens = seq(0, 20)
     m.step((), [new("a", tokens)])
     sub = hub.subscribe()
+    sent = []
     for t in range(12):  # tokens 20..31: the 12th completes block 1 (tokens 16..31)
         tokens.append(100 + t)
-        m.step((), [running("a", [100 + t], 1)])
-    assert hashed == [1]
+        spec = running("a", [100 + t], 1)
+        sent.append(len(spec.block_hashes))
+        m.step((), [spec])
+    assert sent == [0] * 11 + [1]
     h = hashes_of(tokens)
     assert drain(sub) == [BlockStored((h[1],), h[0], 16, 16, (2,))]
     assert m.get_block_table("a").block_hashes == (h[0], h[1])
+    # The manager keeps no copy of registered tokens: only the unregistered tail (none here).
+    assert m._requests["a"].tail_token_ids == []
+    m.check_integrity()
+
+
+def test_the_manager_keys_on_the_hashes_it_is_sent_it_never_hashes(m: KVCacheManager) -> None:
+    forged = tuple(BlockHash(bytes([i + 1]) * 32) for i in range(3))
+    r = m.step((), [dataclasses.replace(new("a", A), block_hashes=forged)])
+    assert r.results[0].new_block_ids == (1, 2, 3, 4)
+    assert {h: b.block_id for h, b in m.pool.cached.items()} == {forged[0]: 1, forged[1]: 2, forged[2]: 3}
+    assert m.get_block_table("a").block_hashes == forged
     m.check_integrity()
 
 
@@ -251,17 +249,14 @@ def test_each_allocation_of_a_step_succeeds_or_fails_on_its_own(m: KVCacheManage
     m.check_integrity()
 
 
-def test_hash_collision_is_a_miss(m: KVCacheManager, monkeypatch: pytest.MonkeyPatch) -> None:
-    def colliding(seed: bytes, tokens: Sequence[int], bs: int, salt: bytes = b"", **kw: object) -> list[BlockHash]:
-        # Every sequence of the same length gets the same hashes: a forced collision.
-        return [BlockHash(bytes([i]) * 32) for i in range(len(tokens) // bs)]
-
-    monkeypatch.setattr(manager_module, "hash_blocks", colliding)
-    m.step((), [new("a", seq(0, 40))])
-    r = m.step((), [new("b", seq(100, 40))]).results[0]
+def test_hash_collision_is_a_miss(m: KVCacheManager) -> None:
+    # Two sequences of the same length sent with the same hashes: a forced collision.
+    colliding = tuple(BlockHash(bytes([i]) * 32) for i in range(2))
+    m.step((), [dataclasses.replace(new("a", seq(0, 40)), block_hashes=colliding)])
+    r = m.step((), [dataclasses.replace(new("b", seq(100, 40)), block_hashes=colliding)]).results[0]
     assert r == AllocationResult("b", OK, (4, 5, 6), 0, 40, 0)
-    assert m.lookup_prefix(seq(100, 40)).num_cached_tokens == 0
-    assert m.lookup_prefix(seq(0, 40)).num_cached_tokens == 32
+    # The read-only lookup is by hash alone (it hands out no KV): it sees a's two blocks.
+    assert m.lookup_prefix(colliding).num_cached_tokens == 32
     # b's blocks collide with a's registered hashes, so they stay unregistered.
     assert m.pool.cached[BlockHash(bytes([0]) * 32)].block_id == 1
     assert m.pool.blocks[4].block_hash is None
@@ -272,7 +267,7 @@ def test_collision_on_a_later_block_ends_the_hit_there(m: KVCacheManager) -> Non
     m.step((), [new("a", A)])
     # Forge block 2's stored tokens, as if another sequence had produced its hash.
     m.pool.blocks[2].token_ids = tuple(range(7, 23))
-    assert m.lookup_prefix(A).num_cached_tokens == 16
+    assert lookup(m, A) == 48  # by hash alone; reusing the blocks compares their tokens:
     r = m.step((), [new("b", B)]).results[0]
     assert (r.new_block_ids, r.num_cached_tokens) == ((1, 5, 6, 7), 16)
 
@@ -363,7 +358,7 @@ def test_reset_prefix_cache_refused_while_blocks_are_in_use(m: KVCacheManager) -
     m.free(["a"])
     assert m.reset_prefix_cache() == 3
     assert m.stats().num_cached_blocks == 0
-    assert m.lookup_prefix(A).num_cached_tokens == 0
+    assert lookup(m, A) == 0
     assert free_order(m) == [4, 5, 6, 7, 8, 9, 10, 3, 2, 1]
     m.check_integrity()
 
@@ -409,7 +404,7 @@ def test_initialize_recreates_the_pool_for_new_geometry_and_frees_live_requests(
     assert (kept, freed) == (False, 1)  # other geometry: the cache cannot be kept
     assert (stats.num_blocks, stats.num_free_blocks, stats.block_size, stats.num_cached_blocks) == (20, 20, 8, 0)
     assert (stats.num_requests, stats.prefix_cache_queries) == (0, 0)
-    r = m.step((), [new("a", A)]).results[0]
+    r = m.step((), [new("a", A, block_size=8)]).results[0]
     assert r.new_block_ids == (1, 2, 3, 4, 5, 6, 7)
     m.check_integrity()
 
@@ -422,11 +417,11 @@ def test_initialize_keeping_the_cache_rolls_back_allocations_that_may_not_have_r
     stats, kept, freed = m.initialize(m.config, keep_cache=True)
     assert (kept, freed) == (True, 2)
     assert (stats.num_requests, stats.num_free_blocks, stats.num_cached_blocks) == (0, 10, 3)
-    assert m.lookup_prefix(A).num_cached_tokens == 48
-    assert m.lookup_prefix(seq(500, 40)).num_cached_tokens == 0
+    assert lookup(m, A) == 48
+    assert lookup(m, seq(500, 40)) == 0
     m.check_integrity()
     _, kept, freed = m.initialize(m.config)  # another runner pool: nothing survives
-    assert (kept, freed, m.lookup_prefix(A).num_cached_tokens) == (False, 0, 0)
+    assert (kept, freed, lookup(m, A)) == (False, 0, 0)
 
 
 def test_a_request_freed_and_renewed_in_one_step(m: KVCacheManager) -> None:

@@ -27,7 +27,7 @@ from services.kv_cache_manager.types import (
 )
 from shared.errors import FailedPrecondition
 
-from .helpers import make_manager, snapshot
+from .helpers import hashes_of, make_manager, snapshot
 
 BS = 4
 NUM_BLOCKS = 13  # 12 usable
@@ -62,6 +62,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.live: dict[str, ModelRequest] = {}
         self.content: dict[int, Content] = {}
         self.event_hashes: set[bytes] = set()
+        self.salts: dict[str, bytes] = {}  # request id -> the salt its hashes were made with
         self.next_id = 0
 
     # ------------------------------------------------------------------ model helpers
@@ -88,12 +89,13 @@ class KVCacheMachine(RuleBasedStateMachine):
         tokens = FAMILIES[family][:shared] + tail
         rid = f"r{self.next_id}"
         self.next_id += 1
+        salt = self.salts[rid] = data.draw(st.sampled_from([b"", b"", b"salt"]))
         return AllocationSpec(
             rid, tuple(tokens), data.draw(st.integers(0, len(tokens) + 2)), is_new=True,
-            cache_salt=data.draw(st.sampled_from([b"", b"", b"salt"])),
             use_prefix_cache=data.draw(st.sampled_from([True, True, False])),
             is_resumed=data.draw(st.booleans()),
             num_external_blocks=data.draw(st.sampled_from([0, 0, 1, 3])),
+            block_hashes=tuple(hashes_of(tokens, salt, BS)),
         )
 
     def draw_running_spec(self, data: st.DataObject, rid: str) -> AllocationSpec:
@@ -102,7 +104,9 @@ class KVCacheMachine(RuleBasedStateMachine):
             return AllocationSpec(rid, (), data.draw(st.integers(0, len(req.tokens) - req.computed)))
         room = MAX_LEN - len(req.tokens)
         new_tokens = data.draw(st.lists(st.integers(0, 3), min_size=0, max_size=min(3, room)))
-        return AllocationSpec(rid, tuple(new_tokens), data.draw(st.integers(0, len(new_tokens))))
+        fresh = hashes_of([*req.tokens, *new_tokens], req.salt, BS)[len(req.tokens) // BS :]
+        return AllocationSpec(rid, tuple(new_tokens), data.draw(st.integers(0, len(new_tokens))),
+                              block_hashes=tuple(fresh))
 
     # ------------------------------------------------------------------ applying a step
 
@@ -133,12 +137,13 @@ class KVCacheMachine(RuleBasedStateMachine):
         ids = list(res.new_block_ids)
         assert len(ids) == cdiv(res.num_computed_tokens + res.num_new_tokens, BS)
         assert list(res.external_block_ids) == ids[hits:known]
-        self.check_hits(tokens, spec.cache_salt, ids[:hits])
+        salt = self.salts[spec.request_id]
+        self.check_hits(tokens, salt, ids[:hits])
         fresh = ids[hits:]
         assert not set(fresh) & self.held(), "a fresh block was still in use"
         for block_id in fresh:
             self.content.pop(block_id, None)
-        req = ModelRequest(tokens, spec.cache_salt)
+        req = ModelRequest(tokens, salt)
         req.blocks = ids
         req.pending = fresh  # external blocks too: a rolled-back request never loads them
         req.computed = res.num_computed_tokens + res.num_new_tokens
@@ -170,8 +175,8 @@ class KVCacheMachine(RuleBasedStateMachine):
     def allocate_new(self, data: st.DataObject) -> None:
         """One new request alone: its hit must be exactly what a lookup just reported."""
         spec = self.draw_new_spec(data)
-        lookup = self.m.lookup_prefix(spec.new_token_ids, spec.cache_salt)
-        self.check_hits(spec.new_token_ids, spec.cache_salt, lookup.block_ids)
+        lookup = self.m.lookup_prefix(spec.block_hashes[: (len(spec.new_token_ids) - 1) // BS])
+        self.check_hits(spec.new_token_ids, self.salts[spec.request_id], lookup.block_ids)
         (res,) = self.apply([], [spec])
         if res.status is AllocationStatus.OK:
             expected = lookup.num_cached_tokens if spec.use_prefix_cache else 0
@@ -227,7 +232,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         tokens = FAMILIES[family][: data.draw(st.integers(0, MAX_LEN))]
         salt = data.draw(st.sampled_from([b"", b"salt"]))
         before = snapshot(self.m, sorted(self.live))
-        result = self.m.lookup_prefix(tokens, salt)
+        result = self.m.lookup_prefix(hashes_of(tokens, salt, BS)[: max(0, (len(tokens) - 1) // BS)])
         assert snapshot(self.m, sorted(self.live)) == before
         self.check_hits(tokens, salt, result.block_ids)
         assert result.num_cached_tokens == len(result.block_ids) * BS

@@ -76,7 +76,7 @@ def test_index_equals_a_real_pool_after_churn() -> None:
         m = managers[rid]
         rq = f"q{step}"
         tokens = rng.choice(prefixes) + [rng.randrange(1000, 2000) for _ in range(rng.randrange(1, 9))]
-        res = m.step([], [new(rq, tokens)])
+        res = m.step([], [new(rq, tokens, block_size=4)])
         evictions += len(res.evicted)
         if res.results[0].status.name == "OK":
             m.step([], [running(rq, [7], 1)])

@@ -4,14 +4,20 @@ from __future__ import annotations
 
 import pytest
 
+from services.kv_cache_manager.client import InProcessKVCache
+from services.kv_cache_manager.config import CacheConfig
 from services.kv_cache_manager.manager import KVCacheManager
+from services.model_runner.client import RunnerInfo
 from services.router.config import RouterConfig
 from services.router.prefix import replica_hash_seed, request_hashes
 from services.router.scoring import Scorer
 from services.router.types import ReplicaAddress, ReplicaLoad
+from services.scheduler.config import SchedulerConfig
+from services.scheduler.request import Request, RequestSpec
+from services.scheduler.scheduler import Scheduler
 from shared.auth import tenant_cache_salt
-from shared.config import CacheConfig
 from shared.hashing import hash_seed
+from shared.sampling_params import SamplingParams
 
 
 def order(decision) -> list[str]:  # type: ignore[no-untyped-def]
@@ -50,11 +56,17 @@ def test_request_hashes_are_the_replicas() -> None:
     tokens = list(range(3, 40))
     assert replica_hash_seed("k", "m") == hash_seed(b"k", "m")
     ours = request_hashes("k", "m", 4, tokens, "team-a", "s1")
-    # The replica's own code path: a kv-cache-manager bound with the seed its scheduler derives,
-    # asked with the salt the scheduler's servicer derives for the tenant.
-    manager = KVCacheManager(CacheConfig(block_size=4, num_blocks=32, max_model_len=64, model_id="m",
-                                         hash_seed=hash_seed(b"k", "m")))
-    assert ours == list(manager.lookup_prefix(tokens, tenant_cache_salt("k", "team-a", b"s1")).block_hashes)
+    # The replica's own code path: its scheduler (seeded as its engine seeds it, from the deployment
+    # key and the model id) hashes the request salted for the tenant as its servicer salts it, and
+    # the kv-cache-manager registers the hashes it is sent.
+    manager = KVCacheManager(CacheConfig(block_size=4, num_blocks=32, max_model_len=64, model_id="m"))
+    info = RunnerInfo(model_id="m", vocab_size=100, max_model_len=64, eos_token_ids=(), num_blocks=32, block_size=4)
+    sched = Scheduler(SchedulerConfig(deployment_key="k"), InProcessKVCache(manager), info,
+                      hash_seed=hash_seed(b"k", "m"))
+    spec = RequestSpec("r", tuple(tokens), SamplingParams(), 1, cache_salt=tenant_cache_salt("k", "team-a", b"s1"))
+    sched.add(Request(spec, seq=0))
+    assert sched.schedule() is not None
+    assert ours == list(manager.get_block_table("r").block_hashes)
     assert len(ours) == 9
     assert request_hashes("k", "m", 4, tokens, "team-b", "s1")[0] != ours[0]  # tenants never share
 

@@ -18,15 +18,15 @@ import grpc
 import pytest
 
 from services.kv_cache_manager.binding import ManagerBinding
+from services.kv_cache_manager.client import RemoteKVCache
 from services.kv_cache_manager.events import EventHub
 from services.kv_cache_manager.servicer import SERVICE, KVCacheManagerServicer
+from services.model_runner.client import InProcessRunner
 from services.model_runner.config import RunnerConfig
 from services.model_runner.factory import build_runner
 from services.model_runner.types import StepInput, StepOutput
-from services.scheduler.backends import InProcessRunner
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.engine import Engine
-from services.scheduler.remote import RemoteKVCache
 from services.scheduler.stream import OutputStream, build_spec
 from shared.config import ServerConfig
 from shared.grpc_server import ServiceRegistration, start_server

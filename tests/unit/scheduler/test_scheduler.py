@@ -12,27 +12,28 @@ from pathlib import Path
 
 import pytest
 
+from services.kv_cache_manager.client import InProcessKVCache
+from services.kv_cache_manager.config import CacheConfig
 from services.kv_cache_manager.manager import KVCacheManager
+from services.model_runner.client import RunnerInfo
 from services.model_runner.types import SampledToken, StepOutput
-from services.scheduler.backends import InProcessKVCache, RunnerInfo
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.request import FinishReason, Request, RequestSpec, RequestStatus
 from services.scheduler.scheduler import ScheduledStep, Scheduler
-from shared.config import CacheConfig
 from shared.hashing import BlockHash, hash_blocks, hash_seed
 from shared.sampling_params import SamplingParams
 
 EOS = 99
+SEED = hash_seed(b"kvmesh-dev", "m")  # the scheduler's: it hashes, the manager never does
 
 
 def _make(num_blocks: int, budget: int = 1024, max_seqs: int = 16, block_size: int = 16,
           prefix: bool = True) -> tuple[Scheduler, KVCacheManager]:
-    manager = KVCacheManager(CacheConfig(block_size=block_size, num_blocks=num_blocks, max_model_len=4096,
-                                         hash_seed=hash_seed(b"kvmesh-dev", "m")))
+    manager = KVCacheManager(CacheConfig(block_size=block_size, num_blocks=num_blocks, max_model_len=4096))
     info = RunnerInfo(model_id="m", vocab_size=1000, max_model_len=4096, eos_token_ids=(EOS,),
                       num_blocks=num_blocks, block_size=block_size)
     cfg = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs, enable_prefix_caching=prefix)
-    return Scheduler(cfg, InProcessKVCache(manager), info), manager
+    return Scheduler(cfg, InProcessKVCache(manager), info, hash_seed=SEED), manager
 
 
 def _req(rid: str, prompt: list[int], max_tokens: int = 8, priority: int = 0) -> Request:
@@ -51,8 +52,8 @@ def _sample(sched: Scheduler, step: ScheduledStep, token: int = 7) -> StepOutput
 
 
 def _hashes(manager: KVCacheManager, tokens: list[int]) -> list[BlockHash]:
-    """The manager's block hashes of ``tokens`` (no salt)."""
-    return hash_blocks(manager.config.hash_seed, tokens, manager.config.block_size, b"")
+    """The scheduler's block hashes of ``tokens`` (no salt), which the manager keys on."""
+    return hash_blocks(SEED, tokens, manager.config.block_size, b"")
 
 
 def _run(sched: Scheduler, token: int = 7) -> ScheduledStep:
@@ -261,15 +262,15 @@ def test_prefix_caching_off_says_the_offload_tier_is_unused(tmp_path: Path, capl
 
     store = InProcessOffload(OffloadConfig(data_dir=str(tmp_path / "offload")))
     try:
-        manager = KVCacheManager(CacheConfig(block_size=16, num_blocks=40, max_model_len=4096,
-                                             hash_seed=hash_seed(b"kvmesh-dev", "m")))
+        manager = KVCacheManager(CacheConfig(block_size=16, num_blocks=40, max_model_len=4096))
         info = RunnerInfo(model_id="m", vocab_size=1000, max_model_len=4096, eos_token_ids=(EOS,),
                           num_blocks=40, block_size=16)
         for prefix, expect_warning in ((True, False), (False, True)):
             caplog.clear()
             cfg = SchedulerConfig(enable_prefix_caching=prefix, preemption_mode="swap")
             with caplog.at_level(logging.WARNING, logger="services.scheduler.scheduler"):
-                sched = Scheduler(cfg, InProcessKVCache(manager), info, OffloadConnector(store))
+                sched = Scheduler(cfg, InProcessKVCache(manager), info, OffloadConnector(store),
+                                  hash_seed=SEED)
             warned = [r.getMessage() for r in caplog.records if "offload-store is not used" in r.getMessage()]
             assert (sched.offload is None) == expect_warning
             assert warned == ([("prefix caching is off, so the offload-store is not used: no offload reloads, "

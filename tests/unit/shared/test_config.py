@@ -6,7 +6,8 @@ import dataclasses
 
 import pytest
 
-from shared.config import CacheConfig, ServerConfig, from_env
+from services.kv_cache_manager.config import CacheConfig
+from shared.config import ServerConfig, from_env
 
 
 def test_defaults_and_overrides() -> None:
@@ -29,13 +30,13 @@ def test_bad_values_name_the_variable() -> None:
 
 
 def test_cache_config_has_no_serving_defaults() -> None:
-    """The pool size and the hash seed always come from the scheduler (Initialize), never defaults."""
+    """The pool size always comes from the scheduler (Initialize), never a default; no seed at all."""
     with pytest.raises(TypeError):
         CacheConfig()  # type: ignore[call-arg]
     with pytest.raises(ValueError, match="num_blocks"):
-        CacheConfig(num_blocks=1, hash_seed=bytes(32))
-    with pytest.raises(ValueError, match="hash_seed must be 32 bytes"):
-        CacheConfig(num_blocks=8, hash_seed=b"short")
+        CacheConfig(num_blocks=1)
+    with pytest.raises(TypeError):
+        CacheConfig(num_blocks=8, hash_seed=bytes(32))  # type: ignore[call-arg]
 
 
 def test_types() -> None:

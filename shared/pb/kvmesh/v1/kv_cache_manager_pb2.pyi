@@ -23,7 +23,7 @@ DESCRIPTOR: _descriptor.FileDescriptor
 
 @_typing.final
 class InitializeRequest(_message.Message):
-    """Pool geometry (the runner's), the hash seed (the scheduler's) and the owner's lease."""
+    """Pool geometry (the runner's) and the owner's lease. No hash seed: the scheduler hashes."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -31,7 +31,6 @@ class InitializeRequest(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _builtins.int
     MAX_MODEL_LEN_FIELD_NUMBER: _builtins.int
     MODEL_ID_FIELD_NUMBER: _builtins.int
-    HASH_SEED_FIELD_NUMBER: _builtins.int
     POOL_ID_FIELD_NUMBER: _builtins.int
     LEASE_SECONDS_FIELD_NUMBER: _builtins.int
     num_blocks: _builtins.int
@@ -41,11 +40,7 @@ class InitializeRequest(_message.Message):
     max_model_len: _builtins.int
     """Longest sequence (prompt + output) a request may reach; > 0."""
     model_id: _builtins.str
-    """Identity of the model whose KV the pool holds (a label: the seed already covers it)."""
-    hash_seed: _builtins.bytes
-    """Root of the prefix-hash chain (32 bytes), derived by the scheduler from the deployment key
-    and the model id: the one seed every tier's keys come from.
-    """
+    """Identity of the model whose KV the pool holds (a label; the scheduler's seed covers it)."""
     pool_id: _builtins.str
     """The model-runner pool incarnation the blocks live in (ModelInfo.pool_id); a different one
     means every cached block is gone.
@@ -59,13 +54,12 @@ class InitializeRequest(_message.Message):
         block_size: _builtins.int = ...,
         max_model_len: _builtins.int = ...,
         model_id: _builtins.str = ...,
-        hash_seed: _builtins.bytes = ...,
         pool_id: _builtins.str = ...,
         lease_seconds: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "hash_seed", b"hash_seed", "lease_seconds", b"lease_seconds", "max_model_len", b"max_model_len", "model_id", b"model_id", "num_blocks", b"num_blocks", "pool_id", b"pool_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "lease_seconds", b"lease_seconds", "max_model_len", b"max_model_len", "model_id", b"model_id", "num_blocks", b"num_blocks", "pool_id", b"pool_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -81,7 +75,7 @@ class InitializeResponse(_message.Message):
     KEPT_CACHE_FIELD_NUMBER: _builtins.int
     NUM_FREED_REQUESTS_FIELD_NUMBER: _builtins.int
     kept_cache: _builtins.bool
-    """True when the cached blocks were kept (same geometry, seed and pool incarnation)."""
+    """True when the cached blocks were kept (same geometry, model id and pool incarnation)."""
     num_freed_requests: _builtins.int
     """Live requests freed by this call (an earlier owner's, or the caller's own)."""
     @_builtins.property
@@ -152,10 +146,10 @@ class Allocation(_message.Message):
     NEW_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     NUM_NEW_TOKENS_FIELD_NUMBER: _builtins.int
     IS_NEW_FIELD_NUMBER: _builtins.int
-    CACHE_SALT_FIELD_NUMBER: _builtins.int
     USE_PREFIX_CACHE_FIELD_NUMBER: _builtins.int
     IS_RESUMED_FIELD_NUMBER: _builtins.int
     NUM_EXTERNAL_BLOCKS_FIELD_NUMBER: _builtins.int
+    BLOCK_HASHES_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Request id, unique among live requests."""
     num_new_tokens: _builtins.int
@@ -164,10 +158,6 @@ class Allocation(_message.Message):
     """
     is_new: _builtins.bool
     """True for a request the manager has not seen (or that was freed): look up its prefix."""
-    cache_salt: _builtins.bytes
-    """Per-request salt; enters the hash of the first block only, so different salts never
-    share blocks. Only read when is_new.
-    """
     use_prefix_cache: _builtins.bool
     """Whether to reuse cached prefix blocks (only read when is_new)."""
     is_resumed: _builtins.bool
@@ -183,6 +173,15 @@ class Allocation(_message.Message):
         allocation (or after it was freed by preemption) this is every token it has.
         """
 
+    @_builtins.property
+    def block_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
+        """Chained hashes (32 bytes each, shared/hashing.py, computed by the scheduler) of the full
+        blocks that new_token_ids complete, in order: on a new request those of every full block of
+        its tokens; after that, of the blocks the appended tokens complete. Never more than the full
+        blocks of the known tokens, never fewer than the blocks full and computed by the end of this
+        step (they are registered in the prefix map); otherwise INVALID_ARGUMENT, nothing changed.
+        """
+
     def __init__(
         self,
         *,
@@ -190,14 +189,14 @@ class Allocation(_message.Message):
         new_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         num_new_tokens: _builtins.int = ...,
         is_new: _builtins.bool = ...,
-        cache_salt: _builtins.bytes = ...,
         use_prefix_cache: _builtins.bool = ...,
         is_resumed: _builtins.bool = ...,
         num_external_blocks: _builtins.int = ...,
+        block_hashes: _abc.Iterable[_builtins.bytes] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "is_new", b"is_new", "is_resumed", b"is_resumed", "new_token_ids", b"new_token_ids", "num_external_blocks", b"num_external_blocks", "num_new_tokens", b"num_new_tokens", "request_id", b"request_id", "use_prefix_cache", b"use_prefix_cache"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "is_new", b"is_new", "is_resumed", b"is_resumed", "new_token_ids", b"new_token_ids", "num_external_blocks", b"num_external_blocks", "num_new_tokens", b"num_new_tokens", "request_id", b"request_id", "use_prefix_cache", b"use_prefix_cache"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -441,23 +440,21 @@ class LookupPrefixRequest(_message.Message):
 
     DESCRIPTOR: _descriptor.Descriptor
 
-    TOKEN_IDS_FIELD_NUMBER: _builtins.int
-    CACHE_SALT_FIELD_NUMBER: _builtins.int
-    cache_salt: _builtins.bytes
-    """The salt the sequence would be hashed with."""
+    BLOCK_HASHES_FIELD_NUMBER: _builtins.int
     @_builtins.property
-    def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
-        """The token sequence."""
+    def block_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
+        """The chained hashes of the sequence's full blocks, in order (32 bytes each). A caller that
+        needs the last token computed sends at most (num_tokens - 1) // block_size of them.
+        """
 
     def __init__(
         self,
         *,
-        token_ids: _abc.Iterable[_builtins.int] | None = ...,
-        cache_salt: _builtins.bytes = ...,
+        block_hashes: _abc.Iterable[_builtins.bytes] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -471,27 +468,23 @@ class LookupPrefixResponse(_message.Message):
 
     NUM_CACHED_TOKENS_FIELD_NUMBER: _builtins.int
     BLOCK_IDS_FIELD_NUMBER: _builtins.int
-    BLOCK_HASHES_FIELD_NUMBER: _builtins.int
     num_cached_tokens: _builtins.int
-    """Leading tokens whose full blocks are cached (capped at len(token_ids) - 1)."""
+    """Tokens of the leading blocks whose hashes are cached (block_size per block). Read-only and
+    by hash alone: AllocateSlots also compares the blocks' token ids before it reuses one.
+    """
     @_builtins.property
     def block_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
-        """The cached blocks, in order."""
-
-    @_builtins.property
-    def block_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
-        """The block hashes of every full block of the sequence, in order."""
+        """The cached blocks, in order (owner only)."""
 
     def __init__(
         self,
         *,
         num_cached_tokens: _builtins.int = ...,
         block_ids: _abc.Iterable[_builtins.int] | None = ...,
-        block_hashes: _abc.Iterable[_builtins.bytes] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "block_ids", b"block_ids", "num_cached_tokens", b"num_cached_tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "num_cached_tokens", b"num_cached_tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

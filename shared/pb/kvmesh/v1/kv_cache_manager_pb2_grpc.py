@@ -34,7 +34,11 @@ class KVCacheManagerStub:
     call but GetStats, CheckIntegrity and SubscribeEvents is refused with FAILED_PRECONDITION
     before Initialize ("not initialized") or from anyone but the owner ("not the owner"). GetStats
     answers before Initialize too (num_blocks 0: unbound). LookupPrefix answers anyone, but its
-    block_ids and block_hashes only to the owner.
+    block_ids only to the owner.
+
+    Block hashes (docs/design.md): the scheduler owns the hash seed and computes every request's
+    chained block hashes once (shared/hashing.py); this service never hashes. It receives the hashes
+    with each Allocation, keys its prefix map on them and verifies a hit by the block's token ids.
     """
 
     def __init__(self, channel):
@@ -104,14 +108,19 @@ class KVCacheManagerServicer:
     call but GetStats, CheckIntegrity and SubscribeEvents is refused with FAILED_PRECONDITION
     before Initialize ("not initialized") or from anyone but the owner ("not the owner"). GetStats
     answers before Initialize too (num_blocks 0: unbound). LookupPrefix answers anyone, but its
-    block_ids and block_hashes only to the owner.
+    block_ids only to the owner.
+
+    Block hashes (docs/design.md): the scheduler owns the hash seed and computes every request's
+    chained block hashes once (shared/hashing.py); this service never hashes. It receives the hashes
+    with each Allocation, keys its prefix map on them and verifies a hit by the block's token ids.
     """
 
     def Initialize(self, request, context):
-        """Binds the manager to the caller: the pool geometry and hash seed (both from the scheduler),
+        """Binds the manager to the caller: the pool geometry (the runner's, sent by the scheduler),
         the runner's pool incarnation and the owner's lease. Refused with FAILED_PRECONDITION while
         another owner's lease runs. Frees every live request (rolling back allocations that may not
-        have run); keeps the cached blocks only when geometry, seed and pool incarnation are unchanged.
+        have run); keeps the cached blocks only when geometry, model id and pool incarnation are
+        unchanged.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -142,7 +151,7 @@ class KVCacheManagerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def LookupPrefix(self, request, context):
-        """Read-only: how many leading tokens of a token sequence are cached in the pool.
+        """Read-only: how many leading blocks of a chain of block hashes are cached in the pool.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -253,7 +262,11 @@ class KVCacheManager:
     call but GetStats, CheckIntegrity and SubscribeEvents is refused with FAILED_PRECONDITION
     before Initialize ("not initialized") or from anyone but the owner ("not the owner"). GetStats
     answers before Initialize too (num_blocks 0: unbound). LookupPrefix answers anyone, but its
-    block_ids and block_hashes only to the owner.
+    block_ids only to the owner.
+
+    Block hashes (docs/design.md): the scheduler owns the hash seed and computes every request's
+    chained block hashes once (shared/hashing.py); this service never hashes. It receives the hashes
+    with each Allocation, keys its prefix map on them and verifies a hit by the block's token ids.
     """
 
     @staticmethod

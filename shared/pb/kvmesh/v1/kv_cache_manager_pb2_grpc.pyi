@@ -37,7 +37,11 @@ class KVCacheManagerStub:
     call but GetStats, CheckIntegrity and SubscribeEvents is refused with FAILED_PRECONDITION
     before Initialize ("not initialized") or from anyone but the owner ("not the owner"). GetStats
     answers before Initialize too (num_blocks 0: unbound). LookupPrefix answers anyone, but its
-    block_ids and block_hashes only to the owner.
+    block_ids only to the owner.
+
+    Block hashes (docs/design.md): the scheduler owns the hash seed and computes every request's
+    chained block hashes once (shared/hashing.py); this service never hashes. It receives the hashes
+    with each Allocation, keys its prefix map on them and verifies a hit by the block's token ids.
     """
 
     @_typing.overload
@@ -45,10 +49,11 @@ class KVCacheManagerStub:
     @_typing.overload
     def __new__(cls, channel: _aio.Channel) -> KVCacheManagerAsyncStub: ...
     Initialize: _grpc.UnaryUnaryMultiCallable[_kv_cache_manager_pb2.InitializeRequest, _kv_cache_manager_pb2.InitializeResponse]
-    """Binds the manager to the caller: the pool geometry and hash seed (both from the scheduler),
+    """Binds the manager to the caller: the pool geometry (the runner's, sent by the scheduler),
     the runner's pool incarnation and the owner's lease. Refused with FAILED_PRECONDITION while
     another owner's lease runs. Frees every live request (rolling back allocations that may not
-    have run); keeps the cached blocks only when geometry, seed and pool incarnation are unchanged.
+    have run); keeps the cached blocks only when geometry, model id and pool incarnation are
+    unchanged.
     """
     Release: _grpc.UnaryUnaryMultiCallable[_kv_cache_manager_pb2.ReleaseRequest, _kv_cache_manager_pb2.ReleaseResponse]
     """Ends the caller's ownership (clean exit): its live requests are freed, the next owner may
@@ -62,7 +67,7 @@ class KVCacheManagerStub:
     Free: _grpc.UnaryUnaryMultiCallable[_kv_cache_manager_pb2.FreeRequest, _kv_cache_manager_pb2.FreeResponse]
     """Releases every block of the given requests (tails first, so they are evicted first)."""
     LookupPrefix: _grpc.UnaryUnaryMultiCallable[_kv_cache_manager_pb2.LookupPrefixRequest, _kv_cache_manager_pb2.LookupPrefixResponse]
-    """Read-only: how many leading tokens of a token sequence are cached in the pool."""
+    """Read-only: how many leading blocks of a chain of block hashes are cached in the pool."""
     GetBlockTable: _grpc.UnaryUnaryMultiCallable[_kv_cache_manager_pb2.GetBlockTableRequest, _kv_cache_manager_pb2.GetBlockTableResponse]
     """The block table of one request."""
     ResetPrefixCache: _grpc.UnaryUnaryMultiCallable[_kv_cache_manager_pb2.ResetPrefixCacheRequest, _kv_cache_manager_pb2.ResetPrefixCacheResponse]
@@ -84,15 +89,20 @@ class KVCacheManagerAsyncStub(KVCacheManagerStub):
     call but GetStats, CheckIntegrity and SubscribeEvents is refused with FAILED_PRECONDITION
     before Initialize ("not initialized") or from anyone but the owner ("not the owner"). GetStats
     answers before Initialize too (num_blocks 0: unbound). LookupPrefix answers anyone, but its
-    block_ids and block_hashes only to the owner.
+    block_ids only to the owner.
+
+    Block hashes (docs/design.md): the scheduler owns the hash seed and computes every request's
+    chained block hashes once (shared/hashing.py); this service never hashes. It receives the hashes
+    with each Allocation, keys its prefix map on them and verifies a hit by the block's token ids.
     """
 
     def __init__(self, channel: _aio.Channel) -> None: ...
     Initialize: _aio.UnaryUnaryMultiCallable[_kv_cache_manager_pb2.InitializeRequest, _kv_cache_manager_pb2.InitializeResponse]  # type: ignore[assignment]
-    """Binds the manager to the caller: the pool geometry and hash seed (both from the scheduler),
+    """Binds the manager to the caller: the pool geometry (the runner's, sent by the scheduler),
     the runner's pool incarnation and the owner's lease. Refused with FAILED_PRECONDITION while
     another owner's lease runs. Frees every live request (rolling back allocations that may not
-    have run); keeps the cached blocks only when geometry, seed and pool incarnation are unchanged.
+    have run); keeps the cached blocks only when geometry, model id and pool incarnation are
+    unchanged.
     """
     Release: _aio.UnaryUnaryMultiCallable[_kv_cache_manager_pb2.ReleaseRequest, _kv_cache_manager_pb2.ReleaseResponse]  # type: ignore[assignment]
     """Ends the caller's ownership (clean exit): its live requests are freed, the next owner may
@@ -106,7 +116,7 @@ class KVCacheManagerAsyncStub(KVCacheManagerStub):
     Free: _aio.UnaryUnaryMultiCallable[_kv_cache_manager_pb2.FreeRequest, _kv_cache_manager_pb2.FreeResponse]  # type: ignore[assignment]
     """Releases every block of the given requests (tails first, so they are evicted first)."""
     LookupPrefix: _aio.UnaryUnaryMultiCallable[_kv_cache_manager_pb2.LookupPrefixRequest, _kv_cache_manager_pb2.LookupPrefixResponse]  # type: ignore[assignment]
-    """Read-only: how many leading tokens of a token sequence are cached in the pool."""
+    """Read-only: how many leading blocks of a chain of block hashes are cached in the pool."""
     GetBlockTable: _aio.UnaryUnaryMultiCallable[_kv_cache_manager_pb2.GetBlockTableRequest, _kv_cache_manager_pb2.GetBlockTableResponse]  # type: ignore[assignment]
     """The block table of one request."""
     ResetPrefixCache: _aio.UnaryUnaryMultiCallable[_kv_cache_manager_pb2.ResetPrefixCacheRequest, _kv_cache_manager_pb2.ResetPrefixCacheResponse]  # type: ignore[assignment]
@@ -127,7 +137,11 @@ class KVCacheManagerServicer(metaclass=_abc_1.ABCMeta):
     call but GetStats, CheckIntegrity and SubscribeEvents is refused with FAILED_PRECONDITION
     before Initialize ("not initialized") or from anyone but the owner ("not the owner"). GetStats
     answers before Initialize too (num_blocks 0: unbound). LookupPrefix answers anyone, but its
-    block_ids and block_hashes only to the owner.
+    block_ids only to the owner.
+
+    Block hashes (docs/design.md): the scheduler owns the hash seed and computes every request's
+    chained block hashes once (shared/hashing.py); this service never hashes. It receives the hashes
+    with each Allocation, keys its prefix map on them and verifies a hit by the block's token ids.
     """
 
     @_abc_1.abstractmethod
@@ -136,10 +150,11 @@ class KVCacheManagerServicer(metaclass=_abc_1.ABCMeta):
         request: _kv_cache_manager_pb2.InitializeRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_kv_cache_manager_pb2.InitializeResponse, _abc.Awaitable[_kv_cache_manager_pb2.InitializeResponse]]:
-        """Binds the manager to the caller: the pool geometry and hash seed (both from the scheduler),
+        """Binds the manager to the caller: the pool geometry (the runner's, sent by the scheduler),
         the runner's pool incarnation and the owner's lease. Refused with FAILED_PRECONDITION while
         another owner's lease runs. Frees every live request (rolling back allocations that may not
-        have run); keeps the cached blocks only when geometry, seed and pool incarnation are unchanged.
+        have run); keeps the cached blocks only when geometry, model id and pool incarnation are
+        unchanged.
         """
 
     @_abc_1.abstractmethod
@@ -177,7 +192,7 @@ class KVCacheManagerServicer(metaclass=_abc_1.ABCMeta):
         request: _kv_cache_manager_pb2.LookupPrefixRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_kv_cache_manager_pb2.LookupPrefixResponse, _abc.Awaitable[_kv_cache_manager_pb2.LookupPrefixResponse]]:
-        """Read-only: how many leading tokens of a token sequence are cached in the pool."""
+        """Read-only: how many leading blocks of a chain of block hashes are cached in the pool."""
 
     @_abc_1.abstractmethod
     def GetBlockTable(

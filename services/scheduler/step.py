@@ -1,0 +1,84 @@
+"""What the planner hands on: the step it planned (and the runner's input for it), what a step produced.
+
+:func:`build_step` turns the allocation results of the requests that run into the model-runner's
+``StepInput``: a request new to the runner is sent in full once (``NewRequestData``), a known one
+as a diff (``CachedRequestData``), as vLLM v1's ``SchedulerOutput`` does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from services.kv_cache_manager.types import AllocationResult, KVCacheStats
+from services.model_runner.types import CachedRequestData, NewRequestData, StepInput
+from services.scheduler.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledStep:
+    """One planned step: who computes how many tokens, and what the runner must be told."""
+
+    step_input: StepInput
+    num_scheduled: dict[str, int]  # request id -> tokens computed this step
+    preempted: list[str] = field(default_factory=list)
+    kv_stats: KVCacheStats | None = None
+
+    @property
+    def total_tokens(self) -> int:
+        """Tokens computed in the step."""
+        return sum(self.num_scheduled.values())
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """What one step produced for one request."""
+
+    request: Request
+    token_id: int
+    finished: bool
+    logprobs: object | None = None
+
+    @property
+    def request_id(self) -> str:
+        """The request's id."""
+        return self.request.request_id
+
+
+def build_step(step_id: int, scheduled: list[tuple[Request, AllocationResult]],
+               admitted: list[tuple[Request, AllocationResult]], preempted: list[str],
+               finished_request_ids: list[str], kv_stats: KVCacheStats | None) -> ScheduledStep:
+    """Records each request's new blocks and builds the runner's input for the step.
+
+    Args:
+        scheduled: running requests granted their slots (diffs for the runner).
+        admitted: requests admitted this step (sent in full); one preempted since is skipped.
+        finished_request_ids: requests the runner must forget first.
+    """
+    new_reqs: list[NewRequestData] = []
+    cached: list[CachedRequestData] = []
+    num_scheduled: dict[str, int] = {}
+    for req, res in scheduled:
+        cached.append(CachedRequestData(
+            request_id=req.request_id, new_block_ids=tuple(res.new_block_ids),
+            num_computed_tokens=req.num_computed_tokens, num_new_tokens=res.num_new_tokens,
+        ))
+        req.block_ids.extend(res.new_block_ids)
+        req.num_tokens_sent_to_kvm = req.num_tokens
+        num_scheduled[req.request_id] = res.num_new_tokens
+    for req, res in admitted:
+        if req.is_finished or req.status is not RequestStatus.RUNNING:
+            continue
+        req.block_ids = list(res.new_block_ids)
+        req.num_computed_tokens = res.num_computed_tokens
+        req.num_tokens_sent_to_kvm = req.num_tokens
+        req.known_to_runner = True
+        new_reqs.append(NewRequestData(
+            request_id=req.request_id, token_ids=tuple(req.all_token_ids()),
+            num_prompt_tokens=req.num_prompt_tokens, block_ids=tuple(req.block_ids),
+            num_computed_tokens=req.num_computed_tokens, num_new_tokens=res.num_new_tokens,
+            sampling=req.spec.sampling,
+        ))
+        num_scheduled[req.request_id] = res.num_new_tokens
+    step_input = StepInput(step_id=step_id, new_requests=tuple(new_reqs), cached_requests=tuple(cached),
+                           finished_request_ids=tuple(finished_request_ids))
+    return ScheduledStep(step_input, num_scheduled, preempted, kv_stats)
