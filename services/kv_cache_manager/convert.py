@@ -9,6 +9,7 @@ from services.kv_cache_manager.types import (
     BlockRemoved,
     BlockStored,
     BlockTable,
+    CachedBlocks,
     KVCacheStats,
     KVEvent,
     KVEventBatch,
@@ -115,3 +116,9 @@ def event_to_pb(event: KVEvent) -> pb.KVEvent:
 def batch_to_pb(batch: KVEventBatch) -> pb.KVEventBatch:
     """One published batch."""
     return pb.KVEventBatch(seq=batch.seq, events=[event_to_pb(e) for e in batch.events])
+
+
+def cached_blocks_to_pb(snapshot: CachedBlocks, instance_id: str) -> pb.GetCachedBlocksResponse:
+    """A prefix-cache snapshot, named by the instance whose sequence numbers it uses."""
+    return pb.GetCachedBlocksResponse(seq=snapshot.seq, block_hashes=snapshot.block_hashes,
+                                      instance_id=instance_id)

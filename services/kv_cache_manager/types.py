@@ -133,3 +133,15 @@ class KVEventBatch:
 
     seq: int
     events: tuple[KVEvent, ...]
+
+
+@dataclass(frozen=True)
+class CachedBlocks:
+    """The prefix cache's hashes as of event batch ``seq`` (see ``GetCachedBlocksResponse``).
+
+    NOTE: the pair is what makes a resync exact: a subscriber registered before the snapshot
+    skips batches up to ``seq`` (already in it) and applies every later one.
+    """
+
+    seq: int
+    block_hashes: tuple[BlockHash, ...]

@@ -1,9 +1,10 @@
 """The global prefix index: block hash -> the replicas whose pool holds it, fed by KV events.
 
 Each replica's kv-cache-manager streams ``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared``
-in numbered batches. The index applies them in order per replica and refuses a batch whose
-number is not the next one (a gap: the stream lost something), so the caller clears that
-replica's entries and resubscribes instead of routing on a view with holes.
+in numbered batches. The index starts a replica from a snapshot of its pool (:meth:`replace`,
+with the batch number it includes), applies later batches in order and refuses a batch whose
+number is not the next one (a gap: the stream lost something), so the caller resyncs from a
+new snapshot instead of routing on a view with holes (services/router/events.py).
 
 NOTE: a replica's pool serves one block per hash (a duplicate computed concurrently stays
 unregistered and produces no event), so a set per replica mirrors it exactly.
@@ -54,8 +55,21 @@ class PrefixIndex:
             self._last_seq[replica_id] = batch.seq
             return True
 
+    def replace(self, replica_id: str, hashes: Iterable[bytes], seq: int) -> None:
+        """Sets a replica's entries to a snapshot of its pool taken after batch ``seq``.
+
+        The next batch applied must be ``seq + 1`` (the caller skips streamed batches up to ``seq``).
+        """
+        with self._lock:
+            self._clear(replica_id)
+            mine = self._blocks.setdefault(replica_id, set())
+            for h in hashes:
+                mine.add(h)
+                self._holders.setdefault(h, set()).add(replica_id)
+            self._last_seq[replica_id] = seq
+
     def clear_replica(self, replica_id: str) -> None:
-        """Forgets everything about a replica (reconnect, gap, restart): it is relearned from events."""
+        """Forgets everything about a replica (stream down, replica dropped) until its next snapshot."""
         with self._lock:
             self._clear(replica_id)
             self._last_seq.pop(replica_id, None)

@@ -90,3 +90,17 @@ def test_index_equals_a_real_pool_after_churn() -> None:
     for rid, m in managers.items():
         assert index.blocks(rid) == set(m.pool.cached), rid
         m.check_integrity()
+
+
+def test_replace_sets_a_replicas_entries_and_the_next_batch_number() -> None:
+    index = PrefixIndex()
+    index.apply("a", KVEventBatch(3, (stored(1, 2),)))
+    index.apply("b", KVEventBatch(1, (stored(2),)))
+    index.replace("a", [h(2), h(4)], 9)  # the snapshot as of batch 9
+    assert index.blocks("a") == {h(2), h(4)} and index.blocks("b") == {h(2)} and index.last_seq("a") == 9
+    assert index.match([h(1)], ["a", "b"]) == {"a": 0, "b": 0}
+    assert not index.apply("a", KVEventBatch(9, (stored(5),)))  # already in the snapshot: refused
+    assert index.apply("a", KVEventBatch(10, (BlockRemoved((h(2),)),)))
+    assert index.blocks("a") == {h(4)} and index.match([h(2)], ["a", "b"]) == {"a": 0, "b": 1}
+    index.replace("a", [], 11)
+    assert index.num_blocks("a") == 0 and index.match([h(4)], ["a"]) == {"a": 0}
