@@ -131,6 +131,7 @@ class RouterSchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             if unreachable > 1:
                 break
             started = False
+            self.front.router.sending(replica.id, decision)
             with replica.track():
                 call = replica.stub.Generate(request, metadata=metadata, timeout=_timeout(context))
                 context.add_callback(call.cancel)
@@ -143,6 +144,7 @@ class RouterSchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                                                      grpc.StatusCode.RESOURCE_EXHAUSTED):
                         context.abort(exc.code(), exc.details() or "")
                     last = exc
+                    self.front.router.not_sent(replica.id, decision)
                     if exc.code() == grpc.StatusCode.UNAVAILABLE:
                         replica.mark_failed()
                         unreachable += 1

@@ -88,8 +88,11 @@ def setup() -> Iterator[Setup]:
         peers.append(Peer(scripted, server, serve_kvm()))
     replicas_cfg = ",".join(f"r{i}=127.0.0.1:{p.server.port}/127.0.0.1:{p.kvm.server.port}"
                             for i, p in enumerate(peers))
-    # Probes once an hour: a replica that dies stays "healthy" until a forward finds out.
-    cfg = RouterConfig(replicas=replicas_cfg, deployment_key="test-key", health_interval_seconds=3600)
+    # Probes once an hour: a replica that dies stays "healthy" until a forward finds out. No
+    # predictions: the scripted schedulers store nothing, and the tests count on the tie rotation
+    # for the same prompt sent again (predictions would send it after the first one).
+    cfg = RouterConfig(replicas=replicas_cfg, deployment_key="test-key", health_interval_seconds=3600,
+                       predict_seconds=0)
     registry = new_registry(process_collectors=False)
     metrics = RouterMetrics(registry)
     index = PrefixIndex()
