@@ -11,8 +11,9 @@ The resync protocol (docs/mesh.md "The global prefix index"):
 
 A gap in the batch numbers, an overflow (the manager dropped us) or a broken stream (a restart)
 starts again from 1: after a reconnect the index equals the pool, not just what was stored
-since. While the stream is down the replica's entries are cleared, since the index must never
-claim blocks of a replica it cannot see. A kv-cache-manager without the snapshot RPC
+since. A broken stream clears the replica's entries until the next snapshot, since the index
+must never claim blocks of a replica it cannot see; a gap keeps them until the snapshot that
+follows at once. A kv-cache-manager without the snapshot RPC
 (``UNIMPLEMENTED``, an older build during a rolling upgrade) is followed as before: cleared and
 relearned from new events.
 """
