@@ -36,6 +36,7 @@ AUTH = (("authorization", f"Bearer {KEYS['team-a']}"),)  # the Router API is beh
 class Replicas:
     mesh: Mesh  # r0, r1 and the kv_aware router, as `kvmesh up --replicas 2` starts them
     rr_router: ServiceProcess
+    router_env: dict[str, str]  # what another router in front of r0, r1 needs (with a policy)
 
     @property
     def suites(self) -> list[Suite]:
@@ -68,12 +69,12 @@ def mesh(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
     with Mesh(MeshConfig(model_dir=str(tiny_llama_dir), replicas=2, port=0, with_offload=False,
                          log_dir=str(logs), extra_env=env)) as m:
         assert m.router is not None
-        rr = ServiceProcess("router", log_dir=str(logs / "round_robin"), env={
-            **env, "KVMESH_MODEL_DIR": str(tiny_llama_dir), "KVMESH_ROUTER_POLICY": "round_robin",
-            "KVMESH_ROUTER_REPLICAS": ",".join(f"r{i}={s.address}/{s.services['kv-cache-manager'].address}"
-                                               for i, s in enumerate(m.suites))})
+        router_env = {**env, "KVMESH_MODEL_DIR": str(tiny_llama_dir), "KVMESH_ROUTER_REPLICAS": ",".join(
+            f"r{i}={s.address}/{s.services['kv-cache-manager'].address}" for i, s in enumerate(m.suites))}
+        rr = ServiceProcess("router", log_dir=str(logs / "round_robin"),
+                            env={**router_env, "KVMESH_ROUTER_POLICY": "round_robin"})
         try:
-            yield Replicas(m, rr)
+            yield Replicas(m, rr, router_env)
         finally:
             rr.stop()
 
@@ -89,11 +90,12 @@ def generate(address: str, prompt: list[int] | str | list[tuple[str, str]], tena
     return [t for m in msgs for t in m.token_ids], msgs[-1].final, str(trailers.get("kvmesh-replica", ""))
 
 
-def explain(mesh: Replicas, prompt: list[int], tenant: str = "team-a") -> dict[str, int]:
+def explain(mesh: Replicas, prompt: list[int], tenant: str = "team-a",
+            admin: router_pb2_grpc.RouterStub | None = None) -> dict[str, int]:
     """The router's matched blocks per replica for ``prompt`` (routes nothing)."""
     req = scheduler_pb2.GenerateRequest(max_tokens=1)
     req.token_ids.ids.extend(prompt)
-    d = mesh.admin().Explain(req, metadata=(("authorization", f"Bearer {KEYS[tenant]}"),))
+    d = (admin or mesh.admin()).Explain(req, metadata=(("authorization", f"Bearer {KEYS[tenant]}"),))
     return {s.id: s.matched_blocks for s in d.scores}
 
 
@@ -213,6 +215,33 @@ def test_index_equals_the_replicas_hashed_blocks_after_churn(mesh: Replicas) -> 
         truth = {f"r{j}": mesh.kvm(j).LookupPrefix(kvm_pb2.LookupPrefixRequest(token_ids=p, cache_salt=salt))
                  .num_cached_tokens // BS for j in range(2)}
         assert explain(mesh, p, tenant) == truth, i
+
+
+def pool_truth(mesh: Replicas, prompt: list[int], tenant: str) -> dict[str, int]:
+    """Blocks of ``prompt`` each replica's pool holds, from its kv-cache-manager."""
+    salt = tenant_cache_salt(KEY, tenant)
+    # NOTE: not the owner: the manager says how many tokens are cached, not in which blocks.
+    return {f"r{j}": mesh.kvm(j).LookupPrefix(kvm_pb2.LookupPrefixRequest(token_ids=prompt, cache_salt=salt))
+            .num_cached_tokens // BS for j in range(2)}
+
+
+def test_a_router_started_late_knows_the_warm_pools_from_their_snapshots(
+        mesh: Replicas, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """A router that subscribes after the pools filled saw none of their events: its index comes
+    from each kv-cache-manager's GetCachedBlocks, and equals the pools before any new traffic."""
+    cached = {f"r{i}": mesh.kvm(i).GetStats(kvm_pb2.GetStatsRequest()).num_cached_blocks for i in range(2)}
+    assert all(cached.values()), cached
+    logs = tmp_path_factory.mktemp("late-router")
+    with ServiceProcess("router", log_dir=str(logs), env={**mesh.router_env, "KVMESH_ROUTER_POLICY": "kv_aware"}) \
+            as late, grpc.insecure_channel(late.address) as channel:
+        admin = router_pb2_grpc.RouterStub(channel)
+        states = admin.GetReplicas(router_pb2.GetReplicasRequest(), metadata=AUTH).replicas
+        assert {r.id: r.num_indexed_blocks for r in states} == cached
+        assert all(r.subscribed and r.subscriptions == 1 for r in states)
+        for i in range(12):  # the churn test's prompts: some still cached, some evicted since
+            p, tenant = [*prefix(10 + i, 52), 1], ("team-a", "team-b")[i % 2]
+            assert explain(mesh, p, tenant, admin) == pool_truth(mesh, p, tenant), i
+    assert cached == {f"r{i}": mesh.kvm(i).GetStats(kvm_pb2.GetStatsRequest()).num_cached_blocks for i in range(2)}
 
 
 def test_a_replica_killed_under_load_is_skipped_and_nothing_leaks_on_the_survivor(mesh: Replicas) -> None:
