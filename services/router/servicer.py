@@ -140,11 +140,12 @@ class RouterSchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                         started = True
                         yield msg
                 except grpc.RpcError as exc:
+                    if not started:  # not served there: withdraw what is still only predicted
+                        self.front.router.not_sent(replica.id, decision)
                     if started or exc.code() not in (grpc.StatusCode.UNAVAILABLE,
                                                      grpc.StatusCode.RESOURCE_EXHAUSTED):
                         context.abort(exc.code(), exc.details() or "")
                     last = exc
-                    self.front.router.not_sent(replica.id, decision)
                     if exc.code() == grpc.StatusCode.UNAVAILABLE:
                         replica.mark_failed()
                         unreachable += 1
