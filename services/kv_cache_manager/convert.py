@@ -16,6 +16,7 @@ from services.kv_cache_manager.types import (
     BlockRemoved,
     BlockStored,
     BlockTable,
+    CachedBlocks,
     EvictedBlock,
     KVCacheStats,
     KVEvent,
@@ -204,3 +205,14 @@ def batch_from_pb(msg: pb.KVEventBatch) -> KVEventBatch:
     """One streamed batch, as the core's dataclasses."""
     events = [e for e in (event_from_pb(m) for m in msg.events) if e is not None]
     return KVEventBatch(msg.seq, tuple(events))
+
+
+def cached_blocks_from_pb(msg: pb.GetCachedBlocksResponse) -> CachedBlocks:
+    """A ``GetCachedBlocks`` answer as the core's dataclass."""
+    return CachedBlocks(msg.seq, tuple(BlockHash(h) for h in msg.block_hashes))
+
+
+def cached_blocks_to_pb(snapshot: CachedBlocks, instance_id: str) -> pb.GetCachedBlocksResponse:
+    """A prefix-cache snapshot, named by the instance whose sequence numbers it uses."""
+    return pb.GetCachedBlocksResponse(seq=snapshot.seq, block_hashes=snapshot.block_hashes,
+                                      instance_id=instance_id)

@@ -94,6 +94,12 @@ class EventHub:
         return len(self._subscribers)
 
     @property
+    def seq(self) -> int:
+        """The number of the last batch published (0 before the first)."""
+        with self._lock:
+            return self._seq
+
+    @property
     def has_subscribers(self) -> bool:
         """Whether events are worth producing at all (a racy read is fine: see subscribe)."""
         return bool(self._subscribers)

@@ -343,6 +343,10 @@ class KVCacheManager:
         hits = self.get_computed_blocks(block_hashes, None, len(block_hashes))
         return PrefixLookup(len(hits) * bs, tuple([b.block_id for b in hits]))
 
+    def cached_block_hashes(self) -> tuple[BlockHash, ...]:
+        """Every hash the prefix cache serves now (in use or free): a snapshot's contents."""
+        return tuple(self._pool.cached)
+
     def get_block_table(self, request_id: str) -> BlockTable:
         """A live request's blocks, known token count and computed full-block hashes."""
         state = self._requests.get(request_id)

@@ -15,7 +15,7 @@ from services.kv_cache_manager import convert
 from services.kv_cache_manager.binding import ManagerBinding
 from services.kv_cache_manager.events import EventHub
 from services.kv_cache_manager.metrics import KVCacheMetrics
-from services.kv_cache_manager.types import KVCacheStats
+from services.kv_cache_manager.types import CachedBlocks, KVCacheStats
 from shared.errors import InvalidArgument, ResourceExhausted
 from shared.grpc_server import ServiceName
 from shared.hashing import BlockHash
@@ -35,8 +35,8 @@ class KVCacheManagerServicer(pb_grpc.KVCacheManagerServicer):
     Who may call what (docs/reliability.md): ``Initialize`` binds the caller as the owner;
     ``AllocateSlots``, ``Free``, ``GetBlockTable``, ``ResetPrefixCache`` and ``Release`` are the
     owner's only; ``LookupPrefix`` answers anyone, but block ids only to the owner;
-    ``GetStats``, ``CheckIntegrity`` and ``SubscribeEvents`` are read-only aggregates open to
-    monitoring (``GetStats`` answers before ``Initialize`` too, with ``num_blocks`` 0).
+    ``GetStats``, ``CheckIntegrity``, ``SubscribeEvents`` and ``GetCachedBlocks`` are read-only and open to
+    monitoring and routers (``GetStats`` answers before ``Initialize`` too, with ``num_blocks`` 0).
 
     NOTE: gRPC calls handlers from a thread pool, and the core is not thread-safe; one lock
     serialises every call (each is microseconds to a millisecond, so it is not a bottleneck
@@ -172,6 +172,15 @@ class KVCacheManagerServicer(pb_grpc.KVCacheManagerServicer):
             sub.close()
         if sub.overflowed:
             raise ResourceExhausted("event subscriber fell behind and was dropped; resubscribe")
+
+    def GetCachedBlocks(self, request: pb.GetCachedBlocksRequest,
+                        context: grpc.ServicerContext) -> pb.GetCachedBlocksResponse:
+        # NOTE: read under the manager lock, which every publishing operation holds, so the
+        # hashes are exactly the state after batch `seq` and before batch `seq + 1`.
+        with self._lock:
+            hashes = self._binding.manager().cached_block_hashes() if self._binding.initialized else ()
+            snapshot = CachedBlocks(self._hub.seq, hashes)
+        return convert.cached_blocks_to_pb(snapshot, self._binding.instance_id)
 
     def close(self) -> None:
         """Ends every event stream cleanly (called when the server begins to stop)."""

@@ -136,3 +136,23 @@ class KVEventBatch:
 
     seq: int
     events: tuple[KVEvent, ...]
+
+
+@dataclass(frozen=True)
+class CachedBlocks:
+    """The prefix cache's hashes as of event batch ``seq`` (see ``GetCachedBlocksResponse``).
+
+    NOTE: the pair is what makes a resync exact: a subscriber registered before the snapshot
+    skips batches up to ``seq`` (already in it) and applies every later one.
+    """
+
+    seq: int
+    block_hashes: tuple[BlockHash, ...]
+
+
+class EventStreamEnded(Exception):
+    """A kv-cache-manager's event stream or snapshot call failed (the wire's reason in the message).
+
+    Here, beside the events, so a subscriber's core (the router's resync rule) can catch it without
+    importing the gRPC client that raises it.
+    """

@@ -5,12 +5,10 @@ Each replica gets two daemon threads:
 - a probe loop: every ``health_interval_seconds``, the scheduler's ``grpc.health.v1`` check and
   the kv-cache-manager's GetStats (KV usage). A replica that does not answer is skipped by the
   scorer until it answers again.
-- an event loop: SubscribeEvents on the kv-cache-manager. Once the stream is registered (its
-  initial metadata), the replica's index entries are cleared and relearned from the events that
-  follow; on a gap in the batch numbers, an overflow or a broken stream, the entries are cleared
-  again and the stream is re-opened with exponential backoff. Clearing loses what the replica
-  held before (those prefixes miss once), but the index never claims a block the replica lacks
-  for longer than a reconnect (docs/mesh.md: no snapshot RPC yet).
+- an event feed (services/router/events.py): SubscribeEvents, then a snapshot of the pool
+  (GetCachedBlocks) that replaces the replica's index entries, then every later batch; on a
+  gap, an overflow or a broken stream it resyncs the same way (with exponential backoff while
+  the replica is unreachable), so the index equals the pool again after each.
 """
 
 from __future__ import annotations
@@ -25,15 +23,15 @@ from collections.abc import Iterator
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.kv_cache_manager.types import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, KVEventBatch
+from services.kv_cache_manager.client import KVEventStream
 from services.router import discovery
 from services.router.config import RouterConfig
 from services.router.discovery import DiscoveryDiff, GetAddrInfo
+from services.router.events import EventFeed
 from services.router.index import PrefixIndex
 from services.router.metrics import RouterMetrics
 from services.router.types import ReplicaAddress, ReplicaLoad
 from shared.channels import open_channel
-from shared.hashing import BlockHash
 from shared.pb.kvmesh.v1 import kv_cache_manager_pb2 as kvm_pb2
 from shared.pb.kvmesh.v1 import kv_cache_manager_pb2_grpc as kvm_grpc
 from shared.pb.kvmesh.v1 import scheduler_pb2, scheduler_pb2_grpc
@@ -41,23 +39,6 @@ from shared.telemetry import instrument_grpc_client
 
 log = logging.getLogger(__name__)
 Metadata = tuple[tuple[str, str | bytes], ...]
-
-
-def batch_from_pb(msg: kvm_pb2.KVEventBatch) -> KVEventBatch:
-    """A streamed batch as the kv-cache-manager's own dataclasses (what the index consumes)."""
-    events: list[KVEvent] = []
-    for e in msg.events:
-        kind = e.WhichOneof("event")
-        if kind == "stored":
-            s = e.stored
-            events.append(BlockStored(tuple(BlockHash(h) for h in s.block_hashes),
-                                      BlockHash(s.parent_block_hash) if s.parent_block_hash else None,
-                                      s.block_size, s.num_tokens, tuple(s.block_ids)))
-        elif kind == "removed":
-            events.append(BlockRemoved(tuple(BlockHash(h) for h in e.removed.block_hashes)))
-        elif kind == "cleared":
-            events.append(AllBlocksCleared())
-    return KVEventBatch(msg.seq, tuple(events))
 
 
 class Replica:
@@ -77,20 +58,32 @@ class Replica:
         self._health = health_pb2_grpc.HealthStub(self.channel)
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._call: grpc.Call | None = None
         self.healthy = False
-        self.subscribed = False
-        self.subscriptions = 0
         self.kv_usage = 0.0
         self.info: scheduler_pb2.SchedulerModelInfo | None = None
         self._in_flight = 0
+        self._feed = EventFeed(self.id, KVEventStream(self._kvm, config.rpc_timeout_seconds), config, index, metrics,
+                               self._forget_model)
         self._threads = [threading.Thread(target=self._probe_loop, name=f"router-probe-{self.id}", daemon=True),
-                         threading.Thread(target=self._event_loop, name=f"router-events-{self.id}", daemon=True)]
+                         threading.Thread(target=self._feed.run, name=f"router-events-{self.id}", daemon=True)]
 
     def start(self) -> None:
         """Starts the probe and event threads."""
         for t in self._threads:
             t.start()
+
+    @property
+    def subscribed(self) -> bool:
+        """Whether its event stream is open and the index follows it."""
+        return self._feed.subscribed
+
+    @property
+    def subscriptions(self) -> int:
+        """Event streams opened so far (each one resynced the index from a snapshot)."""
+        return self._feed.subscriptions
+
+    def _forget_model(self) -> None:
+        self.info = None  # a restarted replica may serve another model: ask again
 
     @property
     def in_flight(self) -> int:
@@ -154,51 +147,10 @@ class Replica:
         while not self._stop.wait(self._config.health_interval_seconds):
             self.probe()
 
-    # ------------------------------------------------------------------ events
-
-    def _resync(self, reason: str) -> None:
-        self._index.clear_replica(self.id)
-        if self._metrics is not None:
-            self._metrics.resyncs.labels(self.id, reason).inc()
-
-    def _event_loop(self) -> None:
-        cfg = self._config
-        backoff = cfg.reconnect_min_seconds
-        while not self._stop.is_set():
-            call = self._kvm.SubscribeEvents(kvm_pb2.SubscribeEventsRequest())
-            self._call = call
-            reason = "disconnect"
-            try:
-                call.initial_metadata()  # the stream is registered: every later event reaches us
-                self._index.clear_replica(self.id)
-                self.info = None  # a restarted replica may serve another model: ask again
-                self.subscribed = True
-                self.subscriptions += 1
-                backoff = cfg.reconnect_min_seconds
-                for msg in call:
-                    if not self._index.apply(self.id, batch_from_pb(msg)):
-                        log.warning("router: replica %s event gap after batch %d (got %d): resubscribing",
-                                    self.id, self._index.last_seq(self.id), msg.seq)
-                        reason = "gap"
-                        call.cancel()
-                        break
-            except grpc.RpcError as exc:
-                if not self._stop.is_set():
-                    log.info("router: replica %s event stream ended (%s): resubscribing", self.id, exc.code())
-            finally:
-                self.subscribed = False
-            if self._stop.is_set():
-                return
-            self._resync(reason)
-            if reason != "gap":
-                self._stop.wait(backoff)
-                backoff = min(backoff * 2, cfg.reconnect_max_seconds)
-
     def stop(self) -> None:
         """Stops the probe and event threads; the channels stay open (calls on them still end with a status)."""
         self._stop.set()
-        if self._call is not None:
-            self._call.cancel()
+        self._feed.stop()
 
     def close(self) -> None:
         """Stops the threads and closes the channels."""

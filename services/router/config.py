@@ -25,6 +25,8 @@ class RouterConfig:
         prefill_weight: cost of one block the chosen replica must compute (a miss).
         request_weight: cost of one Generate stream already open on the replica, in blocks.
         kv_usage_weight: cost of a full pool (usage 1.0), in blocks; scales linearly.
+        predict_seconds: how long a routed request's blocks count as held by its replica before
+            that replica's events store them (services/router/index.py, predictions); 0 = off.
         deployment_key: the replicas' deployment key: it roots the hash chain and the tenant salt.
         model_dir: tokenizer folder (the replicas' model); empty: ask a replica's Tokenize RPC.
         health_interval_seconds: how often each replica's health and KV stats are probed.
@@ -42,6 +44,7 @@ class RouterConfig:
     prefill_weight: float = 1.0
     request_weight: float = 4.0
     kv_usage_weight: float = 8.0
+    predict_seconds: float = 10.0
     deployment_key: str = "kvmesh-dev"
     model_dir: str = ""
     health_interval_seconds: float = 1.0
@@ -53,8 +56,8 @@ class RouterConfig:
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"KVMESH_ROUTER_POLICY must be one of {POLICIES}, got {self.policy!r}")
-        if min(self.prefill_weight, self.request_weight, self.kv_usage_weight) < 0:
-            raise ValueError("router weights must be >= 0")
+        if min(self.prefill_weight, self.request_weight, self.kv_usage_weight, self.predict_seconds) < 0:
+            raise ValueError("router weights and KVMESH_ROUTER_PREDICT_SECONDS must be >= 0")
         if self.health_interval_seconds <= 0 or self.reconnect_min_seconds <= 0:
             raise ValueError("router intervals must be positive")
         self.replica_addresses()  # fail at start on a malformed list

@@ -1,9 +1,18 @@
 """The global prefix index: block hash -> the replicas whose pool holds it, fed by KV events.
 
 Each replica's kv-cache-manager streams ``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared``
-in numbered batches. The index applies them in order per replica and refuses a batch whose
-number is not the next one (a gap: the stream lost something), so the caller clears that
-replica's entries and resubscribes instead of routing on a view with holes.
+in numbered batches. The index starts a replica from a snapshot of its pool (:meth:`replace`,
+with the batch number it includes), applies later batches in order and refuses a batch whose
+number is not the next one (a gap: the stream lost something), so the caller resyncs from a
+new snapshot instead of routing on a view with holes (services/router/events.py).
+
+Predictions (``predict``): a routed request's hashes count as held by its replica from the
+decision on, until that replica's events store them (or a timeout passes: the request was
+refused, failed, or never got that far). Without them every request of a burst is decided
+before the first prefill's events arrive, so a burst of one prefix scatters like round-robin;
+with them the second request already follows the first (the SGLang router's insert-on-route,
+Dynamo's approximate mode). Predictions are kept apart from the events' view: :meth:`blocks`
+and :meth:`num_blocks` are the replica's real pool, only :meth:`match` counts both.
 
 NOTE: a replica's pool serves one block per hash (a duplicate computed concurrently stays
 unregistered and produces no event), so a set per replica mirrors it exactly.
@@ -14,7 +23,8 @@ Thread-safe: one event thread per replica writes while request threads match.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Sequence
+import time
+from collections.abc import Callable, Iterable, Sequence
 
 from services.kv_cache_manager.types import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 
@@ -22,11 +32,13 @@ from services.kv_cache_manager.types import AllBlocksCleared, BlockRemoved, Bloc
 class PrefixIndex:
     """Which replica holds which block hash, and the last batch applied per replica."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._lock = threading.Lock()
+        self._clock = clock
         self._holders: dict[bytes, set[str]] = {}
         self._blocks: dict[str, set[bytes]] = {}
         self._last_seq: dict[str, int] = {}
+        self._predicted: dict[str, dict[bytes, float]] = {}  # replica -> hash -> until (clock)
 
     def apply(self, replica_id: str, batch: KVEventBatch) -> bool:
         """Applies one batch; False (and nothing applied) when it does not follow the last one.
@@ -39,11 +51,13 @@ class PrefixIndex:
             if last is not None and batch.seq != last + 1:
                 return False
             mine = self._blocks.setdefault(replica_id, set())
+            predicted = self._predicted.get(replica_id, {})
             for event in batch.events:
                 if isinstance(event, BlockStored):
                     for h in event.block_hashes:
                         mine.add(h)
                         self._holders.setdefault(h, set()).add(replica_id)
+                        predicted.pop(h, None)  # confirmed
                 elif isinstance(event, BlockRemoved):
                     for h in event.block_hashes:
                         self._drop(replica_id, h)
@@ -54,11 +68,37 @@ class PrefixIndex:
             self._last_seq[replica_id] = batch.seq
             return True
 
+    def replace(self, replica_id: str, hashes: Iterable[bytes], seq: int) -> None:
+        """Sets a replica's entries to a snapshot of its pool taken after batch ``seq``.
+
+        The next batch applied must be ``seq + 1`` (the caller skips streamed batches up to ``seq``).
+        """
+        with self._lock:
+            self._clear(replica_id)
+            mine = self._blocks.setdefault(replica_id, set())
+            for h in hashes:
+                mine.add(h)
+                self._holders.setdefault(h, set()).add(replica_id)
+            self._last_seq[replica_id] = seq
+
     def clear_replica(self, replica_id: str) -> None:
-        """Forgets everything about a replica (reconnect, gap, restart): it is relearned from events."""
+        """Forgets everything about a replica (stream down, replica dropped) until its next snapshot."""
         with self._lock:
             self._clear(replica_id)
             self._last_seq.pop(replica_id, None)
+            self._predicted.pop(replica_id, None)
+
+    def predict(self, replica_id: str, hashes: Iterable[bytes], seconds: float) -> None:
+        """Counts ``hashes`` as held by ``replica_id`` in :meth:`match` until its events store them, or ``seconds``."""
+        with self._lock:
+            now = self._clock()
+            until = now + seconds
+            mine = self._blocks.get(replica_id, set())
+            predicted = {h: t for h, t in self._predicted.get(replica_id, {}).items() if t > now}
+            for h in hashes:
+                if h not in mine:
+                    predicted[h] = until
+            self._predicted[replica_id] = predicted
 
     def _clear(self, replica_id: str) -> None:
         for h in self._blocks.pop(replica_id, set()):
@@ -71,14 +111,27 @@ class PrefixIndex:
             if not holders:
                 del self._holders[block_hash]
 
-    def match(self, hashes: Sequence[bytes], replica_ids: Iterable[str]) -> dict[str, int]:
-        """For each replica, how many leading ``hashes`` it holds (the chain stops at the first miss)."""
+    def unpredict(self, replica_id: str, hashes: Iterable[bytes]) -> None:
+        """Withdraws predictions of ``hashes`` on ``replica_id`` (the request went elsewhere)."""
         with self._lock:
+            predicted = self._predicted.get(replica_id)
+            if predicted:
+                for h in hashes:
+                    predicted.pop(h, None)
+
+    def match(self, hashes: Sequence[bytes], replica_ids: Iterable[str]) -> dict[str, int]:
+        """For each replica, how many leading ``hashes`` it holds or is predicted to hold.
+
+        The chain stops at a replica's first miss.
+        """
+        with self._lock:
+            now = self._clock()
             result = dict.fromkeys(replica_ids, 0)
             alive = set(result)
+            predicted = {r: p for r in alive if (p := self._predicted.get(r))}
             for i, h in enumerate(hashes):
                 holders = self._holders.get(h, set())
-                for rid in [r for r in alive if r not in holders]:
+                for rid in [r for r in alive if r not in holders and predicted.get(r, {}).get(h, 0.0) <= now]:
                     result[rid] = i
                     alive.discard(rid)
                 if not alive:

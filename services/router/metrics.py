@@ -30,7 +30,7 @@ class RouterMetrics:
                                "Generate attempts moved to another replica before the first token.",
                                ["reason"], registry=registry)
         self.resyncs = Counter(PREFIX + "router_index_resyncs",
-                               "Times a replica's index entries were cleared to be relearned.",
+                               "Times a replica's index entries were resynced from a snapshot (gap, reconnect).",
                                ["replica", "reason"], registry=registry)
         self.indexed_blocks = Gauge(PREFIX + "router_indexed_blocks", "Block hashes indexed per replica.",
                                     ["replica"], registry=registry)

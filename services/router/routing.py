@@ -7,6 +7,7 @@ decision goes to the log, the current (server) span's attributes and the metrics
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
 from typing import Protocol
@@ -46,16 +47,29 @@ class Router:
         """Scores ``candidates`` for the prompt ``token_ids`` of ``tenant_id``.
 
         Args:
-            record: log it and count it in the metrics (False for Explain, which routes nothing).
+            record: log the decision and count it (False for Explain, which routes nothing).
         """
         cfg = self.config
         hashes = request_hashes(cfg.deployment_key, model_id, block_size, token_ids, tenant_id, client_salt)
         ids = [c.id for c in candidates]
         decision = self.scorer.decide(len(hashes), ids, self.index.match(hashes, ids),
                                       {c.id: c.load() for c in candidates})
+        decision = dataclasses.replace(decision, hashes=tuple(hashes))
         if record:
             self._record(decision)
         return decision
+
+    def sending(self, replica_id: str, decision: Decision) -> None:
+        """The request is being forwarded to ``replica_id``: predict its blocks there.
+
+        NOTE: called before the forward, so the replica's store events always come after it.
+        """
+        if self.config.predict_seconds > 0:
+            self.index.predict(replica_id, decision.hashes, self.config.predict_seconds)
+
+    def not_sent(self, replica_id: str, decision: Decision) -> None:
+        """``replica_id`` refused or failed before the first token: take its prediction back."""
+        self.index.unpredict(replica_id, decision.hashes)
 
     def _record(self, decision: Decision) -> None:
         parts = " ".join(f"{s.replica_id}:matched={s.matched_blocks},in_flight={s.in_flight},"

@@ -135,6 +135,7 @@ class RouterSchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             if unreachable > 1:
                 break
             started = False
+            self.front.router.sending(replica.id, decision)
             with replica.track():
                 call = replica.stub.Generate(request, metadata=metadata, timeout=_timeout(context))
                 context.add_callback(call.cancel)
@@ -143,6 +144,8 @@ class RouterSchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                         started = True
                         yield msg
                 except grpc.RpcError as exc:
+                    if not started:  # not served there: withdraw what is still only predicted
+                        self.front.router.not_sent(replica.id, decision)
                     if started or exc.code() not in (grpc.StatusCode.UNAVAILABLE,
                                                      grpc.StatusCode.RESOURCE_EXHAUSTED):
                         context.abort(exc.code(), exc.details() or "")

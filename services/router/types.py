@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -45,6 +45,7 @@ class Decision:
     policy: str
     total_blocks: int
     scores: tuple[ReplicaScore, ...]
+    hashes: tuple[bytes, ...] = field(default=(), repr=False)  # the request's block hashes
 
     @property
     def replica_id(self) -> str:

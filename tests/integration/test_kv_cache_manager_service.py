@@ -288,6 +288,29 @@ def test_subscribers_receive_block_events(stub: pb_grpc.KVCacheManagerStub) -> N
     assert [e.WhichOneof("event") for e in batches[2].events] == ["cleared"]
 
 
+def test_cached_blocks_snapshot_is_open_and_numbered_like_the_stream(stub: pb_grpc.KVCacheManagerStub,
+                                                                      channel: grpc.Channel) -> None:
+    anyone = pb_grpc.KVCacheManagerStub(channel)  # no owner: routers and monitoring read it
+    stream = stub.SubscribeEvents(pb.SubscribeEventsRequest(), timeout=30)
+    stream.initial_metadata()
+    step(stub, [], [new("a", A)])
+    step(stub, ["a"], [new("b", B)])
+    snap = anyone.GetCachedBlocks(pb.GetCachedBlocksRequest(), timeout=TIMEOUT)
+    it = iter(stream)
+    first = next(it)
+    stream.cancel()
+    hashes = hash_blocks(SEED, A, 16)
+    assert snap.seq == first.seq  # b was a full hit: nothing stored, so one batch only
+    assert sorted(snap.block_hashes) == sorted(hashes) and len(snap.block_hashes) == 3
+    stats = anyone.GetStats(pb.GetStatsRequest(), timeout=TIMEOUT)
+    assert snap.instance_id == stats.instance_id != ""
+    step(stub, ["b"], [new("c", list(range(5000, 5160)))])  # evicts all three, stores ten
+    after = anyone.GetCachedBlocks(pb.GetCachedBlocksRequest(), timeout=TIMEOUT)
+    assert after.seq == snap.seq  # nobody subscribed any more: no batch published
+    assert sorted(after.block_hashes) == sorted(hash_blocks(SEED, list(range(5000, 5160)), 16))
+    step(stub, ["c"], [])
+
+
 def test_health_and_reflection(service: ServiceProcess, channel: grpc.Channel) -> None:
     health = health_pb2_grpc.HealthStub(channel)
     for name in ("", SERVICE):

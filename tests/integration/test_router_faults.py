@@ -8,6 +8,7 @@ its calls, so the tests see exactly which replica the router tried, in which ord
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -80,6 +81,12 @@ class Setup:
 
 @pytest.fixture()
 def setup() -> Iterator[Setup]:
+    with serving(predict_seconds=0) as s:
+        yield s
+
+
+@contextlib.contextmanager
+def serving(predict_seconds: float) -> Iterator[Setup]:
     peers = []
     for _ in range(2):
         scripted = Scripted()
@@ -88,8 +95,11 @@ def setup() -> Iterator[Setup]:
         peers.append(Peer(scripted, server, serve_kvm()))
     replicas_cfg = ",".join(f"r{i}=127.0.0.1:{p.server.port}/127.0.0.1:{p.kvm.server.port}"
                             for i, p in enumerate(peers))
-    # Probes once an hour: a replica that dies stays "healthy" until a forward finds out.
-    cfg = RouterConfig(replicas=replicas_cfg, deployment_key="test-key", health_interval_seconds=3600)
+    # Probes once an hour: a replica that dies stays "healthy" until a forward finds out. No
+    # predictions: the scripted schedulers store nothing, and the tests count on the tie rotation
+    # for the same prompt sent again (predictions would send it after the first one).
+    cfg = RouterConfig(replicas=replicas_cfg, deployment_key="test-key", health_interval_seconds=3600,
+                       predict_seconds=predict_seconds)
     registry = new_registry(process_collectors=False)
     metrics = RouterMetrics(registry)
     index = PrefixIndex()
@@ -155,3 +165,16 @@ def test_after_the_first_token_the_status_ends_the_stream_without_replay(setup: 
     assert err.details() == "runner crashed"
     assert sorted(p.scripted.calls for p in setup.peers) == [0, 1]
     assert setup.retries("unavailable") == setup.retries("refused") == 0.0
+
+
+def test_a_refusal_moves_the_prediction_to_the_replica_that_served() -> None:
+    """With predictions on, the same prompt again follows the first request, to where it was
+    actually served: r0 refused it, so r1 (which then took it) is predicted, r0 is not."""
+    with serving(predict_seconds=60) as s:
+        s.peers[0].scripted.mode = "refuse"
+        assert s.generate() == ([7, 8], None)  # turn 0: r0 first, refused, then r1
+        s.peers[0].scripted.mode = "ok"
+        for _ in range(3):  # ties would rotate r1, r0, r1 first: the prediction keeps r1 first
+            assert s.generate() == ([7, 8], None)
+        assert [p.scripted.calls for p in s.peers] == [1, 4]
+        assert s.retries("refused") == 1.0

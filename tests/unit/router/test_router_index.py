@@ -90,3 +90,38 @@ def test_index_equals_a_real_pool_after_churn() -> None:
     for rid, m in managers.items():
         assert index.blocks(rid) == set(m.pool.cached), rid
         m.check_integrity()
+
+
+def test_replace_sets_a_replicas_entries_and_the_next_batch_number() -> None:
+    index = PrefixIndex()
+    index.apply("a", KVEventBatch(3, (stored(1, 2),)))
+    index.apply("b", KVEventBatch(1, (stored(2),)))
+    index.replace("a", [h(2), h(4)], 9)  # the snapshot as of batch 9
+    assert index.blocks("a") == {h(2), h(4)} and index.blocks("b") == {h(2)} and index.last_seq("a") == 9
+    assert index.match([h(1)], ["a", "b"]) == {"a": 0, "b": 0}
+    assert not index.apply("a", KVEventBatch(9, (stored(5),)))  # already in the snapshot: refused
+    assert index.apply("a", KVEventBatch(10, (BlockRemoved((h(2),)),)))
+    assert index.blocks("a") == {h(4)} and index.match([h(2)], ["a", "b"]) == {"a": 0, "b": 1}
+    index.replace("a", [], 11)
+    assert index.num_blocks("a") == 0 and index.match([h(4)], ["a"]) == {"a": 0}
+
+
+def test_predictions_count_in_match_only_until_stored_expired_or_cleared() -> None:
+    now = [0.0]
+    index = PrefixIndex(clock=lambda: now[0])
+    index.apply("a", KVEventBatch(1, (stored(1),)))
+    index.predict("a", [h(1), h(2), h(3)], 5.0)
+    index.predict("b", [h(1)], 5.0)
+    assert index.match([h(1), h(2), h(3), h(4)], ["a", "b"]) == {"a": 3, "b": 1}
+    assert index.blocks("a") == {h(1)} and index.num_blocks("b") == 0  # the real view
+    # Stored: confirmed (no longer a prediction), then removed: gone, not kept alive by it.
+    assert index.apply("a", KVEventBatch(2, (stored(2),)))
+    assert index.apply("a", KVEventBatch(3, (BlockRemoved((h(2),)),)))
+    assert index.match([h(1), h(2), h(3)], ["a"]) == {"a": 1}
+    now[0] = 4.9
+    assert index.match([h(1), h(3)], ["b"]) == {"b": 1}
+    now[0] = 5.0  # lapsed
+    assert index.match([h(1)], ["b"]) == {"b": 0}
+    index.predict("a", [h(1), h(5)], 5.0)  # h(1) is held already: only h(5) is predicted
+    index.clear_replica("a")  # the stream is down: claim nothing, predictions included
+    assert index.match([h(1)], ["a"]) == {"a": 0} and index.match([h(5)], ["a"]) == {"a": 0}

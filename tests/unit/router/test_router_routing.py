@@ -31,7 +31,7 @@ class Fake:
 
 
 def test_decision_uses_the_tenants_hashes_and_is_recorded() -> None:
-    cfg = RouterConfig(deployment_key="dk")
+    cfg = RouterConfig(deployment_key="dk", predict_seconds=0)  # the events' view only (predictions: below)
     tokens = list(range(10, 30))  # 5 blocks of 4
     index = PrefixIndex()
     held = request_hashes("dk", "m", 4, tokens, "team-a")[:3]
@@ -60,3 +60,30 @@ def test_decision_uses_the_tenants_hashes_and_is_recorded() -> None:
     assert sample("kvmesh:router_decisions_total", {"replica": "b", "policy": "kv_aware"}) == 2.0
     assert sample("kvmesh:router_matched_blocks_total", {"replica": "b"}) == 3.0
     assert sample("kvmesh:router_prompt_blocks_total") == 10.0  # two recorded decisions of 5 blocks
+
+
+def test_a_routed_requests_blocks_are_predicted_on_its_replica_until_events_confirm() -> None:
+    """A burst of one prefix: without predictions each decision comes before the first prefill's
+    events, so ties rotate and the prefix is computed on both replicas; with them the second
+    request follows the first."""
+    tokens = list(range(10, 30))  # 5 blocks of 4
+    hashes = request_hashes("dk", "m", 4, tokens, "team-a")
+    off = Router(RouterConfig(deployment_key="dk", predict_seconds=0), PrefixIndex())
+    first, second = (off.decide([Fake("a"), Fake("b")], tokens, "team-a", "", "m", 4) for _ in range(2))
+    assert (first.replica_id, second.replica_id, second.matched_blocks) == ("a", "b", 0)
+    now = [100.0]
+    index = PrefixIndex(clock=lambda: now[0])
+    on = Router(RouterConfig(deployment_key="dk", predict_seconds=10), index)
+    first = on.decide([Fake("a"), Fake("b")], tokens, "team-a", "", "m", 4)
+    assert first.hashes == tuple(hashes)
+    on.sending(first.replica_id, first)  # what the servicer does before forwarding
+    second = on.decide([Fake("a"), Fake("b")], tokens, "team-a", "", "m", 4)
+    assert (first.replica_id, second.replica_id, second.matched_blocks) == ("a", "a", 5)
+    on.not_sent("a", first)  # "a" refused it; the retry goes to "b", which is predicted instead
+    on.sending("b", first)
+    assert index.match(hashes, ["a", "b"]) == {"a": 0, "b": 5}
+    assert index.blocks("b") == frozenset() and index.num_blocks("b") == 0  # the real view: nothing yet
+    other = on.decide([Fake("a"), Fake("b")], tokens, "team-b", "", "m", 4, record=False)
+    assert [s.matched_blocks for s in other.scores] == [0, 0]  # other tenants' hashes differ
+    now[0] = 110.0  # the replica never stored them (refused, failed): the prediction lapses
+    assert index.match(hashes, ["a", "b"]) == {"a": 0, "b": 0}

@@ -876,3 +876,56 @@ class KVEventBatch(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___KVEventBatch: _TypeAlias = KVEventBatch  # noqa: Y015
+
+@_typing.final
+class GetCachedBlocksRequest(_message.Message):
+    """No fields."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetCachedBlocksRequest: _TypeAlias = GetCachedBlocksRequest  # noqa: Y015
+
+@_typing.final
+class GetCachedBlocksResponse(_message.Message):
+    """The prefix cache's contents at one point of the event sequence."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SEQ_FIELD_NUMBER: _builtins.int
+    BLOCK_HASHES_FIELD_NUMBER: _builtins.int
+    INSTANCE_ID_FIELD_NUMBER: _builtins.int
+    seq: _builtins.int
+    """Number of the last event batch published before the snapshot (0: none yet). Batches with a
+    number <= seq are already reflected here; every later one is not.
+    """
+    instance_id: _builtins.str
+    """Random id of this kv-cache-manager process (as in KVCacheStats): sequence numbers are only
+    comparable within one instance.
+    """
+    @_builtins.property
+    def block_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
+        """Hashes of every cached (registered) block, in use or free; empty before Initialize."""
+
+    def __init__(
+        self,
+        *,
+        seq: _builtins.int = ...,
+        block_hashes: _abc.Iterable[_builtins.bytes] | None = ...,
+        instance_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "instance_id", b"instance_id", "seq", b"seq"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetCachedBlocksResponse: _TypeAlias = GetCachedBlocksResponse  # noqa: Y015

@@ -31,10 +31,10 @@ class KVCacheManagerStub:
     Ownership (docs/reliability.md): the manager starts UNINITIALIZED and serves nothing until a
     scheduler calls Initialize. The caller's owner id travels as gRPC metadata `kvmesh-owner` on
     every call; Initialize makes it the owner with a lease that every owner call renews. Every
-    call but GetStats, CheckIntegrity and SubscribeEvents is refused with FAILED_PRECONDITION
-    before Initialize ("not initialized") or from anyone but the owner ("not the owner"). GetStats
-    answers before Initialize too (num_blocks 0: unbound). LookupPrefix answers anyone, but its
-    block_ids only to the owner.
+    call but GetStats, CheckIntegrity, SubscribeEvents and GetCachedBlocks is refused with
+    FAILED_PRECONDITION before Initialize ("not initialized") or from anyone but the owner ("not
+    the owner"). GetStats and GetCachedBlocks answer before Initialize too (unbound: no blocks).
+    LookupPrefix answers anyone, but its block_ids only to the owner.
 
     Block hashes (docs/design.md): the scheduler owns the hash seed and computes every request's
     chained block hashes once (shared/hashing.py); this service never hashes. It receives the hashes
@@ -97,6 +97,11 @@ class KVCacheManagerStub:
                 request_serializer=kvmesh_dot_v1_dot_kv__cache__manager__pb2.SubscribeEventsRequest.SerializeToString,
                 response_deserializer=kvmesh_dot_v1_dot_kv__cache__manager__pb2.KVEventBatch.FromString,
                 _registered_method=True)
+        self.GetCachedBlocks = channel.unary_unary(
+                '/kvmesh.v1.KVCacheManager/GetCachedBlocks',
+                request_serializer=kvmesh_dot_v1_dot_kv__cache__manager__pb2.GetCachedBlocksRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_v1_dot_kv__cache__manager__pb2.GetCachedBlocksResponse.FromString,
+                _registered_method=True)
 
 
 class KVCacheManagerServicer:
@@ -105,10 +110,10 @@ class KVCacheManagerServicer:
     Ownership (docs/reliability.md): the manager starts UNINITIALIZED and serves nothing until a
     scheduler calls Initialize. The caller's owner id travels as gRPC metadata `kvmesh-owner` on
     every call; Initialize makes it the owner with a lease that every owner call renews. Every
-    call but GetStats, CheckIntegrity and SubscribeEvents is refused with FAILED_PRECONDITION
-    before Initialize ("not initialized") or from anyone but the owner ("not the owner"). GetStats
-    answers before Initialize too (num_blocks 0: unbound). LookupPrefix answers anyone, but its
-    block_ids only to the owner.
+    call but GetStats, CheckIntegrity, SubscribeEvents and GetCachedBlocks is refused with
+    FAILED_PRECONDITION before Initialize ("not initialized") or from anyone but the owner ("not
+    the owner"). GetStats and GetCachedBlocks answer before Initialize too (unbound: no blocks).
+    LookupPrefix answers anyone, but its block_ids only to the owner.
 
     Block hashes (docs/design.md): the scheduler owns the hash seed and computes every request's
     chained block hashes once (shared/hashing.py); this service never hashes. It receives the hashes
@@ -192,6 +197,16 @@ class KVCacheManagerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetCachedBlocks(self, request, context):
+        """Read-only, open like SubscribeEvents: the hash of every block the prefix cache serves now,
+        with the number of the last event batch published before it. A subscriber that takes this
+        snapshot after its stream is registered and then applies only the batches numbered above
+        `seq` holds exactly the pool's view (a router resyncing after a gap, restart or reconnect).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVCacheManagerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -245,6 +260,11 @@ def add_KVCacheManagerServicer_to_server(servicer, server):
                     request_deserializer=kvmesh_dot_v1_dot_kv__cache__manager__pb2.SubscribeEventsRequest.FromString,
                     response_serializer=kvmesh_dot_v1_dot_kv__cache__manager__pb2.KVEventBatch.SerializeToString,
             ),
+            'GetCachedBlocks': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetCachedBlocks,
+                    request_deserializer=kvmesh_dot_v1_dot_kv__cache__manager__pb2.GetCachedBlocksRequest.FromString,
+                    response_serializer=kvmesh_dot_v1_dot_kv__cache__manager__pb2.GetCachedBlocksResponse.SerializeToString,
+            ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
             'kvmesh.v1.KVCacheManager', rpc_method_handlers)
@@ -259,10 +279,10 @@ class KVCacheManager:
     Ownership (docs/reliability.md): the manager starts UNINITIALIZED and serves nothing until a
     scheduler calls Initialize. The caller's owner id travels as gRPC metadata `kvmesh-owner` on
     every call; Initialize makes it the owner with a lease that every owner call renews. Every
-    call but GetStats, CheckIntegrity and SubscribeEvents is refused with FAILED_PRECONDITION
-    before Initialize ("not initialized") or from anyone but the owner ("not the owner"). GetStats
-    answers before Initialize too (num_blocks 0: unbound). LookupPrefix answers anyone, but its
-    block_ids only to the owner.
+    call but GetStats, CheckIntegrity, SubscribeEvents and GetCachedBlocks is refused with
+    FAILED_PRECONDITION before Initialize ("not initialized") or from anyone but the owner ("not
+    the owner"). GetStats and GetCachedBlocks answer before Initialize too (unbound: no blocks).
+    LookupPrefix answers anyone, but its block_ids only to the owner.
 
     Block hashes (docs/design.md): the scheduler owns the hash seed and computes every request's
     chained block hashes once (shared/hashing.py); this service never hashes. It receives the hashes
@@ -529,6 +549,33 @@ class KVCacheManager:
             '/kvmesh.v1.KVCacheManager/SubscribeEvents',
             kvmesh_dot_v1_dot_kv__cache__manager__pb2.SubscribeEventsRequest.SerializeToString,
             kvmesh_dot_v1_dot_kv__cache__manager__pb2.KVEventBatch.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetCachedBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.v1.KVCacheManager/GetCachedBlocks',
+            kvmesh_dot_v1_dot_kv__cache__manager__pb2.GetCachedBlocksRequest.SerializeToString,
+            kvmesh_dot_v1_dot_kv__cache__manager__pb2.GetCachedBlocksResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -34,10 +34,10 @@ class KVCacheManagerStub:
     Ownership (docs/reliability.md): the manager starts UNINITIALIZED and serves nothing until a
     scheduler calls Initialize. The caller's owner id travels as gRPC metadata `kvmesh-owner` on
     every call; Initialize makes it the owner with a lease that every owner call renews. Every
-    call but GetStats, CheckIntegrity and SubscribeEvents is refused with FAILED_PRECONDITION
-    before Initialize ("not initialized") or from anyone but the owner ("not the owner"). GetStats
-    answers before Initialize too (num_blocks 0: unbound). LookupPrefix answers anyone, but its
-    block_ids only to the owner.
+    call but GetStats, CheckIntegrity, SubscribeEvents and GetCachedBlocks is refused with
+    FAILED_PRECONDITION before Initialize ("not initialized") or from anyone but the owner ("not
+    the owner"). GetStats and GetCachedBlocks answer before Initialize too (unbound: no blocks).
+    LookupPrefix answers anyone, but its block_ids only to the owner.
 
     Block hashes (docs/design.md): the scheduler owns the hash seed and computes every request's
     chained block hashes once (shared/hashing.py); this service never hashes. It receives the hashes
@@ -78,6 +78,12 @@ class KVCacheManagerStub:
     """Re-derives all accounting from scratch; INTERNAL with a description on any mismatch."""
     SubscribeEvents: _grpc.UnaryStreamMultiCallable[_kv_cache_manager_pb2.SubscribeEventsRequest, _kv_cache_manager_pb2.KVEventBatch]
     """A stream of block stored / removed / cleared events, from the moment of subscription."""
+    GetCachedBlocks: _grpc.UnaryUnaryMultiCallable[_kv_cache_manager_pb2.GetCachedBlocksRequest, _kv_cache_manager_pb2.GetCachedBlocksResponse]
+    """Read-only, open like SubscribeEvents: the hash of every block the prefix cache serves now,
+    with the number of the last event batch published before it. A subscriber that takes this
+    snapshot after its stream is registered and then applies only the batches numbered above
+    `seq` holds exactly the pool's view (a router resyncing after a gap, restart or reconnect).
+    """
 
 @_typing.type_check_only
 class KVCacheManagerAsyncStub(KVCacheManagerStub):
@@ -86,10 +92,10 @@ class KVCacheManagerAsyncStub(KVCacheManagerStub):
     Ownership (docs/reliability.md): the manager starts UNINITIALIZED and serves nothing until a
     scheduler calls Initialize. The caller's owner id travels as gRPC metadata `kvmesh-owner` on
     every call; Initialize makes it the owner with a lease that every owner call renews. Every
-    call but GetStats, CheckIntegrity and SubscribeEvents is refused with FAILED_PRECONDITION
-    before Initialize ("not initialized") or from anyone but the owner ("not the owner"). GetStats
-    answers before Initialize too (num_blocks 0: unbound). LookupPrefix answers anyone, but its
-    block_ids only to the owner.
+    call but GetStats, CheckIntegrity, SubscribeEvents and GetCachedBlocks is refused with
+    FAILED_PRECONDITION before Initialize ("not initialized") or from anyone but the owner ("not
+    the owner"). GetStats and GetCachedBlocks answer before Initialize too (unbound: no blocks).
+    LookupPrefix answers anyone, but its block_ids only to the owner.
 
     Block hashes (docs/design.md): the scheduler owns the hash seed and computes every request's
     chained block hashes once (shared/hashing.py); this service never hashes. It receives the hashes
@@ -127,6 +133,12 @@ class KVCacheManagerAsyncStub(KVCacheManagerStub):
     """Re-derives all accounting from scratch; INTERNAL with a description on any mismatch."""
     SubscribeEvents: _aio.UnaryStreamMultiCallable[_kv_cache_manager_pb2.SubscribeEventsRequest, _kv_cache_manager_pb2.KVEventBatch]  # type: ignore[assignment]
     """A stream of block stored / removed / cleared events, from the moment of subscription."""
+    GetCachedBlocks: _aio.UnaryUnaryMultiCallable[_kv_cache_manager_pb2.GetCachedBlocksRequest, _kv_cache_manager_pb2.GetCachedBlocksResponse]  # type: ignore[assignment]
+    """Read-only, open like SubscribeEvents: the hash of every block the prefix cache serves now,
+    with the number of the last event batch published before it. A subscriber that takes this
+    snapshot after its stream is registered and then applies only the batches numbered above
+    `seq` holds exactly the pool's view (a router resyncing after a gap, restart or reconnect).
+    """
 
 class KVCacheManagerServicer(metaclass=_abc_1.ABCMeta):
     """Manages which KV blocks belong to which request and which cached prefixes are reusable.
@@ -134,10 +146,10 @@ class KVCacheManagerServicer(metaclass=_abc_1.ABCMeta):
     Ownership (docs/reliability.md): the manager starts UNINITIALIZED and serves nothing until a
     scheduler calls Initialize. The caller's owner id travels as gRPC metadata `kvmesh-owner` on
     every call; Initialize makes it the owner with a lease that every owner call renews. Every
-    call but GetStats, CheckIntegrity and SubscribeEvents is refused with FAILED_PRECONDITION
-    before Initialize ("not initialized") or from anyone but the owner ("not the owner"). GetStats
-    answers before Initialize too (num_blocks 0: unbound). LookupPrefix answers anyone, but its
-    block_ids only to the owner.
+    call but GetStats, CheckIntegrity, SubscribeEvents and GetCachedBlocks is refused with
+    FAILED_PRECONDITION before Initialize ("not initialized") or from anyone but the owner ("not
+    the owner"). GetStats and GetCachedBlocks answer before Initialize too (unbound: no blocks).
+    LookupPrefix answers anyone, but its block_ids only to the owner.
 
     Block hashes (docs/design.md): the scheduler owns the hash seed and computes every request's
     chained block hashes once (shared/hashing.py); this service never hashes. It receives the hashes
@@ -233,5 +245,17 @@ class KVCacheManagerServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_kv_cache_manager_pb2.KVEventBatch], _abc.AsyncIterator[_kv_cache_manager_pb2.KVEventBatch]]:
         """A stream of block stored / removed / cleared events, from the moment of subscription."""
+
+    @_abc_1.abstractmethod
+    def GetCachedBlocks(
+        self,
+        request: _kv_cache_manager_pb2.GetCachedBlocksRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_kv_cache_manager_pb2.GetCachedBlocksResponse, _abc.Awaitable[_kv_cache_manager_pb2.GetCachedBlocksResponse]]:
+        """Read-only, open like SubscribeEvents: the hash of every block the prefix cache serves now,
+        with the number of the last event batch published before it. A subscriber that takes this
+        snapshot after its stream is registered and then applies only the batches numbered above
+        `seq` holds exactly the pool's view (a router resyncing after a gap, restart or reconnect).
+        """
 
 def add_KVCacheManagerServicer_to_server(servicer: KVCacheManagerServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
