@@ -53,12 +53,18 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
-def select_dtype(requested: str, device_type: str, flags: Iterable[str], quantization: str = "none") -> Choice:
-    """``dtype=auto``: bf16 on a CPU with bf16 hardware (vLLM's CPU default), fp32 elsewhere.
+def select_dtype(requested: str, device_type: str, flags: Iterable[str], quantization: str = "none",
+                 bf16_kernels: bool = False) -> Choice:
+    """``dtype=auto``: bf16 on a CPU with bf16 hardware *and* batch-invariant bf16 kernels built
+    here (``bf16_kernels``), fp32 elsewhere.
 
-    fp32 elsewhere because a CPU without AMX-BF16 / AVX512-BF16 computes bf16 by converting it to
-    fp32 (slower than fp32, and less exact); fp32 on CUDA too (bf16 there has not been measured
-    against the suite's tests); fp32 under ``quantization`` (its packed weights start from fp32).
+    bf16 needs both because the cache must never change the answer in the default mode: torch's
+    bf16 GEMMs (oneDNN) pick their blocking by the row count, so a prefix hit, a chunked prefill
+    or another batch would change a row's last bits and, at near-ties, its greedy token; only
+    kernels with a fixed reduction order per row (``native/gemm_bf16.c``) make bf16 safe as a
+    default. fp32 on a CPU without AMX-BF16 / AVX512-BF16 (bf16 would run as converted fp32:
+    slower than fp32, and less exact), on CUDA (bf16 there has not been measured against the
+    suite's tests) and under ``quantization`` (its packed weights start from fp32).
     """
     if requested != "auto":
         return Choice(requested, "set explicitly")
@@ -67,9 +73,14 @@ def select_dtype(requested: str, device_type: str, flags: Iterable[str], quantiz
     if quantization != "none":
         return Choice("float32", f"auto: quantization={quantization} packs fp32 weights")
     have = sorted(set(flags) & set(BF16_FLAGS))
-    if have:
-        return Choice("bfloat16", f"auto: the CPU computes bf16 in hardware ({', '.join(have)})")
-    return Choice("float32", "auto: the CPU has no AMX-BF16 or AVX512-BF16 (bf16 would run as converted fp32)")
+    if not have:
+        return Choice("float32", "auto: the CPU has no AMX-BF16 or AVX512-BF16 (bf16 would run as converted fp32)")
+    if not bf16_kernels:
+        return Choice("float32", f"auto: the CPU has bf16 hardware ({', '.join(have)}) but no batch-invariant bf16 "
+                                 "kernels built here (torch's bf16 GEMMs change their reduction order with the "
+                                 "batch size, so the cache could change the answer)")
+    return Choice("bfloat16", f"auto: the CPU computes bf16 in hardware ({', '.join(have)}) and the native "
+                              "batch-invariant bf16 kernels built here")
 
 
 def select_backend(
@@ -136,7 +147,7 @@ def build_runner(config: RunnerConfig, flags: Iterable[str] | None = None) -> Mo
         torch.set_num_threads(config.num_threads)
     device = resolve_device(config.device)
     dtype_choice = select_dtype(config.dtype, device.type, cpu_flags() if flags is None else flags,
-                                config.quantization)
+                                config.quantization, bf16_kernels=False)
     dtype = parse_dtype(dtype_choice.value)
     model, mcfg = load_model(config.model_dir, dtype=dtype, device=device)
     backend_choice = _select_backend(config.attention_backend, device, str(dtype).removeprefix("torch."), mcfg)

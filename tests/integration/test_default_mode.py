@@ -22,7 +22,6 @@ import pytest
 import torch
 
 from services.model_runner.config import RunnerConfig
-from services.model_runner.factory import BF16_FLAGS, cpu_flags
 from services.model_runner.native import load_kernels
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.inprocess import build_inprocess
@@ -96,13 +95,11 @@ def cold(tiny_llama_dir: Path) -> Iterator[tuple[Outputs, Any]]:
 
 
 def test_the_default_and_its_reasons_reach_both_model_infos(tiny_llama_dir: Path) -> None:
-    """With nothing set: fp32 on the native kernels on this machine class (bf16 on the torch path
-    where the CPU has bf16 hardware), reported by the runner and by the scheduler alike."""
+    """With nothing set: fp32 on the native kernels (bf16 hardware or not: no batch-invariant bf16
+    kernels exist yet), reported by the runner and by the scheduler alike."""
     _, (_, _, info, sched_info) = _run(tiny_llama_dir, concurrent=False, runner={}, enable_prefix_caching=False)
-    bf16 = bool(cpu_flags() & set(BF16_FLAGS))
     built = load_kernels() is not None
-    assert (info.dtype, info.attention_backend) == (
-        ("bfloat16", "torch") if bf16 else ("float32", "cpu" if built else "torch"))
+    assert (info.dtype, info.attention_backend) == ("float32", "cpu" if built else "torch")
     assert (sched_info.dtype, sched_info.attention_backend) == (info.dtype, info.attention_backend)
     assert (sched_info.dtype_reason, sched_info.attention_backend_reason) == (
         info.dtype_reason, info.attention_backend_reason)
