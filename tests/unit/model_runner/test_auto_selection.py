@@ -86,6 +86,26 @@ def test_auto_backend_falls_back_for_shapes_the_native_decode_does_not_take() ->
     assert select_backend("auto", "cpu", "float16", True, **LLAMA).value == "torch"
 
 
+@pytest.mark.parametrize(("bf16_kernels", "built", "backend", "reason_part"), [
+    (True, True, "cpu", "bf16 GEMMs with fp32 accumulation, batch invariant"),
+    (False, True, "torch", "no bf16 GEMM here"),  # bf16 asked for where the GEMM is not built
+    (True, False, "torch", "did not build"),
+])  # fmt: skip
+def test_auto_backend_for_bf16(bf16_kernels: bool, built: bool, backend: str, reason_part: str) -> None:
+    choice = select_backend("auto", "cpu", "bfloat16", built, **LLAMA, bf16_kernels=bf16_kernels)
+    assert choice.value == backend and reason_part in choice.reason
+
+
+def test_auto_picks_bf16_only_together_with_its_native_backend() -> None:
+    """The pair auto resolves to on a bf16 CPU is (bfloat16, cpu) or (float32, cpu), never the
+    torch path's non-invariant bf16 GEMMs."""
+    for flags in (AMX, ZEN4):
+        for kernels in (True, False):
+            dtype = select_dtype("auto", "cpu", flags, bf16_kernels=kernels).value
+            assert (dtype, select_backend("auto", "cpu", dtype, True, **LLAMA, bf16_kernels=kernels).value) == (
+                "bfloat16" if kernels else "float32", "cpu")
+
+
 def test_explicit_and_cuda_backends() -> None:
     assert select_backend("torch", "cpu", "float32", True, **LLAMA).value == "torch"
     assert select_backend("auto", "cuda", "float32", False, **LLAMA).value == "triton"
@@ -113,8 +133,8 @@ def _greedy(runner: object, prompt: list[int], steps: int) -> list[int]:
 def test_build_runner_default_per_machine(tiny_llama_dir: Path) -> None:
     """The defaults, built for real: this machine's class (AVX2) gets fp32 on the native kernels
     where they build, and its output equals the torch fp32 reference; an AMX machine's flags give
-    fp32 too while no batch-invariant bf16 kernels exist; bf16 on the torch path stays available
-    when asked for (it runs here too, slowly)."""
+    bf16 mode on the native kernels where their bf16 GEMM is built (a CPU with AVX512-BF16, as
+    here on a Zen 4), fp32 elsewhere; bf16 on the torch path stays available when asked for."""
     common = dict(model_dir=str(tiny_llama_dir), block_size=4, kv_cache_memory_bytes=16 * 2048, warmup=False)
     prompt = [5, 9, 17, 33, 65, 129, 7]
     runners = []
@@ -137,9 +157,17 @@ def test_build_runner_default_per_machine(tiny_llama_dir: Path) -> None:
         amx = build_runner(RunnerConfig(**common), flags=AMX)  # type: ignore[arg-type]
         runners.append(amx)
         info = amx.model_info()
-        assert (info.dtype, info.kv_cache_dtype, info.attention_backend) == (
-            "float32", "float32", "cpu" if built else "torch")
-        assert "no batch-invariant bf16 kernels" in info.dtype_reason
+        kernels = load_kernels()
+        if kernels is not None and kernels.linear_bf16 is not None:  # this CPU has AVX512-BF16: bf16 mode
+            assert (info.dtype, info.kv_cache_dtype, info.attention_backend) == ("bfloat16", "float32", "cpu")
+            assert "native batch-invariant bf16 kernels built here" in info.dtype_reason
+            assert "bf16 GEMMs with fp32 accumulation" in info.attention_backend_reason
+            assert amx.model.model.layers[0].self_attn.qkv_proj.packed.mode == "native_bf16"  # type: ignore[union-attr]
+            assert amx.model.model.norm.weight.dtype == torch.float32  # norms, residual stream: fp32
+        else:  # no bf16 GEMM here, whatever the flags say: fp32
+            assert (info.dtype, info.kv_cache_dtype, info.attention_backend) == (
+                "float32", "float32", "cpu" if built else "torch")
+            assert "no batch-invariant bf16 kernels" in info.dtype_reason
         torch_bf16 = build_runner(RunnerConfig(**common, dtype="bfloat16", attention_backend="torch"),  # type: ignore[arg-type]
                                   flags=AMX)
         runners.append(torch_bf16)
@@ -179,6 +207,6 @@ def test_batch_invariant_plan_makes_every_row_a_decode_of_its_position() -> None
 def test_batch_invariant_without_the_native_kernels_is_refused(tiny_llama_dir: Path) -> None:
     config = RunnerConfig(model_dir=str(tiny_llama_dir), attention_backend="torch", batch_invariant=True,
                           kv_cache_memory_bytes=16 * 2048, block_size=4, warmup=False)
-    with pytest.raises(ValueError, match="batch_invariant needs the native CPU kernels on float32 weights; here: "
-                                         "dtype float32, attention backend torch"):
+    with pytest.raises(ValueError, match="batch_invariant needs the native CPU kernels on float32 weights "
+                                         r"\(fp32 or bf16 mode\); here: dtype float32, attention backend torch"):
         build_runner(config, flags=EPYC_AVX2)
