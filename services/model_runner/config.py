@@ -12,16 +12,19 @@ class RunnerConfig:
     Attributes:
         model_dir: local folder with ``config.json`` and ``*.safetensors``.
         model_id: identity reported to the others (enters the prefix-hash seed); default: folder name.
-        dtype: weights dtype: ``auto`` (bf16 on a CPU with AMX-BF16 / AVX512-BF16, float32
-            elsewhere; ``factory.select_dtype``), ``float32`` (the exact reference mode the parity
-            tests pin), ``float16`` or ``bfloat16``.
+        dtype: weights dtype: ``auto`` (bf16 mode on a CPU with AVX512-BF16 where the native
+            kernels build, float32 elsewhere; ``factory.select_dtype``), ``float32`` (the exact
+            reference mode the parity tests pin), ``float16`` or ``bfloat16``. ``bfloat16`` on
+            the native kernels is bf16 mode (bf16 GEMMs with fp32 accumulation, fp32 everything
+            else, batch invariant; docs/model_runner.md, "bf16 mode"), on ``torch`` torch's bf16.
         kv_cache_dtype: ``auto`` (the weights dtype) or ``fp8_e4m3``.
         block_size: tokens per KV block.
         kv_cache_memory_bytes: budget of the KV pool; ``num_blocks = budget // bytes_per_block``.
         max_model_len: longest sequence; 0 = the model's ``max_position_embeddings``.
         attention_backend: ``auto`` (triton on CUDA; on the CPU ``cpu`` where the native kernels
-            build and take the model, fp32, else ``torch``; ``factory.select_backend``), ``torch``
-            (the reference), ``triton`` or ``cpu`` (the native C kernels; fp32, CPU).
+            build and take the model, fp32 or bf16 mode, else ``torch``; ``factory.select_backend``),
+            ``torch`` (the reference), ``triton`` or ``cpu`` (the native C kernels; fp32 or bf16
+            mode, CPU).
         device: ``auto``, ``cpu`` or ``cuda[:N]``.
         num_threads: torch intra-op threads on CPU; 0 keeps torch's default.
         warmup: run a dummy step at start.
@@ -33,7 +36,7 @@ class RunnerConfig:
             a third faster vocabulary projection for ``vocab x hidden x 4`` more bytes
             (113 MB for SmolLM2-135M); off keeps one copy of the weight.
         batch_invariant: every query row attended as a decode of its own position on the native
-            kernels (needs them: fp32 on the CPU, built): chunked prefill, prefix-cache hits and
+            kernels (needs them: fp32 or bf16 mode on the CPU, built): chunked prefill, prefix-cache hits and
             preemption then give bitwise a cold run's numbers, not only its greedy tokens, and
             every step runs the one-call native stack; prefill attention is slower (see
             docs/model_runner.md, "auto").

@@ -53,12 +53,18 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
-def select_dtype(requested: str, device_type: str, flags: Iterable[str], quantization: str = "none") -> Choice:
-    """``dtype=auto``: bf16 on a CPU with bf16 hardware (vLLM's CPU default), fp32 elsewhere.
+def select_dtype(requested: str, device_type: str, flags: Iterable[str], quantization: str = "none",
+                 bf16_kernels: bool = False) -> Choice:
+    """``dtype=auto``: bf16 on a CPU with bf16 hardware *and* batch-invariant bf16 kernels built
+    here (``bf16_kernels``), fp32 elsewhere.
 
-    fp32 elsewhere because a CPU without AMX-BF16 / AVX512-BF16 computes bf16 by converting it to
-    fp32 (slower than fp32, and less exact); fp32 on CUDA too (bf16 there has not been measured
-    against the suite's tests); fp32 under ``quantization`` (its packed weights start from fp32).
+    bf16 needs both because the cache must never change the answer in the default mode: torch's
+    bf16 GEMMs (oneDNN) pick their blocking by the row count, so a prefix hit, a chunked prefill
+    or another batch would change a row's last bits and, at near-ties, its greedy token; only
+    kernels with a fixed reduction order per row (``native/gemm_bf16.c``) make bf16 safe as a
+    default. fp32 on a CPU without AMX-BF16 / AVX512-BF16 (bf16 would run as converted fp32:
+    slower than fp32, and less exact), on CUDA (bf16 there has not been measured against the
+    suite's tests) and under ``quantization`` (its packed weights start from fp32).
     """
     if requested != "auto":
         return Choice(requested, "set explicitly")
@@ -67,18 +73,24 @@ def select_dtype(requested: str, device_type: str, flags: Iterable[str], quantiz
     if quantization != "none":
         return Choice("float32", f"auto: quantization={quantization} packs fp32 weights")
     have = sorted(set(flags) & set(BF16_FLAGS))
-    if have:
-        return Choice("bfloat16", f"auto: the CPU computes bf16 in hardware ({', '.join(have)})")
-    return Choice("float32", "auto: the CPU has no AMX-BF16 or AVX512-BF16 (bf16 would run as converted fp32)")
+    if not have:
+        return Choice("float32", "auto: the CPU has no AMX-BF16 or AVX512-BF16 (bf16 would run as converted fp32)")
+    if not bf16_kernels:
+        return Choice("float32", f"auto: the CPU has bf16 hardware ({', '.join(have)}) but no batch-invariant bf16 "
+                                 "kernels built here (torch's bf16 GEMMs change their reduction order with the "
+                                 "batch size, so the cache could change the answer)")
+    return Choice("bfloat16", f"auto: the CPU computes bf16 in hardware ({', '.join(have)}) and the native "
+                              "batch-invariant bf16 kernels built here")
 
 
 def select_backend(
     requested: str, device_type: str, dtype: str, native_built: bool, num_heads: int, num_kv_heads: int,
-    head_dim: int,
+    head_dim: int, bf16_kernels: bool = False,
 ) -> Choice:
     """``attention_backend=auto``: Triton on CUDA; on the CPU the native kernels (``cpu``) where
-    they run this model exactly as tested (fp32, built here, a head layout their decode kernel
-    takes), else the torch reference."""
+    they run this model exactly as tested (fp32, or bf16 where their bf16 GEMM is built:
+    ``bf16_kernels``; built here, a head layout their decode kernel takes), else the torch
+    reference."""
     if requested != "auto":
         if requested == "cpu" and not native_built:
             return Choice("cpu", "set explicitly; the native kernels are not in use (not built here, or not "
@@ -88,15 +100,26 @@ def select_backend(
         return Choice("triton", "auto on cuda: the Triton kernels")
     if device_type != "cpu":
         return Choice("torch", f"auto on {device_type}: the torch reference")
-    if dtype != "float32":
-        return Choice("torch", f"auto: the native kernels take float32 only, the model is {dtype}")
+    if dtype == "bfloat16" and not bf16_kernels:
+        return Choice("torch", "auto: the native kernels have no bf16 GEMM here (the CPU lacks AVX512-BF16), "
+                               "the model is bfloat16")
+    if dtype not in ("float32", "bfloat16"):
+        return Choice("torch", f"auto: the native kernels take float32 or bfloat16 only, the model is {dtype}")
     if not native_built:
         return Choice("torch", "auto: the native kernels did not build here (no C compiler, or it failed)")
-    if num_kv_heads <= 0 or num_heads % num_kv_heads or num_heads // num_kv_heads > NATIVE_MAX_GROUP \
-            or head_dim > NATIVE_MAX_HEAD_DIM:
+    if not native_takes(num_heads, num_kv_heads, head_dim):
         return Choice("torch", f"auto: the native decode kernel does not take {num_heads} heads over "
                                f"{num_kv_heads} KV heads of {head_dim}")
+    if dtype == "bfloat16":
+        return Choice("cpu", "auto: the native CPU kernels (built here; bf16 GEMMs with fp32 accumulation, "
+                             "batch invariant)")
     return Choice("cpu", "auto: the native CPU kernels (built here, float32)")
+
+
+def native_takes(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+    """Whether the native decode kernel takes this head layout (``paged_decode.c``'s limits)."""
+    return not (num_kv_heads <= 0 or num_heads % num_kv_heads or num_heads // num_kv_heads > NATIVE_MAX_GROUP
+                or head_dim > NATIVE_MAX_HEAD_DIM)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -135,14 +158,19 @@ def build_runner(config: RunnerConfig, flags: Iterable[str] | None = None) -> Mo
     if config.num_threads > 0:
         torch.set_num_threads(config.num_threads)
     device = resolve_device(config.device)
-    dtype_choice = select_dtype(config.dtype, device.type, cpu_flags() if flags is None else flags,
-                                config.quantization)
-    dtype = parse_dtype(dtype_choice.value)
+    cpu = cpu_flags() if flags is None else frozenset(flags)
+    mcfg0 = ModelConfig.from_dir(config.model_dir)
+    bf16_kernels = _bf16_kernels(config, device, cpu, mcfg0)
+    dtype_choice = select_dtype(config.dtype, device.type, cpu, config.quantization, bf16_kernels=bf16_kernels)
+    backend_choice = _select_backend(config.attention_backend, device, dtype_choice.value, mcfg0, bf16_kernels)
+    # bf16 mode on the native kernels: fp32 weights as loaded, packed to bf16 by prepare_model
+    native_bf16 = dtype_choice.value == "bfloat16" and bf16_kernels and backend_choice.value == "cpu"
+    dtype = torch.float32 if native_bf16 else parse_dtype(dtype_choice.value)
     model, mcfg = load_model(config.model_dir, dtype=dtype, device=device)
-    backend_choice = _select_backend(config.attention_backend, device, str(dtype).removeprefix("torch."), mcfg)
     if config.batch_invariant and (backend_choice.value != "cpu" or dtype != torch.float32
                                    or load_kernels() is None):
-        raise ValueError(f"batch_invariant needs the native CPU kernels on float32 weights; here: dtype "
+        raise ValueError(f"batch_invariant needs the native CPU kernels on float32 weights (fp32 or bf16 mode); "
+                         f"here: dtype "
                          f"{dtype_choice.value}, attention backend {backend_choice.value} ({backend_choice.reason})")
     log.info("dtype %s (%s); attention backend %s (%s)%s", dtype_choice.value, dtype_choice.reason,
              backend_choice.value, backend_choice.reason, "; batch invariant" if config.batch_invariant else "")
@@ -156,7 +184,7 @@ def build_runner(config: RunnerConfig, flags: Iterable[str] | None = None) -> Mo
         model_id=config.model_id or Path(config.model_dir).name,
         max_model_len=config.max_model_len or None, quantization=config.quantization,
         pack_tied_head=config.pack_tied_head, dtype_reason=dtype_choice.reason,
-        attention_backend_reason=backend_choice.reason,
+        attention_backend_reason=backend_choice.reason, gemm_dtype="bfloat16" if native_bf16 else "float32",
     )
     if pool.is_fp8:
         core.calibrate_kv_scales()
@@ -165,9 +193,22 @@ def build_runner(config: RunnerConfig, flags: Iterable[str] | None = None) -> Mo
     return core
 
 
-def _select_backend(requested: str, device: torch.device, dtype: str, mcfg: ModelConfig) -> Choice:
+def _select_backend(requested: str, device: torch.device, dtype: str, mcfg: ModelConfig,
+                    bf16_kernels: bool) -> Choice:
     # NOTE: the kernels are built (or found built) only when the choice depends on them.
-    needs_build = device.type == "cpu" and dtype == "float32" and requested in ("auto", "cpu")
+    needs_build = device.type == "cpu" and (dtype == "float32" or bf16_kernels) and requested in ("auto", "cpu")
     native_built = needs_build and load_kernels() is not None
     return select_backend(requested, device.type, dtype, native_built, mcfg.num_heads, mcfg.num_kv_heads,
-                          mcfg.head_dim)
+                          mcfg.head_dim, bf16_kernels=bf16_kernels)
+
+
+def _bf16_kernels(config: RunnerConfig, device: torch.device, flags: frozenset[str], mcfg: ModelConfig) -> bool:
+    """Whether this runner can run bf16 mode on the native kernels: a CPU with bf16 hardware, the
+    native backend allowed, no quantization, a head layout the decode kernel takes, and the bf16
+    GEMM built (the kernels are built only when all the rest holds)."""
+    if device.type != "cpu" or config.quantization != "none" or config.attention_backend not in ("auto", "cpu"):
+        return False
+    if not flags & set(BF16_FLAGS) or not native_takes(mcfg.num_heads, mcfg.num_kv_heads, mcfg.head_dim):
+        return False
+    kernels = load_kernels()
+    return kernels is not None and kernels.linear_bf16 is not None

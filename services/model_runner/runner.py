@@ -62,6 +62,7 @@ class ModelRunnerCore:
         pack_tied_head: bool = True,
         dtype_reason: str = "",
         attention_backend_reason: str = "",
+        gemm_dtype: str = "float32",
     ):
         """
         Args:
@@ -75,10 +76,12 @@ class ModelRunnerCore:
             pack_tied_head: see :func:`prepare_model` (``RunnerConfig.pack_tied_head``).
             dtype_reason, attention_backend_reason: why the factory chose the model's dtype and
                 the backend (reported by :meth:`model_info`).
+            gemm_dtype: ``bfloat16`` for bf16 mode on the native kernels (fp32 weights as
+                loaded, packed to bf16; see :func:`prepare_model`), else ``float32``.
         """
         # NOTE: a backend on the native kernels ("cpu") brings the native norms, rotary, SwiGLU
         # and GEMMs with it: the model is prepared for the kernels the backend runs on.
-        prepare_model(model, quantization, pack_tied_head, kernels=backend.native_kernels)
+        prepare_model(model, quantization, pack_tied_head, kernels=backend.native_kernels, gemm_dtype=gemm_dtype)
         self.model = model
         self.config: ModelConfig = model.config
         self.pool = pool
@@ -213,7 +216,7 @@ class ModelRunnerCore:
             num_layers=cfg.num_layers,
             num_kv_heads=cfg.num_kv_heads,
             head_dim=cfg.head_dim,
-            dtype=str(self.model.model.norm.weight.dtype).removeprefix("torch."),
+            dtype=self.model.compute_dtype or str(self.model.model.norm.weight.dtype).removeprefix("torch."),
             kv_cache_dtype=self.pool.kv_cache_dtype,
             attention_backend=self.backend.name,
             bytes_per_block=self.pool.bytes_per_block,

@@ -1,5 +1,6 @@
-"""The default mode (``dtype=auto``, ``attention_backend=auto``; native fp32 kernels on this
-machine class) through the real in-process engine: the cache never changes the answer.
+"""The default mode (``dtype=auto``, ``attention_backend=auto``: the native kernels, in fp32, or
+in bf16 mode where the CPU has AVX512-BF16) through the real in-process engine: in each dtype,
+the cache never changes the answer.
 
 A cold run (each prompt alone, prefix caching off) is the baseline. Other sequences in the step
 never change a request's numbers: greedy tokens *and* logprobs are bitwise the cold run's with
@@ -8,7 +9,9 @@ norms, rotary, and one attention work item per sequence). Splitting a request's 
 differently (chunked prefill, prefix-cache hits, preemption's recompute) changes the last bits of
 its attention (SDPA's blocked softmax over a query chunk; the decode kernel for the positions a
 recompute covers), so there the test pins identical greedy tokens and logprobs within 1e-5
-(docs/model_runner.md, "auto").
+(docs/model_runner.md, "auto"). Every scenario runs in both modes the default can be: fp32 and
+bf16 mode (bf16 GEMMs with fp32 accumulation, batch invariant by construction; skipped on a CPU
+without AVX512-BF16), each against its own cold run.
 """
 
 from __future__ import annotations
@@ -36,9 +39,14 @@ MAX_TOKENS = 12
 BLOCK = 4
 BYTES_PER_BLOCK = 2048  # tiny llama: 2 layers x K/V x 4 tokens x 2 KV heads x 16 x 4 bytes
 Outputs = dict[int, tuple[list[int], list[float]]]
-# The fp32 default: what ``auto`` is on a CPU without bf16 hardware (this machine class), pinned
-# so that the test means the same on an AMX machine (whose default is bf16 on the torch path).
+# The two modes auto picks from, pinned so that each test means the same on every machine.
 FP32_DEFAULT = {"dtype": "float32"}
+MODES = {"fp32": FP32_DEFAULT, "bf16": {"dtype": "bfloat16"}}
+
+
+def _bf16_gemm_here() -> bool:
+    kernels = load_kernels()
+    return kernels is not None and kernels.linear_bf16 is not None
 
 
 def _prompts() -> list[list[int]]:
@@ -86,43 +94,53 @@ def _run(model_dir: Path, *, concurrent: bool, passes: int = 1, pool_blocks: int
     return out, counters
 
 
-@pytest.fixture(scope="module")
-def cold(tiny_llama_dir: Path) -> Iterator[tuple[Outputs, Any]]:
+@pytest.fixture(scope="module", params=sorted(MODES))
+def mode(request: pytest.FixtureRequest) -> dict[str, Any]:
     if load_kernels() is None:
         pytest.skip("the native kernels did not build here; the torch path is not batch invariant")
-    out, counters = _run(tiny_llama_dir, concurrent=False, enable_prefix_caching=False)
-    assert counters[2].attention_backend == "cpu"  # what auto picks for fp32 where the kernels build
+    if request.param == "bf16" and not _bf16_gemm_here():
+        pytest.skip("the CPU has no AVX512-BF16: no native bf16 GEMM, bf16 mode is off here")
+    return MODES[request.param]
+
+
+@pytest.fixture(scope="module")
+def cold(tiny_llama_dir: Path, mode: dict[str, Any]) -> Iterator[tuple[Outputs, Any]]:
+    out, counters = _run(tiny_llama_dir, concurrent=False, runner=mode, enable_prefix_caching=False)
+    assert counters[2].attention_backend == "cpu"  # what auto picks where the kernels build
+    assert counters[2].dtype == mode["dtype"] and counters[2].kv_cache_dtype == "float32"
     yield out, counters
 
 
 def test_the_default_and_its_reasons_reach_both_model_infos(tiny_llama_dir: Path) -> None:
-    """With nothing set: fp32 on the native kernels on this machine class (bf16 on the torch path
-    where the CPU has bf16 hardware), reported by the runner and by the scheduler alike."""
+    """With nothing set: the native kernels, in bf16 mode where the CPU has AVX512-BF16 and the bf16
+    GEMM built (never bf16 on the torch path), fp32 elsewhere; reported by the runner and by the
+    scheduler alike."""
     _, (_, _, info, sched_info) = _run(tiny_llama_dir, concurrent=False, runner={}, enable_prefix_caching=False)
-    bf16 = bool(cpu_flags() & set(BF16_FLAGS))
     built = load_kernels() is not None
+    bf16 = bool(cpu_flags() & set(BF16_FLAGS)) and _bf16_gemm_here()
     assert (info.dtype, info.attention_backend) == (
-        ("bfloat16", "torch") if bf16 else ("float32", "cpu" if built else "torch"))
+        ("bfloat16", "cpu") if bf16 else ("float32", "cpu" if built else "torch"))
     assert (sched_info.dtype, sched_info.attention_backend) == (info.dtype, info.attention_backend)
     assert (sched_info.dtype_reason, sched_info.attention_backend_reason) == (
         info.dtype_reason, info.attention_backend_reason)
     assert sched_info.dtype_reason.startswith("auto: ") and sched_info.attention_backend_reason.startswith("auto: ")
 
 
-def test_batch_composition_is_bitwise(tiny_llama_dir: Path, cold: tuple[Outputs, Any]) -> None:
+def test_batch_composition_is_bitwise(tiny_llama_dir: Path, mode: dict[str, Any],
+                                      cold: tuple[Outputs, Any]) -> None:
     """All prompts at once (whole prefills in shared steps, then mixed and decode batches of up
     to 12): every token and every logprob is the cold run's, bit for bit."""
-    batched, _ = _run(tiny_llama_dir, concurrent=True, enable_prefix_caching=False)
+    batched, _ = _run(tiny_llama_dir, concurrent=True, runner=mode, enable_prefix_caching=False)
     for i in range(NUM_PROMPTS):
         assert batched[i] == cold[0][i], f"prompt {i}"
 
 
-def test_prefix_hits_chunked_prefill_and_preemption_keep_greedy_tokens(tiny_llama_dir: Path,
-                                                                       cold: tuple[Outputs, Any]) -> None:
+def test_prefix_hits_chunked_prefill_and_preemption_keep_greedy_tokens(
+        tiny_llama_dir: Path, mode: dict[str, Any], cold: tuple[Outputs, Any]) -> None:
     """Prefix caching on, a 16-token budget (every prompt chunked, chunks beside decodes) and a
     pool of 40 blocks for 12 requests of 21-79 tokens (preemption), twice over (the second pass
     hits cached prefixes)."""
-    out, (preemptions, hits, _, _) = _run(tiny_llama_dir, concurrent=True, passes=2, pool_blocks=40,
+    out, (preemptions, hits, _, _) = _run(tiny_llama_dir, concurrent=True, passes=2, pool_blocks=40, runner=mode,
                                           enable_prefix_caching=True, max_num_batched_tokens=16)
     assert preemptions > 0 and hits > 0
     for i in range(NUM_PROMPTS):
@@ -130,9 +148,10 @@ def test_prefix_hits_chunked_prefill_and_preemption_keep_greedy_tokens(tiny_llam
         assert max(abs(a - b) for a, b in zip(out[i][1], cold[0][i][1], strict=True)) < 1e-5
 
 
-def test_default_equals_torch_fp32_reference_greedy(tiny_llama_dir: Path, cold: tuple[Outputs, Any]) -> None:
-    """Greedy identity rate of the fp32 default (native kernels) against the torch fp32 reference:
-    12 of 12 prompts, all 12 tokens."""
+def test_default_equals_torch_fp32_reference_greedy(tiny_llama_dir: Path, mode: dict[str, Any],
+                                                    cold: tuple[Outputs, Any]) -> None:
+    """Greedy identity rate against the torch fp32 reference: 12 of 12 prompts, all 12 tokens,
+    in fp32 and in bf16 mode alike on this tiny model."""
     ref, (_, _, info, _) = _run(tiny_llama_dir, concurrent=False, enable_prefix_caching=False,
                                 runner={"dtype": "float32", "attention_backend": "torch"})
     assert info.attention_backend == "torch"
@@ -141,13 +160,14 @@ def test_default_equals_torch_fp32_reference_greedy(tiny_llama_dir: Path, cold: 
 
 
 def test_batch_invariant_mode_is_bitwise_under_prefix_hits_chunking_and_preemption(
-        tiny_llama_dir: Path, cold: tuple[Outputs, Any]) -> None:
+        tiny_llama_dir: Path, mode: dict[str, Any], cold: tuple[Outputs, Any]) -> None:
     """``batch_invariant``: each prefill row attended as a decode of its position, so the
     scenario above gives bitwise the cold run's tokens and logprobs; and greedy tokens are the
     default's."""
-    mode = {"dtype": "float32", "batch_invariant": True}
-    inv_cold, _ = _run(tiny_llama_dir, concurrent=False, runner=mode, enable_prefix_caching=False)
-    out, (preemptions, hits, info, _) = _run(tiny_llama_dir, concurrent=True, passes=2, pool_blocks=40, runner=mode,
+    invariant = {**mode, "batch_invariant": True}
+    inv_cold, _ = _run(tiny_llama_dir, concurrent=False, runner=invariant, enable_prefix_caching=False)
+    out, (preemptions, hits, info, _) = _run(tiny_llama_dir, concurrent=True, passes=2, pool_blocks=40,
+                                             runner=invariant,
                                              enable_prefix_caching=True, max_num_batched_tokens=16)
     assert preemptions > 0 and hits > 0 and info.attention_backend == "cpu"
     for i in range(NUM_PROMPTS):

@@ -125,21 +125,26 @@ def use_native_kernels(model: CausalLM, kernels: NativeKernels) -> None:
 
 def decode_stack(model: DecoderModel, kernels: NativeKernels) -> NativeDecodeStack | None:
     """The one-call stack of ``model``'s layers, or None unless every layer is one the C code runs:
-    all projections packed for ``gemm.c``, fp32 norms with one eps, the same shapes in every layer."""
+    all projections packed for ``gemm.c`` or all for ``gemm_bf16.c``, fp32 norms with one eps, the
+    same shapes in every layer."""
     layers = [layer for layer in model.layers if isinstance(layer, DecoderLayer)]
     if not layers or len(layers) != len(model.layers):
         return None
     first = layers[0]
     attn, eps = first.self_attn, first.input_layernorm.eps
+    packed_mode = first.self_attn.qkv_proj.packed.mode if first.self_attn.qkv_proj.packed is not None else None
+    if packed_mode not in ("native", "native_bf16"):
+        return None
     shape = StackShape(
         hidden=first.input_layernorm.weight.shape[0], num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads,
         head_dim=attn.head_dim, intermediate=first.mlp.intermediate_size, eps=eps, scale=attn.scale,
+        bf16=packed_mode == "native_bf16",
     )  # fmt: skip
     described: list[StackLayer] = []
     for layer in layers:
         a, m = layer.self_attn, layer.mlp
         packed = [x.packed for x in (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj)]
-        native = [w for w in packed if w is not None and w.mode == "native"]
+        native = [w for w in packed if w is not None and w.mode == packed_mode]
         norms = (layer.input_layernorm, layer.post_attention_layernorm)
         if len(native) != len(packed):
             return None

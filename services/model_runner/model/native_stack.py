@@ -30,7 +30,8 @@ _I64 = ctypes.c_int64
 
 @dataclass(frozen=True)
 class StackLayer:
-    """One decoder layer as ``decode_stack.c`` reads it: fp32 norm weights and ``native`` packed projections."""
+    """One decoder layer as ``decode_stack.c`` reads it: fp32 norm weights and projections packed
+    for ``native`` (fp32) or ``native_bf16`` (all four the same)."""
 
     input_norm: torch.Tensor  # [hidden]
     post_norm: torch.Tensor  # [hidden]
@@ -51,6 +52,7 @@ class StackShape:
     intermediate: int
     eps: float
     scale: float  # softmax scale
+    bf16: bool = False  # every projection packed for ``native_bf16`` (bf16 mode), else ``native``
 
     @property
     def q_size(self) -> int:
@@ -76,7 +78,7 @@ class _Shape(ctypes.Structure):
     _fields_ = [
         *((name, _I64) for name in (
             "hidden", "num_heads", "num_kv_heads", "head_dim", "intermediate", "block_size", "block_stride",
-            "num_slots",
+            "num_slots", "bf16",
         )),
         ("eps", ctypes.c_float),
         ("scale", ctypes.c_float),
@@ -107,7 +109,10 @@ class NativeDecodeStack:
         self._fn = kernels.decode_stack
         self._dims = shape
         self._layers = (_Layer * len(layers))()
+        mode = "native_bf16" if shape.bf16 else "native"
         for i, layer in enumerate(layers):
+            if {w.mode for w in (layer.qkv, layer.o, layer.gate_up, layer.down)} != {mode}:
+                raise ValueError(f"the native decode stack of this shape needs every projection packed for {mode}")
             entry = self._layers[i]
             entry.input_norm = layer.input_norm.data_ptr()
             entry.post_norm = layer.post_norm.data_ptr()
@@ -163,12 +168,13 @@ class NativeDecodeStack:
         s = self._dims
         self._shape = _Shape(
             s.hidden, s.num_heads, s.num_kv_heads, s.head_dim, s.intermediate, block_size,
-            cache.stride(2), num_blocks * block_size, s.eps, s.scale,
+            cache.stride(2), num_blocks * block_size, int(s.bf16), s.eps, s.scale,
         )  # fmt: skip
         self._cache_key = key
 
 
 def _packed(weight: PackedWeight) -> tuple[int, int | None]:
-    if weight.mode != "native" or not isinstance(weight.packed, torch.Tensor):
-        raise ValueError(f"the native decode stack needs weights packed for mode native, not {weight.mode}")
+    if weight.mode not in ("native", "native_bf16") or not isinstance(weight.packed, torch.Tensor):
+        raise ValueError(f"the native decode stack needs weights packed for mode native or native_bf16, "
+                         f"not {weight.mode}")
     return weight.packed.data_ptr(), None if weight.bias is None else weight.bias.data_ptr()

@@ -5,6 +5,9 @@
     none   fp32 weights in oneDNN's blocked layout, oneDNN's fp32 inner product   (default, exact fp32)
            or, with the native CPU kernels (``attention_backend=cpu``), fp32 weights
            in column panels for ``native/gemm.c`` (mode ``native``, exact fp32)
+           or, in bf16 mode on a CPU with AVX512-BF16, bf16 weights in k-pair
+           panels for ``native/gemm_bf16.c`` (mode ``native_bf16``: activations
+           rounded to bf16 at the input, fp32 accumulation, batch invariant)
     fp16   fp16 weights packed for fbgemm, fp32 arithmetic                          (opt-in)
     int8   int8 weights (per output channel) for fbgemm, activations quantized      (opt-in)
            per call, per tensor ("dynamic quantization")
@@ -25,6 +28,7 @@ linears (private, hence :func:`onednn_available`).
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +36,7 @@ import torch.nn.functional as F
 from services.model_runner.native import NativeKernels, is_cpu_fp32, load_kernels
 
 QUANTIZATIONS = ("none", "fp16", "int8")
+MODES = ("fp32", "native", "native_bf16", "fp16", "int8")
 PACK_BATCH = 32  # the batch oneDNN's layout is tuned for; any batch runs (as fast at 1 and 8, measured)
 
 
@@ -62,8 +67,8 @@ class PackedWeight:
     Args:
         weight: the dense weight, fp32 on the CPU (it is copied; the caller may free it).
         bias: ``[out]`` or None.
-        mode: ``fp32`` (oneDNN), ``native`` (``native/gemm.c``), ``fp16`` or ``int8`` (fbgemm),
-            see the module docstring.
+        mode: ``fp32`` (oneDNN), ``native`` (``native/gemm.c``), ``native_bf16``
+            (``native/gemm_bf16.c``), ``fp16`` or ``int8`` (fbgemm), see the module docstring.
         kernels: for ``native``, the kernels to run on (default: :func:`load_kernels`'s build).
 
     NOTE: ``int8`` quantizes activations per call and per tensor with torch's x86 ``reduce_range``
@@ -75,23 +80,27 @@ class PackedWeight:
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, mode: str,
                  kernels: NativeKernels | None = None):
-        if mode not in ("fp32", "native", "fp16", "int8"):
-            raise ValueError(f"mode must be fp32, native, fp16 or int8, got {mode!r}")
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if not is_cpu_fp32(weight):
             raise ValueError(f"packed weights need fp32 weights on the CPU, not {weight.dtype} ({weight.device})")
         if mode == "fp32" and not _ONEDNN:
             raise ValueError("this torch build has no oneDNN linear ops")
         self.kernels: NativeKernels | None = None
-        if mode == "native":
+        if mode in ("native", "native_bf16"):
             self.kernels = kernels or load_kernels()
             if self.kernels is None:
                 raise ValueError("the native CPU kernels could not be built here")
+            if mode == "native_bf16" and self.kernels.linear_bf16 is None:
+                raise ValueError("the native bf16 GEMM is not built here (the CPU has no AVX512-BF16)")
         self.mode = mode
         weight = weight.detach().contiguous()
         self.bias = None if bias is None else bias.detach().float().contiguous()
         self.out_features, self.in_features = weight.shape
         self.packed: object
-        if self.kernels is not None:
+        if self.kernels is not None and mode == "native_bf16":
+            self.packed = pack_panels_bf16(weight, self.kernels.panel_width)
+        elif self.kernels is not None:
             self.packed = pack_panels(weight, self.kernels.panel_width)
         elif mode == "fp32":
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_BATCH)
@@ -108,8 +117,9 @@ class PackedWeight:
     @staticmethod
     def supported(weight: torch.Tensor, mode: str) -> bool:
         """Whether ``weight`` can be packed for ``mode`` in this build."""
-        if mode == "native":
-            return is_cpu_fp32(weight) and load_kernels() is not None
+        if mode in ("native", "native_bf16"):
+            kernels = load_kernels()
+            return is_cpu_fp32(weight) and kernels is not None and (mode == "native" or kernels.linear_bf16 is not None)
         return is_cpu_fp32(weight) and (mode != "fp32" or _ONEDNN)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] fp32 -> [T, out] fp32
@@ -130,10 +140,13 @@ class PackedWeight:
         if x.shape[0]:
             packed = self.packed
             assert isinstance(packed, torch.Tensor)
-            kernels.linear(
+            fn: Any = kernels.linear_bf16 if self.mode == "native_bf16" else kernels.linear
+            status = fn(
                 x.data_ptr(), x.stride(0), x.shape[0], self.in_features, packed.data_ptr(), self.out_features,
                 None if self.bias is None else self.bias.data_ptr(), out.data_ptr(), out.stride(0),
             )  # fmt: skip
+            if self.mode == "native_bf16" and status != 0:
+                raise RuntimeError(f"native bf16 GEMM failed with status {status}")
         return out
 
 
@@ -145,3 +158,15 @@ def pack_panels(weight: torch.Tensor, width: int) -> torch.Tensor:
     padded = weight.new_zeros(panels * width, in_features)
     padded[:out_features] = weight
     return padded.view(panels, width, in_features).transpose(1, 2).contiguous()
+
+
+def pack_panels_bf16(weight: torch.Tensor, width: int) -> torch.Tensor:
+    """``[out, in]`` fp32 -> bf16 ``[ceil(out / width), ceil(in / 2), width, 2]``: per panel of
+    ``width`` output columns and per pair of inputs, each column's two weights side by side (the
+    operand layout of AVX512-BF16's ``vdpbf16ps``; ``native/gemm_bf16.c``). Rounded to nearest
+    even; columns past ``out`` and an odd ``in``'s last pair half are 0."""
+    out_features, in_features = weight.shape
+    panels, pairs = -(-out_features // width), -(-in_features // 2)
+    padded = weight.new_zeros(panels * width, pairs * 2)
+    padded[:out_features, :in_features] = weight
+    return padded.to(torch.bfloat16).view(panels, width, pairs, 2).transpose(1, 2).contiguous()

@@ -88,6 +88,9 @@ class CausalLM(nn.Module):
         self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size, bias=False)
         self.packed_head: PackedWeight | None = None  # a tied head's packed copy (``transforms.prepare_model``)
         self.prepared: str | None = None  # the quantization ``prepare_model`` packed the weights for
+        # the dtype the GEMMs compute in when it is not the parameters' (bf16 mode on fp32 master
+        # weights, ``prepare_model``); None: the parameters' dtype
+        self.compute_dtype: str | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """Hidden states of every token of the step.

@@ -14,7 +14,8 @@ from services.model_runner.native import NativeKernels
 
 
 def prepare_model(
-    model: CausalLM, quantization: str = "none", pack_tied_head: bool = True, kernels: NativeKernels | None = None
+    model: CausalLM, quantization: str = "none", pack_tied_head: bool = True, kernels: NativeKernels | None = None,
+    gemm_dtype: str = "float32",
 ) -> None:
     """Packs the loaded weights for the CPU kernels of ``quantization`` (see ``model/packed.py``).
 
@@ -28,9 +29,16 @@ def prepare_model(
     the fp32 weights are packed for their GEMM (``gemm.c``) instead of oneDNN's. Call it once,
     after loading; a second call with the same ``quantization`` does nothing.
 
+    ``gemm_dtype="bfloat16"`` (with ``kernels`` that have the bf16 GEMM, ``quantization`` none,
+    fp32 weights as loaded) is bf16 mode: every linear weight and the tied head are packed once
+    to bf16 for ``gemm_bf16.c`` (activations rounded to bf16 at each GEMM input, fp32
+    accumulation in a fixed order per row); the residual stream, norms, rotary, attention and
+    the KV cache stay fp32 (docs/model_runner.md, "bf16 mode").
+
     Raises:
         ValueError: an unknown ``quantization``, another one than the model was prepared
-            for, or ``fp16``/``int8`` on weights that are not fp32 on the CPU.
+            for, or ``fp16``/``int8`` on weights that are not fp32 on the CPU; ``bfloat16``
+            without the native bf16 GEMM, or with a quantization.
     """
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
@@ -38,15 +46,25 @@ def prepare_model(
         if model.prepared != quantization:
             raise ValueError(f"the model is already prepared for quantization {model.prepared!r}")
         return
-    mode = quantization if quantization != "none" else "native" if kernels is not None else "fp32"
+    if gemm_dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"gemm_dtype must be float32 or bfloat16, got {gemm_dtype!r}")
+    bf16 = gemm_dtype == "bfloat16"
+    if bf16 and (quantization != "none" or kernels is None or kernels.linear_bf16 is None):
+        raise ValueError("bf16 mode needs the native bf16 GEMM (a CPU with AVX512-BF16) and quantization none")
+    if quantization != "none":
+        mode = quantization
+    else:
+        mode = "native_bf16" if bf16 else "native" if kernels is not None else "fp32"
     linears = [m for m in model.modules() if isinstance(m, Linear)]
-    if quantization != "none" or all(PackedWeight.supported(m.weight, mode) for m in linears):
+    if quantization != "none" or bf16 or all(PackedWeight.supported(m.weight, mode) for m in linears):
         for module in linears:
             module.pack(mode, kernels)
     embedding = model.model.embed_tokens.weight
-    pack_head = quantization != "none" or (pack_tied_head and PackedWeight.supported(embedding, mode))
+    # NOTE: bf16 mode always packs a tied head: the logits' GEMM is then bf16 like every other
+    pack_head = quantization != "none" or bf16 or (pack_tied_head and PackedWeight.supported(embedding, mode))
     if model.lm_head is None and pack_head:
         model.packed_head = PackedWeight(embedding, None, mode, kernels)
     if kernels is not None:
         use_native_kernels(model, kernels)
     model.prepared = quantization
+    model.compute_dtype = "bfloat16" if bf16 else None

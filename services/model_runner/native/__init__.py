@@ -11,10 +11,14 @@ What is here, and why torch alone was not enough (measurements in docs/model_run
   prefetched while the current one is computed: a decode step's skinny GEMMs are as much a memory
   stream as FLOPs, and oneDNN's inner product does the two one after the other (AVX-512, AVX2 +
   FMA and plain-C tiles, each row's result independent of the rows beside it);
+* ``gemm_bf16.c`` — the same on bf16 weights and bf16-rounded activations with fp32 accumulation
+  (AVX512-BF16's ``vdpbf16ps``; only where the CPU has it): bf16 mode's GEMMs, batch invariant by
+  construction, which torch's bf16 GEMMs are not;
 * ``decode_stack.c`` — a decode-only step's whole layer stack in one call: the kernels above in
   the per-layer order, without the Python between them (``model/native_stack.py``);
 * ``exp_math.h`` — the exponential they use; ``kernels.h`` — the entry points' declarations;
-  ``pairs.h`` — how the GEMM and decode attention split work over threads.
+  ``pairs.h`` — how the GEMM and decode attention split work over threads; ``panel_prefetch.h``
+  — the GEMMs' prefetch of the next weight panel.
 
 The sources are built together into one shared object in a cache folder
 (``$KVMESH_NATIVE_CACHE``, else ``$KVMESH_CACHE_DIR/native``, else ``~/.cache/kvmesh/native``),
@@ -137,6 +141,7 @@ class NativeKernels:
     linear: Any  # kvmesh_linear_f32
     panel_width: int  # kvmesh_linear_panel_width(): output columns per packed weight panel
     decode_stack: Any  # kvmesh_decode_stack_f32
+    linear_bf16: Any | None = None  # kvmesh_linear_bf16; None unless built for AVX512-BF16 (this CPU has it)
 
 
 def _bind(lib: ctypes.CDLL, name: str, restype: Any, argtypes: list[Any]) -> Any:
@@ -194,4 +199,9 @@ def load_kernels(portable: bool = False) -> NativeKernels | None:
         decode_stack=_bind(lib, "kvmesh_decode_stack_f32", ctypes.c_int, [
             _PTR, _I64, _PTR, _PTR,  # layers (KvmLayer[]), num_layers, shape, step
         ]),
+        linear_bf16=_bind(lib, "kvmesh_linear_bf16", ctypes.c_int, [
+            _PTR, _I64, _I64, _I64,  # x (fp32), x_stride, m, k
+            _PTR, _I64, _PTR,  # packed (bf16, pack_panels_bf16), n, bias (or NULL)
+            _PTR, _I64,  # out, out_stride
+        ]) if _bind(lib, "kvmesh_linear_bf16_available", _I64, [])() else None,
     )  # fmt: skip

@@ -21,19 +21,38 @@
 
 #include "kernels.h"
 
-/* One layer's parameters: norms dense, projections packed by gemm.c (biases may be NULL), and
- * the layer's K and V halves of the pool. Mirrored by ctypes in model/native_stack.py. */
+/* One layer's parameters: norms dense, projections packed for gemm.c (fp32) or gemm_bf16.c (bf16,
+ * KvmStackShape.bf16; biases fp32, may be NULL), and the layer's K and V halves of the pool.
+ * Mirrored by ctypes in model/native_stack.py. */
 typedef struct {
     const float *input_norm, *post_norm;
-    const float *qkv, *qkv_bias, *o, *o_bias, *gate_up, *gate_up_bias, *down, *down_bias;
+    const void *qkv;
+    const float *qkv_bias;
+    const void *o;
+    const float *o_bias;
+    const void *gate_up;
+    const float *gate_up_bias;
+    const void *down;
+    const float *down_bias;
     float *k_cache, *v_cache;
 } KvmLayer;
 
 typedef struct {
     int64_t hidden, num_heads, num_kv_heads, head_dim, intermediate;
     int64_t block_size, block_stride, num_slots;  /* block_stride: floats from one block to the next */
+    int64_t bf16;  /* 1: every projection packed for gemm_bf16.c (bf16 mode), 0: for gemm.c */
     float eps, scale;
 } KvmStackShape;
+
+/* The projection's GEMM, fp32 or bf16 as the stack was packed (output rows n apart): 0, or the
+ * bf16 GEMM's failure status. */
+static int linear(const KvmStackShape *shape, const float *x, int64_t x_stride, int64_t m, int64_t k,
+                  const void *packed, int64_t n, const float *bias, float *out)
+{
+    if (shape->bf16) return kvmesh_linear_bf16(x, x_stride, m, k, (const uint16_t *)packed, n, bias, out, n);
+    kvmesh_linear_f32(x, x_stride, m, k, (const float *)packed, n, bias, out, n);
+    return 0;
+}
 
 /* One step: `tokens` decode rows, one per sequence (row i is sequence i). */
 typedef struct {
@@ -49,7 +68,8 @@ typedef struct {
     float *h, *qkv, *qk, *attn, *gate_up, *act;
 } KvmDecodeStep;
 
-/* Returns 0, or the failing paged-attention status (see kvmesh_paged_decode_f32). */
+/* Returns 0, the failing paged-attention status (see kvmesh_paged_decode_f32), or 100 - the
+ * failing bf16 GEMM's (negative) status. */
 int kvmesh_decode_stack_f32(const KvmLayer *layers, int64_t num_layers, const KvmStackShape *shape,
                             const KvmDecodeStep *step)
 {
@@ -64,7 +84,8 @@ int kvmesh_decode_stack_f32(const KvmLayer *layers, int64_t num_layers, const Kv
         } else {
             kvmesh_add_rms_norm_f32(step->residual, step->x, hidden, w->input_norm, step->h, t, hidden, shape->eps);
         }
-        kvmesh_linear_f32(step->h, hidden, t, hidden, w->qkv, qkv_size, w->qkv_bias, step->qkv, qkv_size);
+        int failed = linear(shape, step->h, hidden, t, hidden, w->qkv, qkv_size, w->qkv_bias, step->qkv);
+        if (failed) return 100 - failed;
         kvmesh_rope_f32(step->qkv, qkv_size, step->cos, step->sin, d, step->qk, t,
                         shape->num_heads + shape->num_kv_heads, d);
         kvmesh_write_kv_f32(step->qk + q_size, qk_size, step->qkv + qk_size, qkv_size, w->k_cache, w->v_cache,
@@ -74,12 +95,14 @@ int kvmesh_decode_stack_f32(const KvmLayer *layers, int64_t num_layers, const Kv
             step->seq_lens, step->rows, t, step->attn, q_size, shape->num_heads, shape->num_kv_heads, d,
             shape->block_size, step->max_seq_len, shape->scale);
         if (status != 0) return status;
-        kvmesh_linear_f32(step->attn, q_size, t, q_size, w->o, hidden, w->o_bias, step->x, hidden);
+        failed = linear(shape, step->attn, q_size, t, q_size, w->o, hidden, w->o_bias, step->x);
+        if (failed) return 100 - failed;
         kvmesh_add_rms_norm_f32(step->residual, step->x, hidden, w->post_norm, step->h, t, hidden, shape->eps);
-        kvmesh_linear_f32(step->h, hidden, t, hidden, w->gate_up, 2 * inter, w->gate_up_bias, step->gate_up,
-                          2 * inter);
+        failed = linear(shape, step->h, hidden, t, hidden, w->gate_up, 2 * inter, w->gate_up_bias, step->gate_up);
+        if (failed) return 100 - failed;
         kvmesh_silu_mul_f32(step->gate_up, 2 * inter, step->act, t, inter);
-        kvmesh_linear_f32(step->act, inter, t, inter, w->down, hidden, w->down_bias, step->x, hidden);
+        failed = linear(shape, step->act, inter, t, inter, w->down, hidden, w->down_bias, step->x);
+        if (failed) return 100 - failed;
     }
     return 0;
 }

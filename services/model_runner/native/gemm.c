@@ -31,6 +31,7 @@
 
 #include "kernels.h"
 #include "pairs.h"
+#include "panel_prefetch.h"
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
@@ -47,18 +48,6 @@
 int64_t kvmesh_linear_panel_width(void) { return PANEL; }
 
 #if defined(__AVX512F__)
-
-/* Spreads the prefetch of the next panel's cache lines over the k steps of the current one. */
-typedef struct {
-    const char *next;  /* NULL: nothing to prefetch */
-    int64_t line, lines, per;
-} PanelPrefetch;
-
-static inline void panel_prefetch_step(PanelPrefetch *p) {
-    if (p->next == NULL) return;
-    for (int64_t i = 0; i < p->per && p->line < p->lines; i++, p->line++)
-        _mm_prefetch(p->next + p->line * 64, _MM_HINT_T1);
-}
 
 /* One row tile (mr rows, a compile-time constant after inlining) times one panel. */
 static inline __attribute__((always_inline)) void tile_avx512(
@@ -206,8 +195,7 @@ static void run_panels(const float *x, int64_t x_stride, int64_t r0, int64_t row
 #if defined(__AVX512F__)
         const int64_t next = paired_run_after(run, p);
         const int64_t lines = panel_size * (int64_t)sizeof(float) / 64, steps = tiles * k;
-        PanelPrefetch pf = {next >= 0 ? (const char *)(packed + next * panel_size) : NULL, 0, lines,
-                            (lines + steps - 1) / steps};
+        PanelPrefetch pf = panel_prefetch(next >= 0 ? packed + next * panel_size : NULL, lines * 64, steps);
         PanelPrefetch *pfp = &pf;
 #else
         void *pfp = NULL;

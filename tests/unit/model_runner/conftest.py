@@ -109,13 +109,14 @@ def hf_model() -> Callable[[Path], PreTrainedModel]:
 
 @pytest.fixture
 def make_runner(tmp_path: Path) -> Any:
-    """``make_runner(folder, num_blocks=64, kv_cache_dtype="auto", quantization="none", backend="torch")`` ->
-    a runner on a fresh shm pool (``backend`` as in ``RunnerConfig.attention_backend``)."""
+    """``make_runner(folder, num_blocks=64, kv_cache_dtype="auto", quantization="none", backend="torch",
+    gemm_dtype="float32")`` -> a runner on a fresh shm pool (``backend`` as in
+    ``RunnerConfig.attention_backend``; ``gemm_dtype="bfloat16"``: bf16 mode on the native kernels)."""
     runners: list[ModelRunnerCore] = []
 
     def make(
         folder: Path, num_blocks: int = 64, kv_cache_dtype: str = "auto", quantization: str = "none",
-        backend: str = "torch",
+        backend: str = "torch", gemm_dtype: str = "float32",
     ) -> ModelRunnerCore:
         model, config = load_model(folder)
         dtype = kv_dtype_for(kv_cache_dtype, torch.float32)
@@ -129,7 +130,7 @@ def make_runner(tmp_path: Path) -> Any:
             dtype=dtype,
         )
         runner = ModelRunnerCore(model, pool, make_backend(backend, torch.device("cpu")), model_id=folder.name,
-                                 quantization=quantization)
+                                 quantization=quantization, gemm_dtype=gemm_dtype)
         runners.append(runner)
         return runner
 

@@ -31,17 +31,28 @@ EPYC_AVX2 = frozenset(BASE | {"sse4a", "clzero"})
 LLAMA = {"num_heads": 4, "num_kv_heads": 2, "head_dim": 16}
 
 
-@pytest.mark.parametrize(("flags", "dtype", "reason_part"), [
-    (AMX, "bfloat16", "amx_bf16, avx512_bf16"),
-    (ZEN4, "bfloat16", "(avx512_bf16)"),
-    (AVX512, "float32", "no AMX-BF16 or AVX512-BF16"),
-    (EPYC_AVX2, "float32", "no AMX-BF16 or AVX512-BF16"),
-    (frozenset(), "float32", "no AMX-BF16 or AVX512-BF16"),
+@pytest.mark.parametrize(("flags", "bf16_kernels", "dtype", "reason_part"), [
+    (AMX, True, "bfloat16", "(amx_bf16, avx512_bf16) and the native batch-invariant bf16 kernels"),
+    (ZEN4, True, "bfloat16", "(avx512_bf16) and the native batch-invariant bf16 kernels"),
+    # bf16 hardware without batch-invariant bf16 kernels (none built, or the build failed):
+    # torch's bf16 GEMMs would let the cache change the answer, so fp32
+    (AMX, False, "float32", "bf16 hardware (amx_bf16, avx512_bf16) but no batch-invariant bf16 kernels"),
+    (ZEN4, False, "float32", "bf16 hardware (avx512_bf16) but no batch-invariant bf16 kernels"),
+    (AVX512, True, "float32", "no AMX-BF16 or AVX512-BF16"),
+    (AVX512, False, "float32", "no AMX-BF16 or AVX512-BF16"),
+    (EPYC_AVX2, False, "float32", "no AMX-BF16 or AVX512-BF16"),
+    (frozenset(), False, "float32", "no AMX-BF16 or AVX512-BF16"),
 ])  # fmt: skip
-def test_auto_dtype_is_bf16_only_with_bf16_hardware(flags: frozenset[str], dtype: str, reason_part: str) -> None:
-    choice = select_dtype("auto", "cpu", flags)
+def test_auto_dtype_is_bf16_only_with_bf16_hardware_and_invariant_kernels(
+        flags: frozenset[str], bf16_kernels: bool, dtype: str, reason_part: str) -> None:
+    choice = select_dtype("auto", "cpu", flags, bf16_kernels=bf16_kernels)
     assert choice.value == dtype
     assert reason_part in choice.reason and choice.reason.startswith("auto: ")
+
+
+def test_auto_dtype_defaults_to_no_bf16_kernels() -> None:
+    assert select_dtype("auto", "cpu", ZEN4) == select_dtype("auto", "cpu", ZEN4, bf16_kernels=False)
+    assert select_dtype("auto", "cpu", ZEN4).value == "float32"
 
 
 def test_explicit_dtype_cuda_and_quantization_keep_float32_rules() -> None:
@@ -50,12 +61,14 @@ def test_explicit_dtype_cuda_and_quantization_keep_float32_rules() -> None:
         "float32", "set explicitly")
     assert select_dtype("bfloat16", "cpu", EPYC_AVX2).value == "bfloat16"  # asked for: given, if slow
     assert select_dtype("auto", "cuda", AMX).value == "float32"
+    assert select_dtype("auto", "cuda", AMX, bf16_kernels=True).value == "float32"
     # quantization packs fp32 weights: bf16 would be refused by prepare_model
-    assert select_dtype("auto", "cpu", AMX, quantization="int8").value == "float32"
+    assert select_dtype("auto", "cpu", AMX, quantization="int8", bf16_kernels=True).value == "float32"
 
 
 @pytest.mark.parametrize(("flags", "built", "backend", "reason_part"), [
-    (AMX, True, "torch", "float32 only, the model is bfloat16"),  # bf16 chosen: the torch path
+    (AMX, True, "cpu", "native CPU kernels"),  # no bf16 kernels given: fp32 on the native kernels
+    (ZEN4, True, "cpu", "native CPU kernels"),
     (AVX512, True, "cpu", "native CPU kernels"),
     (EPYC_AVX2, True, "cpu", "native CPU kernels"),
     (EPYC_AVX2, False, "torch", "did not build"),  # no compiler, or the build failed
@@ -71,6 +84,26 @@ def test_auto_backend_falls_back_for_shapes_the_native_decode_does_not_take() ->
     assert select_backend("auto", "cpu", "float32", True, num_heads=34, num_kv_heads=2, head_dim=64).value == "torch"
     assert select_backend("auto", "cpu", "float32", True, num_heads=4, num_kv_heads=2, head_dim=512).value == "torch"
     assert select_backend("auto", "cpu", "float16", True, **LLAMA).value == "torch"
+
+
+@pytest.mark.parametrize(("bf16_kernels", "built", "backend", "reason_part"), [
+    (True, True, "cpu", "bf16 GEMMs with fp32 accumulation, batch invariant"),
+    (False, True, "torch", "no bf16 GEMM here"),  # bf16 asked for where the GEMM is not built
+    (True, False, "torch", "did not build"),
+])  # fmt: skip
+def test_auto_backend_for_bf16(bf16_kernels: bool, built: bool, backend: str, reason_part: str) -> None:
+    choice = select_backend("auto", "cpu", "bfloat16", built, **LLAMA, bf16_kernels=bf16_kernels)
+    assert choice.value == backend and reason_part in choice.reason
+
+
+def test_auto_picks_bf16_only_together_with_its_native_backend() -> None:
+    """The pair auto resolves to on a bf16 CPU is (bfloat16, cpu) or (float32, cpu), never the
+    torch path's non-invariant bf16 GEMMs."""
+    for flags in (AMX, ZEN4):
+        for kernels in (True, False):
+            dtype = select_dtype("auto", "cpu", flags, bf16_kernels=kernels).value
+            assert (dtype, select_backend("auto", "cpu", dtype, True, **LLAMA, bf16_kernels=kernels).value) == (
+                "bfloat16" if kernels else "float32", "cpu")
 
 
 def test_explicit_and_cuda_backends() -> None:
@@ -100,7 +133,8 @@ def _greedy(runner: object, prompt: list[int], steps: int) -> list[int]:
 def test_build_runner_default_per_machine(tiny_llama_dir: Path) -> None:
     """The defaults, built for real: this machine's class (AVX2) gets fp32 on the native kernels
     where they build, and its output equals the torch fp32 reference; an AMX machine's flags give
-    a bf16 model on the torch path (which runs here too, slowly)."""
+    bf16 mode on the native kernels where their bf16 GEMM is built (a CPU with AVX512-BF16, as
+    here on a Zen 4), fp32 elsewhere; bf16 on the torch path stays available when asked for."""
     common = dict(model_dir=str(tiny_llama_dir), block_size=4, kv_cache_memory_bytes=16 * 2048, warmup=False)
     prompt = [5, 9, 17, 33, 65, 129, 7]
     runners = []
@@ -123,9 +157,24 @@ def test_build_runner_default_per_machine(tiny_llama_dir: Path) -> None:
         amx = build_runner(RunnerConfig(**common), flags=AMX)  # type: ignore[arg-type]
         runners.append(amx)
         info = amx.model_info()
+        kernels = load_kernels()
+        if kernels is not None and kernels.linear_bf16 is not None:  # this CPU has AVX512-BF16: bf16 mode
+            assert (info.dtype, info.kv_cache_dtype, info.attention_backend) == ("bfloat16", "float32", "cpu")
+            assert "native batch-invariant bf16 kernels built here" in info.dtype_reason
+            assert "bf16 GEMMs with fp32 accumulation" in info.attention_backend_reason
+            assert amx.model.model.layers[0].self_attn.qkv_proj.packed.mode == "native_bf16"  # type: ignore[union-attr]
+            assert amx.model.model.norm.weight.dtype == torch.float32  # norms, residual stream: fp32
+        else:  # no bf16 GEMM here, whatever the flags say: fp32
+            assert (info.dtype, info.kv_cache_dtype, info.attention_backend) == (
+                "float32", "float32", "cpu" if built else "torch")
+            assert "no batch-invariant bf16 kernels" in info.dtype_reason
+        torch_bf16 = build_runner(RunnerConfig(**common, dtype="bfloat16", attention_backend="torch"),  # type: ignore[arg-type]
+                                  flags=AMX)
+        runners.append(torch_bf16)
+        info = torch_bf16.model_info()
         assert (info.dtype, info.kv_cache_dtype, info.attention_backend) == ("bfloat16", "bfloat16", "torch")
-        assert amx.model.model.norm.weight.dtype == torch.bfloat16
-        assert all(0 <= t < info.vocab_size for t in _greedy(amx, prompt, 3))
+        assert torch_bf16.model.model.norm.weight.dtype == torch.bfloat16
+        assert all(0 <= t < info.vocab_size for t in _greedy(torch_bf16, prompt, 3))
     finally:
         for r in runners:
             r.pool.close()
@@ -158,6 +207,6 @@ def test_batch_invariant_plan_makes_every_row_a_decode_of_its_position() -> None
 def test_batch_invariant_without_the_native_kernels_is_refused(tiny_llama_dir: Path) -> None:
     config = RunnerConfig(model_dir=str(tiny_llama_dir), attention_backend="torch", batch_invariant=True,
                           kv_cache_memory_bytes=16 * 2048, block_size=4, warmup=False)
-    with pytest.raises(ValueError, match="batch_invariant needs the native CPU kernels on float32 weights; here: "
-                                         "dtype float32, attention backend torch"):
+    with pytest.raises(ValueError, match="batch_invariant needs the native CPU kernels on float32 weights "
+                                         r"\(fp32 or bf16 mode\); here: dtype float32, attention backend torch"):
         build_runner(config, flags=EPYC_AVX2)

@@ -13,6 +13,7 @@ from services.model_runner.input_batch import ScheduledRequest, prepare_inputs
 from services.model_runner.model.context import ForwardContext
 from services.model_runner.model.native_layers import NativeDecoderModel
 from services.model_runner.model.native_stack import NativeDecodeStack
+from services.model_runner.native import load_kernels
 from services.model_runner.runner import ModelRunnerCore
 
 PROMPTS = {"a": list(range(3, 8)), "b": list(range(40, 57)), "c": list(range(100, 130))}
@@ -61,12 +62,21 @@ def _decodes(tables: dict[str, list[int]], step: int) -> list[ScheduledRequest]:
             for rid, p in PROMPTS.items()]  # fmt: skip
 
 
+@pytest.mark.parametrize("gemm_dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("name", ["llama", "qwen2", "mistral", "llama3"])
 def test_decode_steps_are_bitwise_the_per_layer_path(
-    checkpoint: Any, make_runner: Any, name: str, monkeypatch: pytest.MonkeyPatch
+    checkpoint: Any, make_runner: Any, name: str, gemm_dtype: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    runner = make_runner(checkpoint(name), backend="cpu")
+    """In fp32 and in bf16 mode (the stack's GEMMs then the bf16 ones, as the per-layer path's)."""
+    if gemm_dtype == "bfloat16":
+        kernels = load_kernels()
+        if kernels is None or kernels.linear_bf16 is None:
+            pytest.skip("the CPU has no AVX512-BF16: no native bf16 GEMM here")
+    runner = make_runner(checkpoint(name), backend="cpu", gemm_dtype=gemm_dtype)
     stack = _stack(runner)
+    assert runner.model_info().dtype == gemm_dtype
+    assert {layer.self_attn.qkv_proj.packed.mode for layer in runner.model.model.layers} == {
+        "native_bf16" if gemm_dtype == "bfloat16" else "native"}
     ran: list[bool] = []
     run = stack.run
 

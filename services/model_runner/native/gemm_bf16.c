@@ -1,0 +1,164 @@
+/*
+ * bf16 linear layers for the CPU (AVX512-BF16): out = bf16(x) bf16(W)^T + b, fp32 accumulation.
+ *
+ * Why it exists: a CPU with AVX512-BF16 (Zen 4, Cooper Lake, Sapphire Rapids) multiplies bf16
+ * pairs at twice fp32's FMA rate (vdpbf16ps), and a decode step's weight stream is half the
+ * bytes. torch's bf16 GEMMs (oneDNN) pick their blocking and split of k by the row count, so a
+ * row's result depends on the batch it came in, and the cache (a prefix hit, a chunked prefill,
+ * another batch) would change the answer; here it cannot.
+ *
+ * Batch invariance, by construction: each output is
+ *     acc = 0; for each k pair p in order: acc = vdpbf16ps(acc, x[2p..2p+1], w[2p..2p+1]); acc + b
+ * whatever the row tile, the row chunk, the thread or m: a row's result is a function of that row
+ * and the weights only (tests/kernels/test_native_gemm_bf16.py checks it bitwise for 1..33 rows).
+ *
+ * Rounding: the weights are rounded to bf16 once, when packed (round to nearest even, by torch);
+ * x is rounded to bf16 here, at the GEMM input (vcvtne2ps2bf16: round to nearest even, denormals
+ * to zero), once per call. The products of two bf16 are exact in fp32; the sums are fp32.
+ *
+ * Layout: W [n, k] becomes packed [ceil(n / PANEL)][kp][PANEL][2] bf16, kp = ceil(k / 2): per
+ * panel of PANEL output columns and per k pair, the two weights of each column side by side, as
+ * vdpbf16ps takes them (one 64-byte line = 16 columns x 2 k). Columns past n and the k past an
+ * odd k are zero. PANEL is gemm.c's (kvmesh_linear_panel_width); the Python side packs
+ * (model/packed.py, pack_panels_bf16).
+ *
+ * Kernel: rows in tiles of 8, a tile x one panel = 8 x 48 fp32 accumulators (24 zmm), each k pair
+ * one 32-bit broadcast of x per row and three panel loads for 24 vdpbf16ps; the next panel is
+ * prefetched as in gemm.c. Threads split the panels as pairs.h describes.
+ *
+ * Built only where the compiler targets AVX512-BF16 (-march=native on such a CPU defines
+ * __AVX512BF16__); elsewhere kvmesh_linear_bf16_available() is 0 and the runner never packs bf16.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <omp.h>
+
+#include "kernels.h"
+#include "pairs.h"
+#include "panel_prefetch.h"
+
+#define PANEL 48
+#define ROW_TILE 8
+#define ROW_CHUNK 256
+
+typedef int32_t __attribute__((may_alias)) bf16_pair;  /* two bf16 read as one broadcast lane */
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+
+int64_t kvmesh_linear_bf16_available(void) { return 1; }
+
+/* x [m, k] fp32 (rows x_stride apart) -> xb [m, 2 kp] bf16, the padding k zero. One thread: a
+ * 512 x 1536 prefill input is 0.8 M conversions, less than an OpenMP fork and join costs on a
+ * loaded machine (one parallel region per GEMM, not two). */
+static void round_rows(const float *x, int64_t x_stride, int64_t m, int64_t k, uint16_t *xb, int64_t kp)
+{
+    for (int64_t r = 0; r < m; r++) {
+        const float *src = x + r * x_stride;
+        uint16_t *dst = xb + r * 2 * kp;
+        for (int64_t i = 0; i < 2 * kp; i += 32) {
+            const int64_t left = k - i;
+            const __mmask16 lo = left >= 16 ? (__mmask16)0xFFFF : left > 0 ? (__mmask16)((1u << left) - 1u) : 0;
+            const __mmask16 hi = left >= 32 ? (__mmask16)0xFFFF : left > 16 ? (__mmask16)((1u << (left - 16)) - 1u) : 0;
+            const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(hi, src + i + 16), _mm512_maskz_loadu_ps(lo, src + i));
+            const int64_t out_left = 2 * kp - i;
+            const __mmask32 live = out_left >= 32 ? (__mmask32)0xFFFFFFFFu : (__mmask32)((1u << out_left) - 1u);
+            _mm512_mask_storeu_epi16(dst + i, live, (__m512i)v);
+        }
+    }
+}
+
+/* One row tile (mr rows, a compile-time constant after inlining) times one panel. */
+static inline __attribute__((always_inline)) void tile_bf16(
+    const uint16_t *xb, int64_t xb_stride, int64_t kp, const uint16_t *panel, const float *bias, float *out,
+    int64_t out_stride, const int mr, int64_t cols, PanelPrefetch *pf)
+{
+    __m512 c[ROW_TILE][3];
+    for (int r = 0; r < mr; r++)
+        for (int j = 0; j < 3; j++) c[r][j] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < kp; p++) {
+        panel_prefetch_step(pf);
+        const uint16_t *b = panel + p * 2 * PANEL;
+        const __m512bh b0 = (__m512bh)_mm512_loadu_si512(b), b1 = (__m512bh)_mm512_loadu_si512(b + 32),
+                       b2 = (__m512bh)_mm512_loadu_si512(b + 64);
+        for (int r = 0; r < mr; r++) {
+            const __m512bh a = (__m512bh)_mm512_set1_epi32(*(const bf16_pair *)(xb + r * xb_stride + 2 * p));
+            c[r][0] = _mm512_dpbf16_ps(c[r][0], a, b0);
+            c[r][1] = _mm512_dpbf16_ps(c[r][1], a, b1);
+            c[r][2] = _mm512_dpbf16_ps(c[r][2], a, b2);
+        }
+    }
+    for (int j = 0; j < 3; j++) {
+        const int64_t left = cols - j * 16;
+        if (left <= 0) break;
+        const __mmask16 live = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1u);
+        const __m512 bv = bias != NULL ? _mm512_maskz_loadu_ps(live, bias + j * 16) : _mm512_setzero_ps();
+        for (int r = 0; r < mr; r++)
+            _mm512_mask_storeu_ps(out + r * out_stride + j * 16, live, _mm512_add_ps(c[r][j], bv));
+    }
+}
+
+static void tile_dispatch(const uint16_t *xb, int64_t xb_stride, int64_t kp, const uint16_t *panel,
+                          const float *bias, float *out, int64_t out_stride, int mr, int64_t cols, PanelPrefetch *pf)
+{
+    switch (mr) {
+    case 8: tile_bf16(xb, xb_stride, kp, panel, bias, out, out_stride, 8, cols, pf); break;
+    case 7: tile_bf16(xb, xb_stride, kp, panel, bias, out, out_stride, 7, cols, pf); break;
+    case 6: tile_bf16(xb, xb_stride, kp, panel, bias, out, out_stride, 6, cols, pf); break;
+    case 5: tile_bf16(xb, xb_stride, kp, panel, bias, out, out_stride, 5, cols, pf); break;
+    case 4: tile_bf16(xb, xb_stride, kp, panel, bias, out, out_stride, 4, cols, pf); break;
+    case 3: tile_bf16(xb, xb_stride, kp, panel, bias, out, out_stride, 3, cols, pf); break;
+    case 2: tile_bf16(xb, xb_stride, kp, panel, bias, out, out_stride, 2, cols, pf); break;
+    default: tile_bf16(xb, xb_stride, kp, panel, bias, out, out_stride, 1, cols, pf); break;
+    }
+}
+
+/* out[m, n] (rows out_stride apart) = bf16(x[m, k]) (rows x_stride apart) W^T + bias (NULL: none),
+ * with W packed as described above. Returns 0, or -1 when the scratch for bf16(x) cannot be had. */
+int kvmesh_linear_bf16(const float *x, int64_t x_stride, int64_t m, int64_t k, const uint16_t *packed, int64_t n,
+                       const float *bias, float *out, int64_t out_stride)
+{
+    const int64_t kp = (k + 1) / 2, panels = (n + PANEL - 1) / PANEL, panel_size = kp * 2 * PANEL;
+    uint16_t *xb = malloc(sizeof(uint16_t) * (size_t)(m * 2 * kp) + 64);
+    if (xb == NULL) return -1;
+    round_rows(x, x_stride, m, k, xb, kp);
+    for (int64_t r0 = 0; r0 < m; r0 += ROW_CHUNK) {
+        const int64_t rows = m - r0 < ROW_CHUNK ? m - r0 : ROW_CHUNK, tiles = (rows + ROW_TILE - 1) / ROW_TILE;
+        int64_t claimed[MAX_PAIRS] = {0};
+        #pragma omp parallel if (panels > 1)
+        {
+            PairedRun run;
+            paired_run_init(&run, panels, claimed);
+            for (int64_t taken = 0;; taken++) {
+                const int64_t p = paired_run_take(&run, taken);
+                if (p < 0) break;
+                const uint16_t *panel = packed + p * panel_size;
+                const int64_t cols = n - p * PANEL < PANEL ? n - p * PANEL : PANEL;
+                const int64_t next = paired_run_after(&run, p);
+                PanelPrefetch pf = panel_prefetch(next >= 0 ? packed + next * panel_size : NULL,
+                                                  panel_size * (int64_t)sizeof(uint16_t), tiles * kp);
+                for (int64_t t = 0; t < tiles; t++) {
+                    const int64_t row = r0 + t * ROW_TILE;
+                    const int mr = (int)(r0 + rows - row < ROW_TILE ? r0 + rows - row : ROW_TILE);
+                    tile_dispatch(xb + row * 2 * kp, 2 * kp, kp, panel, bias != NULL ? bias + p * PANEL : NULL,
+                                  out + row * out_stride + p * PANEL, out_stride, mr, cols, &pf);
+                }
+            }
+        }
+    }
+    free(xb);
+    return 0;
+}
+
+#else
+
+int64_t kvmesh_linear_bf16_available(void) { return 0; }
+
+/* Not built for this CPU: the runner checks kvmesh_linear_bf16_available() and never calls it. */
+int kvmesh_linear_bf16(const float *x, int64_t x_stride, int64_t m, int64_t k, const uint16_t *packed, int64_t n,
+                       const float *bias, float *out, int64_t out_stride)
+{
+    (void)x; (void)x_stride; (void)m; (void)k; (void)packed; (void)n; (void)bias; (void)out; (void)out_stride;
+    return -2;
+}
+
+#endif

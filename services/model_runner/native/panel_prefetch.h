@@ -1,0 +1,33 @@
+/*
+ * The GEMMs' software prefetch of a thread's next weight panel, spread over the k steps of the
+ * current one (gemm.c, gemm_bf16.c): a decode step's weights stream from memory once per step,
+ * and a few prefetched lines per k step hide that stream behind the FMAs (docs/model_runner.md).
+ */
+#ifndef KVMESH_PANEL_PREFETCH_H
+#define KVMESH_PANEL_PREFETCH_H
+
+#include <stdint.h>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+typedef struct {
+    const char *next;  /* NULL: nothing to prefetch */
+    int64_t line, lines, per;
+} PanelPrefetch;
+
+/* The prefetch of `bytes` at `next` (NULL: none) spread over `steps` calls of panel_prefetch_step. */
+static inline PanelPrefetch panel_prefetch(const void *next, int64_t bytes, int64_t steps) {
+    const int64_t lines = bytes / 64;
+    PanelPrefetch p = {(const char *)next, 0, lines, steps > 0 ? (lines + steps - 1) / steps : lines};
+    return p;
+}
+
+static inline void panel_prefetch_step(PanelPrefetch *p) {
+    if (p->next == NULL) return;
+    for (int64_t i = 0; i < p->per && p->line < p->lines; i++, p->line++)
+        _mm_prefetch(p->next + p->line * 64, _MM_HINT_T1);
+}
+
+#endif
+#endif

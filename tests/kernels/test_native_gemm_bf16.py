@@ -1,0 +1,103 @@
+"""The native bf16 GEMM (``services/model_runner/native/gemm_bf16.c``) and its packed layout.
+
+Against a float64 reference of the same bf16-rounded inputs (so only the fp32 accumulation's
+rounding is left: a tight tolerance), over partial panels and tiles, odd k, more rows than one
+256-row chunk, strided rows and biases; and batch invariance: each row's output is bitwise the
+same computed alone or within batches of 1..33 rows, at any offset. Skipped on a CPU without
+AVX512-BF16 (the kernel is not built there, and the runner never packs bf16).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.model_runner import native
+from services.model_runner.model.packed import PackedWeight, pack_panels_bf16
+
+
+def _kernels() -> native.NativeKernels:
+    kernels = native.load_kernels()
+    if kernels is None:
+        pytest.skip("the native kernels did not build here")
+    if kernels.linear_bf16 is None:
+        pytest.skip("the CPU has no AVX512-BF16: the native bf16 GEMM is not built here")
+    return kernels
+
+
+def _bf16(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.bfloat16).double()
+
+
+def test_panel_layout_pairs_k_per_column() -> None:
+    """Panel p, pair q holds columns [48p, 48p + 48) as (k = 2q, k = 2q + 1) pairs; zero past the
+    last column and past an odd k."""
+    weight = torch.arange(100 * 3, dtype=torch.float32).view(100, 3)  # w[c, k] = 3c + k, exact in bf16 below 256
+    packed = pack_panels_bf16(weight, 48)
+    assert packed.shape == (3, 2, 48, 2) and packed.dtype == torch.bfloat16 and packed.is_contiguous()
+    assert packed[0, 0, 5].tolist() == [15.0, 16.0]  # column 5, k 0 and 1
+    assert packed[0, 1, 5].tolist() == [17.0, 0.0]  # k 2, and the padding k 3
+    assert packed[1, 0, 1].tolist() == [3.0 * 49, 3.0 * 49 + 1]
+    assert torch.equal(packed[2, :, 4:].float(), torch.zeros(2, 44, 2))
+
+
+@pytest.mark.parametrize(("rows", "out_features", "in_features"), [
+    (1, 960, 576), (5, 77, 33), (8, 48, 16), (32, 3072, 576), (17, 576, 1536), (300, 130, 64), (3, 1, 7),
+    (9, 50, 1),
+])  # fmt: skip
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_bf16_matches_float64_of_the_rounded_inputs(rows: int, out_features: int, in_features: int,
+                                                           with_bias: bool) -> None:  # fmt: skip
+    kernels = _kernels()
+    gen = torch.Generator().manual_seed(rows * 1000 + out_features)
+    x = torch.randn(rows, in_features + 3, generator=gen)[:, 1 : in_features + 1]  # strided rows
+    weight = torch.randn(out_features, in_features, generator=gen)
+    bias = torch.randn(out_features, generator=gen) if with_bias else None
+    out = PackedWeight(weight, bias, "native_bf16", kernels)(x)
+    expected = torch.nn.functional.linear(_bf16(x), _bf16(weight), None if bias is None else bias.double())
+    # the products of two bf16 are exact in fp32; only the fp32 sums round: ~sqrt(k) ulps of the terms
+    torch.testing.assert_close(out.double(), expected, atol=2e-5 * in_features**0.5, rtol=1e-5)
+
+
+def test_rounding_is_at_the_input_not_a_truncation() -> None:
+    """x = 1 + 2^-8 + 2^-9 rounds (to nearest even) to 1 + 2^-7 in bf16, not down to 1."""
+    kernels = _kernels()
+    x = torch.full((1, 2), 1 + 2**-8 + 2**-9)
+    out = PackedWeight(torch.ones(1, 2), None, "native_bf16", kernels)(x)
+    assert out.item() == 2 * (1 + 2**-7)
+
+
+def test_each_row_is_bitwise_the_same_alone_or_in_any_batch() -> None:
+    """Batch invariance: rows of one 40-row x, computed in batches of 1..33 rows starting at
+    every offset, give bitwise the outputs of each row computed alone (2 threads split the
+    panels; row tiles of 8 and their partial tails all take part)."""
+    kernels = _kernels()
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(40, 576, generator=gen)
+    weight = torch.randn(200, 576, generator=gen)
+    packed = PackedWeight(weight, torch.randn(200, generator=gen), "native_bf16", kernels)
+    alone = torch.cat([packed(x[i : i + 1]) for i in range(40)])
+    for batch in range(1, 34):
+        for start in range(0, 40 - batch + 1, 7):
+            assert torch.equal(packed(x[start : start + batch]), alone[start : start + batch]), (batch, start)
+
+
+def test_more_rows_than_a_chunk_are_invariant_too() -> None:
+    """300 rows (two 256-row chunks): each row bitwise its value alone."""
+    kernels = _kernels()
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn(300, 64, generator=gen)
+    packed = PackedWeight(torch.randn(130, 64, generator=gen), None, "native_bf16", kernels)
+    whole = packed(x)
+    for i in (0, 7, 255, 256, 299):
+        assert torch.equal(whole[i : i + 1], packed(x[i : i + 1]))
+
+
+def test_not_offered_without_the_kernel() -> None:
+    """``native_bf16`` is refused (not silently fp32) where the bf16 GEMM is not built."""
+    kernels = native.load_kernels(portable=True)
+    if kernels is None:
+        pytest.skip("the native kernels did not build here")
+    assert kernels.linear_bf16 is None  # the portable build has no AVX-512 at all
+    with pytest.raises(ValueError, match="not built here"):
+        PackedWeight(torch.ones(4, 4), None, "native_bf16", kernels)
