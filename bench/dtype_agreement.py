@@ -46,7 +46,7 @@ import torch  # noqa: E402
 
 from services.model_runner.config import RunnerConfig  # noqa: E402
 from services.model_runner.factory import build_runner, cpu_flags  # noqa: E402
-from services.model_runner.runner import ModelRunnerCore  # noqa: E402
+from services.model_runner.runner import ModelRunner  # noqa: E402
 from services.model_runner.types import CachedRequestData, NewRequestData, StepInput  # noqa: E402
 from shared.sampling_params import SamplingParams  # noqa: E402
 
@@ -79,7 +79,7 @@ class Seq:
 class Driver:
     """Just enough of a scheduler: a shuffled free list of blocks, prefill steps, decode steps."""
 
-    def __init__(self, runner: ModelRunnerCore, seed: int = 0):
+    def __init__(self, runner: ModelRunner, seed: int = 0):
         self.runner = runner
         self.free = list(range(1, runner.pool.num_blocks))
         random.Random(seed).shuffle(self.free)
@@ -132,7 +132,7 @@ class Driver:
             seq.blocks = []
 
 
-def build(args: argparse.Namespace, mode: str, max_len: int, blocks: int) -> ModelRunnerCore:
+def build(args: argparse.Namespace, mode: str, max_len: int, blocks: int) -> ModelRunner:
     dtype, backend = MODES[mode]
     per_block = 30 * 2 * BLOCK_SIZE * 3 * 64 * 4  # SmolLM2: 30 layers, 3 KV heads of 64, fp32 K/V (the largest)
     runner = build_runner(RunnerConfig(model_dir=args.model, device="cpu", dtype=dtype, attention_backend=backend,
@@ -149,7 +149,7 @@ def _spread(samples: list[float]) -> dict[str, Any]:
             "max_ms": max(samples) * 1e3, "samples_ms": [s * 1e3 for s in samples]}  # fmt: skip
 
 
-def step_times(args: argparse.Namespace, runners: dict[str, ModelRunnerCore]) -> dict[str, Any]:
+def step_times(args: argparse.Namespace, runners: dict[str, ModelRunner]) -> dict[str, Any]:
     """Decode steps at batch 1 and 32 and one prefill, the runners taking turns step by step."""
     vocab = next(iter(runners.values())).config.vocab_size
     gen = torch.Generator().manual_seed(0)
@@ -188,7 +188,7 @@ def step_times(args: argparse.Namespace, runners: dict[str, ModelRunnerCore]) ->
     return result
 
 
-def greedy(runner: ModelRunnerCore, prompts: list[list[int]], new_tokens: int, batched: bool) -> list[Seq]:
+def greedy(runner: ModelRunner, prompts: list[list[int]], new_tokens: int, batched: bool) -> list[Seq]:
     """Greedy outputs with the sampled tokens' logprobs, all prompts in one batch or each alone."""
     driver = Driver(runner, seed=1)
     params = SamplingParams(logprobs=1, ignore_eos=True)

@@ -5,7 +5,7 @@ Everything runs in one process, one after the other, so the figures share the ma
 
 1. The machine: copy bandwidth (a 1 GiB fp32 ``copy_``, bytes read + bytes written per second, the
    STREAM convention) and peak matmul FLOP/s (a 4096^2 fp32 ``torch.mm``).
-2. The decode step: ``ModelRunnerCore.execute`` with only decode requests, built by
+2. The decode step: ``ModelRunner.execute`` with only decode requests, built by
    ``factory.build_runner``. For each context, ``max(--batches)`` requests of random tokens are
    prefilled (one request per step, not timed); then for each batch size the first ``B`` of them
    decode together, ``--repeats`` timed steps after two warm-up steps. The roofline of a step is
@@ -53,7 +53,7 @@ from services.model_runner.factory import build_runner  # noqa: E402
 from services.model_runner.kv_pool import bytes_per_block  # noqa: E402
 from services.model_runner.model.config import ModelConfig  # noqa: E402
 from services.model_runner.model.transformer import CausalLM  # noqa: E402
-from services.model_runner.runner import ModelRunnerCore  # noqa: E402
+from services.model_runner.runner import ModelRunner  # noqa: E402
 from services.model_runner.types import CachedRequestData, NewRequestData, StepInput  # noqa: E402
 
 DEFAULT_MODEL = "/tmp/kvmesh-cache/SmolLM2-135M-Instruct"
@@ -128,7 +128,7 @@ class _Seq:
 class Driver:
     """Just enough of a scheduler: a shuffled free list of blocks, prefill steps, decode steps."""
 
-    def __init__(self, runner: ModelRunnerCore, seed: int = 0):
+    def __init__(self, runner: ModelRunner, seed: int = 0):
         self.runner = runner
         self.free = list(range(1, runner.pool.num_blocks))
         random.Random(seed).shuffle(self.free)
@@ -182,7 +182,7 @@ class Driver:
             by_id[token.request_id].output.append(token.token_id)
 
 
-def _build(args: argparse.Namespace, **fields: Any) -> ModelRunnerCore:
+def _build(args: argparse.Namespace, **fields: Any) -> ModelRunner:
     """``build_runner`` on the CPU with the benchmark's threads and block size (and quantization if set)."""
     if args.quantization != "none":
         fields["quantization"] = args.quantization

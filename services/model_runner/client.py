@@ -17,7 +17,7 @@ import grpc
 from services.model_runner.config import RunnerConfig
 from services.model_runner.convert import model_info_from_proto, output_from_proto, step_to_proto
 from services.model_runner.factory import build_runner
-from services.model_runner.runner import ModelRunnerCore
+from services.model_runner.runner import ModelRunner
 from services.model_runner.types import ModelInfo, StepInput, StepOutput
 from shared.channels import open_channel
 from shared.errors import Unavailable
@@ -86,9 +86,9 @@ class RunnerBackend(Protocol):
 
 
 class InProcessRunner:
-    """Over a :class:`ModelRunnerCore` in this process (no gRPC)."""
+    """Over a :class:`ModelRunner` in this process (no gRPC)."""
 
-    def __init__(self, core: ModelRunnerCore) -> None:
+    def __init__(self, core: ModelRunner) -> None:
         self.core = core
 
     @classmethod

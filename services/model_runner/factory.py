@@ -1,4 +1,4 @@
-"""Builds a :class:`ModelRunnerCore` from a :class:`RunnerConfig`: device, dtype, model, pool, backend.
+"""Builds a :class:`ModelRunner` from a :class:`RunnerConfig`: device, dtype, model, pool, backend.
 
 Shared by the service's ``main.py`` and the in-process engine, so both build the runner the same way.
 ``dtype=auto`` and ``attention_backend=auto`` are resolved here, by pure functions of the device,
@@ -21,7 +21,7 @@ from services.model_runner.kv_pool import KVPool, kv_dtype_for
 from services.model_runner.loader import load_model, parse_dtype
 from services.model_runner.model.config import ModelConfig
 from services.model_runner.native import load_kernels
-from services.model_runner.runner import ModelRunnerCore
+from services.model_runner.runner import ModelRunner
 
 log = logging.getLogger(__name__)
 
@@ -147,7 +147,7 @@ def make_backend(name: str, device: torch.device, batch_invariant: bool = False)
     return TorchAttentionBackend()
 
 
-def build_runner(config: RunnerConfig, flags: Iterable[str] | None = None) -> ModelRunnerCore:
+def build_runner(config: RunnerConfig, flags: Iterable[str] | None = None) -> ModelRunner:
     """Loads the model, allocates the pool from the memory budget, picks the backend.
 
     Args:
@@ -179,7 +179,7 @@ def build_runner(config: RunnerConfig, flags: Iterable[str] | None = None) -> Mo
         block_size=config.block_size, memory_bytes=config.kv_cache_memory_bytes,
         dtype=kv_dtype_for(config.kv_cache_dtype, dtype), device=device,
     )
-    core = ModelRunnerCore(
+    core = ModelRunner(
         model, pool, make_backend(backend_choice.value, device, config.batch_invariant),
         model_id=config.model_id or Path(config.model_dir).name,
         max_model_len=config.max_model_len or None, quantization=config.quantization,

@@ -47,7 +47,7 @@ class _Planned:
     scheduled: ScheduledRequest
 
 
-class ModelRunnerCore:
+class ModelRunner:
     """Holds the model, the KV pool, the attention backend and the per-request state."""
 
     def __init__(

@@ -1,4 +1,4 @@
-"""``kvmesh.v1.ModelRunner``: a thin adapter from protobuf to :class:`ModelRunnerCore`.
+"""``kvmesh.v1.ModelRunner``: a thin adapter from protobuf to :class:`ModelRunner`.
 
 Steps run one at a time under a lock (the model and the pool are not re-entrant); a bad step
 raises ``InvalidArgument`` from the core before anything changed, and the runner keeps serving.
@@ -19,7 +19,7 @@ import grpc
 from services.model_runner.block_copy import copy_blocks
 from services.model_runner.convert import model_info_to_proto, output_to_proto, step_from_proto
 from services.model_runner.metrics import RunnerMetrics
-from services.model_runner.runner import ModelRunnerCore
+from services.model_runner.runner import ModelRunner
 from shared.errors import FailedPrecondition
 from shared.grpc_server import ServiceName
 from shared.pb.kvmesh.v1 import common_pb2, model_runner_pb2, model_runner_pb2_grpc
@@ -29,9 +29,9 @@ SERVICE = ServiceName.of("model-runner", model_runner_pb2, "ModelRunner")
 
 
 class ModelRunnerServicer(model_runner_pb2_grpc.ModelRunnerServicer):
-    """Serves one :class:`ModelRunnerCore`."""
+    """Serves one :class:`ModelRunner`."""
 
-    def __init__(self, core: ModelRunnerCore, metrics: RunnerMetrics | None = None) -> None:
+    def __init__(self, core: ModelRunner, metrics: RunnerMetrics | None = None) -> None:
         self.core = core
         self.metrics = metrics
         self._lock = threading.Lock()

@@ -335,3 +335,25 @@ def test_the_peer_import_detector() -> None:
         ("services/scheduler/x.py", "services.offload_store.store"),
     }
     assert _service_of("services/cli.py") is None and _service_of("services/router/client.py") == "router"
+
+
+# The naming rule of docs/architecture.md: each service's core entry class is the service's name.
+CORE_CLASSES = {
+    "services.kv_cache_manager.manager": "KVCacheManager",
+    "services.model_runner.runner": "ModelRunner",
+    "services.offload_store.store": "OffloadStore",
+    "services.scheduler.scheduler": "Scheduler",
+    "services.router.routing": "Router",
+    "services.gateway.core": "Gateway",
+}
+
+
+def test_each_service_core_is_named_after_the_service() -> None:
+    import importlib
+
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    for module, name in CORE_CLASSES.items():
+        assert isinstance(getattr(importlib.import_module(module), name, None), type), (module, name)
+        assert f"`{name}`" in text, f"docs/architecture.md does not name the core class {name}"
+    services = {p.name for p in (ROOT / "services").iterdir() if (p / "__init__.py").exists()}
+    assert services == {m.split(".")[1] for m in CORE_CLASSES}, "a new service needs its core class listed here"

@@ -1,5 +1,5 @@
 """Tiny random-weight checkpoints (built with transformers, loaded through our loader) and a
-miniature scheduler that drives :class:`ModelRunnerCore` with hand-built steps.
+miniature scheduler that drives :class:`ModelRunner` with hand-built steps.
 
 Checkpoints are built once per session: hidden 64, 4 heads, 2 K/V heads, fp32. The init range is
 raised to 0.2: with HF's default (0.02) the logits are near-uniform and greedy decoding repeats
@@ -23,7 +23,7 @@ from services.model_runner.input_batch import ScheduledRequest, prepare_inputs
 from services.model_runner.kv_pool import KVPool, bytes_per_block, kv_dtype_for
 from services.model_runner.loader import load_model
 from services.model_runner.model.context import ForwardContext
-from services.model_runner.runner import ModelRunnerCore
+from services.model_runner.runner import ModelRunner
 from services.model_runner.types import CachedRequestData, NewRequestData, StepInput, StepOutput
 from shared.sampling_params import SamplingParams
 
@@ -112,12 +112,12 @@ def make_runner(tmp_path: Path) -> Any:
     """``make_runner(folder, num_blocks=64, kv_cache_dtype="auto", quantization="none", backend="torch",
     gemm_dtype="float32")`` -> a runner on a fresh shm pool (``backend`` as in
     ``RunnerConfig.attention_backend``; ``gemm_dtype="bfloat16"``: bf16 mode on the native kernels)."""
-    runners: list[ModelRunnerCore] = []
+    runners: list[ModelRunner] = []
 
     def make(
         folder: Path, num_blocks: int = 64, kv_cache_dtype: str = "auto", quantization: str = "none",
         backend: str = "torch", gemm_dtype: str = "float32",
-    ) -> ModelRunnerCore:
+    ) -> ModelRunner:
         model, config = load_model(folder)
         dtype = kv_dtype_for(kv_cache_dtype, torch.float32)
         per_block = bytes_per_block(config.num_layers, BLOCK_SIZE, config.num_kv_heads, config.head_dim, dtype)
@@ -129,7 +129,7 @@ def make_runner(tmp_path: Path) -> Any:
             memory_bytes=num_blocks * per_block,
             dtype=dtype,
         )
-        runner = ModelRunnerCore(model, pool, make_backend(backend, torch.device("cpu")), model_id=folder.name,
+        runner = ModelRunner(model, pool, make_backend(backend, torch.device("cpu")), model_id=folder.name,
                                  quantization=quantization, gemm_dtype=gemm_dtype)
         runners.append(runner)
         return runner
@@ -173,7 +173,7 @@ class MiniScheduler:
     that another request may still read).
     """
 
-    def __init__(self, runner: ModelRunnerCore, chunk: int = 1 << 30):
+    def __init__(self, runner: ModelRunner, chunk: int = 1 << 30):
         self.runner = runner
         self.chunk = chunk
         self.block_size = runner.pool.block_size
@@ -286,7 +286,7 @@ def hf_greedy(model: PreTrainedModel, prompt: Sequence[int], max_new_tokens: int
 
 
 def forward_all_logits(
-    runner: ModelRunnerCore, token_ids: Sequence[int], chunks: Sequence[int] | None = None
+    runner: ModelRunner, token_ids: Sequence[int], chunks: Sequence[int] | None = None
 ) -> torch.Tensor:
     """``[len(token_ids), V]`` logits of every position, prefilled through the runner's model and
     pool (blocks 1..n) in the given chunk sizes; the pool's fp8 scales apply."""

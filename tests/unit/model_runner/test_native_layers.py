@@ -26,7 +26,7 @@ from services.model_runner.model.native_layers import (
 )
 from services.model_runner.model.transforms import prepare_model
 from services.model_runner.native import load_kernels
-from services.model_runner.runner import ModelRunnerCore
+from services.model_runner.runner import ModelRunner
 
 NATIVE_TYPES = (NativeRMSNorm, NativeRotary, NativeSiluAndMul, NativeDecoderModel)
 
@@ -75,6 +75,6 @@ def test_the_runner_follows_the_backends_native_kernels(checkpoint: Any, tmp_pat
     per_block = bytes_per_block(cfg.num_layers, 4, cfg.num_kv_heads, cfg.head_dim, torch.float32)
     with KVPool(num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, block_size=4,
                 memory_bytes=16 * per_block, dtype=torch.float32, shm_dir=str(tmp_path)) as pool:  # fmt: skip
-        runner = ModelRunnerCore(model, pool, backend, model_id="llama")
+        runner = ModelRunner(model, pool, backend, model_id="llama")
         assert not any(t in _types(runner.model) for t in NATIVE_TYPES)
         assert all(m.packed is None or m.packed.mode == "fp32" for m in runner.model.modules() if isinstance(m, Linear))

@@ -14,18 +14,18 @@ from services.model_runner.model.context import ForwardContext
 from services.model_runner.model.native_layers import NativeDecoderModel
 from services.model_runner.model.native_stack import NativeDecodeStack
 from services.model_runner.native import load_kernels
-from services.model_runner.runner import ModelRunnerCore
+from services.model_runner.runner import ModelRunner
 
 PROMPTS = {"a": list(range(3, 8)), "b": list(range(40, 57)), "c": list(range(100, 130))}
 
 
-def _stack(runner: ModelRunnerCore) -> NativeDecodeStack:
+def _stack(runner: ModelRunner) -> NativeDecodeStack:
     model = runner.model.model
     assert isinstance(model, NativeDecoderModel)
     return model.stack
 
 
-def _forward(runner: ModelRunnerCore, reqs: list[ScheduledRequest], stack: bool) -> torch.Tensor:
+def _forward(runner: ModelRunner, reqs: list[ScheduledRequest], stack: bool) -> torch.Tensor:
     """The model's hidden states for one step, with the native stack on, or declining the step
     (as it does for any step it does not run: the per-layer path runs instead)."""
     native = _stack(runner)
@@ -44,7 +44,7 @@ def _forward(runner: ModelRunnerCore, reqs: list[ScheduledRequest], stack: bool)
             native.run = saved  # type: ignore[method-assign]
 
 
-def _prefilled(runner: ModelRunnerCore) -> dict[str, list[int]]:
+def _prefilled(runner: ModelRunner) -> dict[str, list[int]]:
     """Prefills the three prompts (blocks interleaved in the pool); returns each one's blocks."""
     bs = runner.pool.block_size
     tables: dict[str, list[int]] = {}

@@ -1,4 +1,4 @@
-"""ModelRunnerCore: per-request state across steps, whole-step validation, warmup, fp8 caches."""
+"""ModelRunner: per-request state across steps, whole-step validation, warmup, fp8 caches."""
 
 from __future__ import annotations
 
@@ -265,7 +265,7 @@ def test_tied_head_is_packed_with_the_same_logits(checkpoint: Any, all_logits: A
     """qwen2's head is tied to the embedding: packed (default) or not, the logits are bitwise the same."""
     from services.model_runner.kv_pool import KVPool, bytes_per_block
     from services.model_runner.loader import load_model
-    from services.model_runner.runner import ModelRunnerCore
+    from services.model_runner.runner import ModelRunner
 
     logits = {}
     for pack in (True, False):
@@ -273,7 +273,7 @@ def test_tied_head_is_packed_with_the_same_logits(checkpoint: Any, all_logits: A
         per_block = bytes_per_block(cfg.num_layers, 4, cfg.num_kv_heads, cfg.head_dim, torch.float32)
         pool = KVPool(num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
                       block_size=4, memory_bytes=32 * per_block, dtype=torch.float32)  # fmt: skip
-        runner = ModelRunnerCore(model, pool, TorchAttentionBackend(), model_id="q", pack_tied_head=pack)
+        runner = ModelRunner(model, pool, TorchAttentionBackend(), model_id="q", pack_tied_head=pack)
         try:
             assert runner.model.lm_head is None
             assert (runner.model.packed_head is not None) == (pack and onednn_available())
