@@ -89,7 +89,8 @@ def test_fp32_names_and_cpu_flags() -> None:
 
 def _result(seconds: list[float], tokens: list[list[list[int]]], dtype: str, wname: str = "single") -> dict[str, Any]:
     return {"ok": True, "resolved": {"dtype": dtype, "backend": "b"}, "startup_s": 2.0, "rss_idle_mib": 100.0,
-            "rss_peak_mib": 150.0, "versions": {"x": "1"}, "workloads": {wname: {"seconds": seconds, "token_ids": tokens}}}
+            "rss_peak_mib": 150.0, "versions": {"x": "1"},
+            "workloads": {wname: {"seconds": seconds, "token_ids": tokens}}}
 
 
 def _report() -> Any:
@@ -98,7 +99,7 @@ def _report() -> Any:
     results = {
         "vllm-default": _result([2.0, 4.0], [[[1, 2, 0, 0]], [[5, 6, 7, 8]]], "bfloat16"),
         "vllm-fp32": _result([4.0, 4.0], ref_tokens, "float32"),
-        "kvmesh-suite-fp32": _result([1.0, 1.0, 1.0][:2], ref_tokens, "float32"),
+        "kvmesh-suite-fp32": _result([1.0, 1.0], ref_tokens, "float32"),
         "llamacpp-f32": _result([8.0, 8.0], [[[1, 2, 3, 4]], [[5, 0, 7, 8]]], "F32"),
     }
     labels = {n: n.upper() for n in results}
