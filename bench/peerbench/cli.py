@@ -18,7 +18,7 @@ from pathlib import Path
 
 from bench.peerbench import engines as eng
 from bench.peerbench.gguf import f32_gguf, q4_1_gguf
-from bench.peerbench.orchestrate import RunConfig, cpu_flags, git_describe, run_engine
+from bench.peerbench.orchestrate import RunConfig, cpu_flags, git_describe, load_result, run_engine
 from bench.peerbench.render import render, replace_section
 from bench.peerbench.table import build_report, shown_flags, to_json
 from bench.peerbench.workloads import build_prompts, select
@@ -48,6 +48,8 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--engine-timeout", type=float, default=2400.0, help="seconds one engine may take in all")
     p.add_argument("--note", action="append", default=[], help="a line for the report (repeatable)")
     p.add_argument("--out", default="bench/results/peers", help="writes OUT.json and OUT.md")
+    p.add_argument("--report-only", action="store_true",
+                   help="run nothing: report the results an earlier run left in the work folder")
     p.add_argument("--write-docs", default="", help="replace the generated section of this markdown file")
     return p.parse_args(argv)
 
@@ -81,7 +83,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                "kvmesh": sys.executable}
     work = Path(ns.work_dir or peers / "work")
     ggufs: dict[str, str] = {}
-    if any(s.kind == "llamacpp" for s in specs):
+    if any(s.kind == "llamacpp" for s in specs) and not ns.report_only:
         sdist = peers / "src" / LLAMA_SDIST / "vendor" / "llama.cpp"
         script = Path(ns.convert_script or sdist / "convert_hf_to_gguf.py")
         try:
@@ -95,7 +97,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     cfg = RunConfig(model_dir=model_dir, work_dir=work, pythons=pythons, threads=ns.threads,
                     engine_timeout_s=ns.engine_timeout, vllm_enforce_eager=not ns.vllm_compile,
                     ggufs=tuple(ggufs.items()))
-    results = {s.name: run_engine(s, cfg, prompts) for s in specs}
+    if ns.report_only:
+        results = {s.name: load_result(s, work) for s in specs}
+    else:
+        results = {s.name: run_engine(s, cfg, prompts) for s in specs}
     meta = {"command": command, "machine": vars(machine_info(load_start)), "cpu_flags": shown_flags(cpu_flags()),
             "threads": ns.threads, "repeats": repeats, "seed": ns.seed, "elapsed_s": time.perf_counter() - started,
             "git": git_describe(), "notes": list(ns.note), "model_dir": str(model_dir), "ggufs": ggufs,

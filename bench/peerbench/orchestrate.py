@@ -99,18 +99,32 @@ def run_engine(spec: EngineSpec, cfg: RunConfig, prompts: Sequence[WorkloadPromp
         proc = subprocess.Popen([python, str(spec.worker), str(job_path), str(result_path)], cwd=ROOT,
                                 env=_env(spec, cfg), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         assert proc.stdout is not None
-        watchdog = threading.Timer(cfg.engine_timeout_s, proc.kill)  # NOTE: a hung worker prints nothing
+        watchdog = threading.Timer(cfg.engine_timeout_s, proc.terminate)  # NOTE: a hung worker prints nothing
         watchdog.start()
-        for line in proc.stdout:  # NOTE: the worker's own lines start with "[name]"; the rest only in the log
-            log.write(line)
-            if line.startswith(f"[{spec.name}]"):
-                print(f"bench peers: {line.rstrip()}", file=sys.stderr, flush=True)
-        rc = proc.wait()
-        watchdog.cancel()
+        try:
+            for line in proc.stdout:  # NOTE: the worker's own lines start with "[name]"; the rest only in the log
+                log.write(line)
+                if line.startswith(f"[{spec.name}]"):
+                    print(f"bench peers: {line.rstrip()}", file=sys.stderr, flush=True)
+            rc = proc.wait()
+        finally:
+            watchdog.cancel()
+            if proc.poll() is None:  # NOTE: interrupted here: the worker stops its engine (SIGTERM), then goes
+                proc.terminate()
+                proc.wait(120)
     if not result_path.is_file():
         return _failed(spec, f"the worker exited with {rc} and wrote no result; see {logs / (spec.name + '.log')}")
     result: dict[str, Any] = json.loads(result_path.read_text())
     result["wall_s"] = time.monotonic() - started
+    return result
+
+
+def load_result(spec: EngineSpec, work_dir: Path) -> dict[str, Any]:
+    """The result an earlier run left in ``work_dir`` (``--report-only``)."""
+    path = work_dir / f"{spec.name}.result.json"
+    if not path.is_file():
+        return _failed(spec, f"no result in {work_dir}")
+    result: dict[str, Any] = json.loads(path.read_text())
     return result
 
 

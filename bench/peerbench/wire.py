@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import signal
 import sys
 import threading
 import time
@@ -178,4 +179,7 @@ def main(argv: Sequence[str], opener: Callable[[dict[str, Any]], Engine],
     if len(argv) != 3:
         print(f"usage: {argv[0]} JOB.json RESULT.json", file=sys.stderr)
         return 2
+    # NOTE: SIGTERM (the orchestrator stopping) unwinds through serve_job's finally: the engine's
+    # own children (vLLM's engine core, kvmesh's services) are stopped, not orphaned.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     return serve_job(load_job(argv[1]), argv[2], opener, versions())
