@@ -198,3 +198,13 @@ def test_worker_loop_times_every_repeat_and_refuses_wrong_lengths(tmp_path: Path
     else:
         assert result["workloads"]["w"]["token_ids"] == [[[1, 1, 1], [2, 2, 2]], [[3, 3, 3], [4, 4, 4]]]
         assert len(result["workloads"]["w"]["seconds"]) == 2 and result["rss_peak_mib"] > 0
+
+
+def test_report_only_reads_what_a_run_left(tmp_path: Path) -> None:
+    from bench.peerbench.orchestrate import load_result
+
+    spec = eng.BY_NAME["vllm-fp32"]
+    missing = load_result(spec, tmp_path)
+    assert (missing["ok"], missing["error"], missing["workloads"]) == (False, f"no result in {tmp_path}", {})
+    (tmp_path / "vllm-fp32.result.json").write_text(json.dumps(_result([1.0], [[[1]]], "float32")))
+    assert load_result(spec, tmp_path)["workloads"]["single"]["seconds"] == [1.0]
