@@ -90,7 +90,8 @@ class Engine:
         self.kv = kv
         self.runner = runner
         self.info: RunnerInfo = runner.info()
-        self.offload = OffloadConnector(offload) if offload is not None else None
+        self.offload = (OffloadConnector(offload, publish_prefill=config.role == "prefill")
+                        if offload is not None else None)
         self.scheduler = Scheduler(config, kv, self.info, self.offload, self._seed(self.info))
         self._bound = False
         self._rebinds_in_a_row = 0
@@ -408,6 +409,8 @@ class Engine:
 
     def _dispatch(self, step: ScheduledStep, output: Any) -> None:
         events = self.scheduler.update(step, output)
+        if self.offload is not None:  # a prefill replica's prompts, before their first token leaves
+            self.offload.publish_prompts([ev.request for ev in events], self.info.block_size)
         if self.metrics is not None:  # every gap between two tokens, as it happens
             self.metrics.observe_inter_token([g for ev in events if (g := ev.request.times.last_gap) is not None])
         for ev in events:
