@@ -14,9 +14,11 @@ Workload (the claim to test: long prefills no longer stall other streams' ITL):
 * one worker sending a long uncached prompt (``--long-len`` random tokens, ``--long-tokens``
   output tokens) every ``--long-every`` s.
 
-Reported per mesh: TTFT p50/p99 of the long prompts and of the short ones, and ITL p50/p99 of
-the short streams (gaps between consecutive streamed tokens, measured at the client), plus how
-many tokens each kind produced. Greedy, ignore_eos; every prompt is unique (no prefix hits), so
+Reported per mesh: TTFT p50/p99 of the long prompts and of the short ones, and ITL p50/p99/max of
+the short streams (gaps between consecutive streamed tokens, measured at the client), the short
+streams' stalls (gaps over ``--stall-ms``: how many, and their total seconds), how many tokens
+each kind produced, and how many long prompts were split (trailer ``kvmesh-prefill-replica``)
+with the cached tokens their decode leg reported. Greedy, ignore_eos; every prompt is unique (no prefix hits), so
 each long prompt is a full prefill somewhere.
 
 Run: ``python bench/pd.py [--model DIR] [--redis-url redis://127.0.0.1:6379/0]``; writes
@@ -53,18 +55,22 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-def _one(address: str, prompt: list[int], max_tokens: int) -> tuple[float, list[float], int]:
-    """(TTFT, inter-token gaps, tokens) of one streamed request, seen by the client."""
+def _one(address: str, prompt: list[int], max_tokens: int) -> tuple[float, list[float], int, bool, int]:
+    """(TTFT, inter-token gaps, tokens, split?, cached tokens) of one streamed request, at the client."""
     with KVMeshClient(address) as client:
         start = time.perf_counter()
         stamps: list[float] = []
-        n = 0
-        for msg in client.stub.Generate(client.request(prompt, max_tokens, ignore_eos=True), timeout=600):
+        n, cached = 0, 0
+        call = client.stub.Generate(client.request(prompt, max_tokens, ignore_eos=True), timeout=600)
+        for msg in call:
             if msg.token_ids:
                 stamps.append(time.perf_counter())
                 n += len(msg.token_ids)
+            if msg.HasField("final"):
+                cached = msg.final.cached_tokens
+        split = any(k == "kvmesh-prefill-replica" for k, _ in call.trailing_metadata() or ())
     gaps = [b - a for a, b in itertools.pairwise(stamps)]
-    return stamps[0] - start, gaps, n
+    return stamps[0] - start, gaps, n, split, cached
 
 
 def run_workload(address: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -72,13 +78,14 @@ def run_workload(address: str, args: argparse.Namespace) -> dict[str, Any]:
     stop = time.monotonic() + args.duration
     lock = threading.Lock()
     out: dict[str, list[float]] = {"short_ttft": [], "short_itl": [], "long_ttft": [], "long_itl": []}
-    counts = {"short_tokens": 0, "long_tokens": 0, "short_requests": 0, "long_requests": 0}
+    counts = {"short_tokens": 0, "long_tokens": 0, "short_requests": 0, "long_requests": 0, "long_split": 0,
+              "long_cached_tokens": 0}
 
     def stream_worker(seed: int) -> None:
         rng = random.Random(seed)
         while time.monotonic() < stop:
             prompt = [rng.randrange(100, 40_000) for _ in range(args.short_len)]
-            ttft, gaps, n = _one(address, prompt, args.stream_tokens)
+            ttft, gaps, n, _, _ = _one(address, prompt, args.stream_tokens)
             with lock:
                 out["short_ttft"].append(ttft)
                 out["short_itl"] += gaps
@@ -91,8 +98,10 @@ def run_workload(address: str, args: argparse.Namespace) -> dict[str, Any]:
         while time.monotonic() < stop:
             due = time.monotonic() + args.long_every
             prompt = [rng.randrange(100, 40_000) for _ in range(args.long_len)]
-            ttft, gaps, n = _one(address, prompt, args.long_tokens)
+            ttft, gaps, n, split, cached = _one(address, prompt, args.long_tokens)
             with lock:
+                counts["long_split"] += split
+                counts["long_cached_tokens"] += cached
                 out["long_ttft"].append(ttft)
                 out["long_itl"] += gaps
                 counts["long_tokens"] += n
@@ -110,6 +119,10 @@ def run_workload(address: str, args: argparse.Namespace) -> dict[str, Any]:
         summary[f"{key}_p50_ms"] = round(_pct(xs, 0.5) * 1000, 1)
         summary[f"{key}_p99_ms"] = round(_pct(xs, 0.99) * 1000, 1)
         summary[f"{key}_mean_ms"] = round(statistics.fmean(xs) * 1000, 1) if xs else float("nan")
+        summary[f"{key}_max_ms"] = round(max(xs, default=float("nan")) * 1000, 1)
+    # A stall: a gap of a short stream longer than --stall-ms (a prefill chunk or a load ran in it).
+    summary["short_stalls"] = sum(g * 1000 > args.stall_ms for g in out["short_itl"])
+    summary["short_stall_seconds"] = round(sum(g for g in out["short_itl"] if g * 1000 > args.stall_ms), 2)
     return summary
 
 
@@ -133,6 +146,7 @@ def main() -> None:
     ap.add_argument("--long-tokens", type=int, default=8)
     ap.add_argument("--long-every", type=float, default=6.0)
     ap.add_argument("--threshold", type=int, default=256)
+    ap.add_argument("--stall-ms", type=float, default=250.0, help="a short stream's gap above this is a stall")
     ap.add_argument("--modes", default="mixed,pd")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "pd.json"))
     args = ap.parse_args()

@@ -136,9 +136,14 @@ class RouterFront:
         if not prefill or uncached_tokens(decision, info.block_size, len(ids)) <= cfg.pd_threshold_tokens:
             return None
         why = refusal(request)
+        metrics = self.router.metrics
         if why:
             log.info("not disaggregated (%s): the request goes whole", why)
+            if metrics is not None:
+                metrics.pd.labels("refused").inc()
             return None
+        if metrics is not None:
+            metrics.pd.labels("split").inc()
         best = self.router.decide(prefill, ids, current_tenant().id, request.cache_salt, info.model_id,
                                   info.block_size, record=False)
         return next(r for r in prefill if r.id == best.replica_id)
@@ -173,7 +178,11 @@ class RouterSchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                         grpc.StatusCode.UNKNOWN, grpc.StatusCode.ABORTED):
                 log.warning("prefill replica %s failed (%s): the decode replica computes what is missing",
                             prefill.id, code)
+                if self.front.router.metrics is not None:
+                    self.front.router.metrics.pd.labels("prefill_failed").inc()
                 return True
+            if code is not None:  # bad input, deadline, auth, cancelled: the caller's answer as given
+                context.abort(code, exc.details() or "")  # type: ignore[attr-defined]
             return False
 
         trailer = ((TRAILER_PREFILL, prefill.id),)

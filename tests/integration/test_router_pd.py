@@ -64,6 +64,7 @@ class PD:
     router: ServiceProcess
     prefill_metrics: int
     decode_metrics: int
+    router_metrics: int
     prefix: str
 
     def counter(self, port: int, name: str) -> float:
@@ -71,6 +72,13 @@ class PD:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
             text = resp.read().decode()
         return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name)
+
+    def pd_outcomes(self) -> dict[str, float]:
+        """The router's kvmesh:router_pd_requests_total by outcome."""
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.router_metrics}/metrics", timeout=5) as resp:
+            text = resp.read().decode()
+        return {s.labels["outcome"]: s.value for f in text_string_to_metric_families(text) for s in f.samples
+                if s.name == "kvmesh:router_pd_requests_total"}
 
     def tokens_served(self) -> tuple[float, float]:
         """(prefill replica's, decode replica's) generated tokens so far."""
@@ -91,11 +99,11 @@ def pd(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory, redis_url
            "KVMESH_RUNNER_WARMUP": "0", "KVMESH_RUNNER_DTYPE": "float32",
            "KVMESH_OFFLOAD_DRAM_BYTES": str(1 << 20), "KVMESH_OFFLOAD_REMOTE_URL": redis_url,
            "KVMESH_OFFLOAD_REMOTE_KEY_PREFIX": prefix}
-    ports = [_free_port_range(), _free_port_range()]
+    ports = [_free_port_range(), _free_port_range(), _free_port_range(1)]
     suites: list[Suite] = []
     router: ServiceProcess | None = None
     try:
-        for role, port in zip(("prefill", "decode"), ports, strict=True):
+        for role, port in zip(("prefill", "decode"), ports[:2], strict=True):
             suites.append(Suite(SuiteConfig(model_dir=str(tiny_llama_dir), scheduler_port=0,
                                             log_dir=str(logs / role), metrics_port=port,
                                             extra_env={**env, "KVMESH_SCHED_ROLE": role})))
@@ -105,10 +113,11 @@ def pd(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory, redis_url
         router = ServiceProcess("router", log_dir=str(logs / "router"), env={
             **env, "KVMESH_MODEL_DIR": str(tiny_llama_dir), "KVMESH_ROUTER_HEALTH_INTERVAL_SECONDS": "60",
             "KVMESH_ROUTER_READY_TIMEOUT_SECONDS": "30", "KVMESH_ROUTER_PD_THRESHOLD_TOKENS": str(THRESHOLD),
+            "KVMESH_METRICS_PORT": str(ports[2]),
             "KVMESH_ROUTER_REPLICAS": f"p={p.address}/{p.services['kv-cache-manager'].address}/prefill,"
                                       f"d={d.address}/{d.services['kv-cache-manager'].address}/decode"})
         yield PD(p, d, router, ports[0] + METRICS_PORT_OFFSETS["scheduler"],
-                 ports[1] + METRICS_PORT_OFFSETS["scheduler"], prefix)
+                 ports[1] + METRICS_PORT_OFFSETS["scheduler"], ports[2], prefix)
     finally:
         if router is not None:
             router.stop()
@@ -158,6 +167,7 @@ def test_long_prompt_is_prefilled_there_and_decoded_here_from_redis(pd: PD) -> N
     assert (pre1 - pre0, dec1 - dec0) == (1, 5)  # the prefill replica served exactly its one token
     keys1 = redis.Redis.from_url("redis://127.0.0.1:6379").keys(pd.prefix + "*")
     assert len(keys1) - len(keys0) == 12  # published eagerly: nothing was evicted anywhere
+    assert pd.pd_outcomes() == {"split": 1, "refused": 0, "prefill_failed": 0}
 
 
 def test_short_prompt_skips_the_prefill_pool(pd: PD) -> None:
@@ -168,6 +178,7 @@ def test_short_prompt_skips_the_prefill_pool(pd: PD) -> None:
     assert tokens == want and "kvmesh-prefill-replica" not in trailers and trailers["kvmesh-replica"] == "d"
     assert (final.prompt_tokens, final.cached_tokens) == (8, 0)
     assert pd.tokens_served()[0] == pre0
+    assert pd.pd_outcomes() == {"split": 1, "refused": 0, "prefill_failed": 0}  # short: not counted
 
 
 def test_seeded_sampling_goes_whole(pd: PD) -> None:
@@ -178,6 +189,7 @@ def test_seeded_sampling_goes_whole(pd: PD) -> None:
     tokens, _, trailers = generate(pd.router.address, p, **kw)
     assert tokens == want and "kvmesh-prefill-replica" not in trailers
     assert pd.tokens_served()[0] == pre0
+    assert pd.pd_outcomes() == {"split": 1, "refused": 1, "prefill_failed": 0}
 
 
 def test_tenant_b_is_never_served_tenant_a_blocks(pd: PD) -> None:
@@ -207,6 +219,9 @@ def test_killed_prefill_replica_is_recomputed_by_the_decode_replica(pd: PD) -> N
     sched = pd.prefill.services["scheduler"].proc
     sched.kill()  # SIGKILL: no drain, the router learns it from the failed first leg
     sched.wait()
+    before = pd.pd_outcomes()
     tokens, final, _ = generate(pd.router.address, p)
     assert tokens == want
     assert (final.prompt_tokens, final.completion_tokens, final.cached_tokens) == (48, 6, 0)
+    after = pd.pd_outcomes()
+    assert (after["split"] - before["split"], after["prefill_failed"] - before["prefill_failed"]) == (1, 1)
