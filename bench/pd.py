@@ -130,8 +130,10 @@ def _mesh(model: str, roles: tuple[str, str], args: argparse.Namespace, prefix: 
     env = {"KVMESH_RUNNER_DTYPE": "float32", "KVMESH_ROUTER_PD_THRESHOLD_TOKENS": str(args.threshold),
            "KVMESH_ROUTER_READY_TIMEOUT_SECONDS": "120"}
     if "prefill" in roles:
-        env |= {"KVMESH_OFFLOAD_REMOTE_URL": args.redis_url, "KVMESH_OFFLOAD_REMOTE_KEY_PREFIX": prefix}
-    return Mesh(MeshConfig(model_dir=model, replicas=2, port=0, roles=roles, extra_env=env), startup_timeout=600)
+        env |= {"KVMESH_OFFLOAD_REMOTE_URL": args.redis_url, "KVMESH_OFFLOAD_REMOTE_KEY_PREFIX": prefix,
+                "KVMESH_OFFLOAD_REMOTE_TIMEOUT_SECONDS": str(args.redis_timeout)}
+    return Mesh(MeshConfig(model_dir=model, replicas=2, port=0, roles=roles, extra_env=env, log_dir=args.log_dir),
+                startup_timeout=600)
 
 
 def main() -> None:
@@ -146,8 +148,10 @@ def main() -> None:
     ap.add_argument("--long-tokens", type=int, default=8)
     ap.add_argument("--long-every", type=float, default=6.0)
     ap.add_argument("--threshold", type=int, default=256)
+    ap.add_argument("--redis-timeout", type=float, default=0.2, help="KVMESH_OFFLOAD_REMOTE_TIMEOUT_SECONDS")
     ap.add_argument("--stall-ms", type=float, default=250.0, help="a short stream's gap above this is a stall")
     ap.add_argument("--modes", default="mixed,pd")
+    ap.add_argument("--log-dir", default="", help="keep the processes' logs here")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "pd.json"))
     args = ap.parse_args()
     model = args.model or str(prepare_default_model(default_cache_dir()))
