@@ -83,11 +83,12 @@ def _start_suite(ns: argparse.Namespace, cancel: threading.Event | None = None, 
     print(f"kvmesh: starting the suite for {model_dir} ...", flush=True)
     started = time.monotonic()
     suite: Any
-    if getattr(ns, "replicas", 1) > 1:  # N suites behind a router (services/mesh.py)
+    roles = tuple(r for r in (getattr(ns, "roles", "") or "").split(",") if r)
+    if getattr(ns, "replicas", 1) > 1 or roles:  # N suites behind a router (services/mesh.py)
         from services.mesh import Mesh, MeshConfig
 
-        suite = Mesh(MeshConfig(model_dir=model_dir, replicas=ns.replicas, port=ns.port,
-                                with_offload=not ns.no_offload, log_dir=ns.log_dir or ""))
+        suite = Mesh(MeshConfig(model_dir=model_dir, replicas=len(roles) or ns.replicas, port=ns.port,
+                                with_offload=not ns.no_offload, log_dir=ns.log_dir or "", roles=roles))
     else:
         suite = Suite(SuiteConfig(model_dir=model_dir, scheduler_port=ns.port, with_offload=not ns.no_offload,
                                   log_dir=ns.log_dir or "",
@@ -193,6 +194,8 @@ def build_parser() -> argparse.ArgumentParser:
     up = sub.add_parser("up", help="run the whole suite on loopback until Ctrl-C")
     _add_suite_args(up)
     up.add_argument("--replicas", type=int, default=1, help="N suites behind a KV-aware router on --port")
+    up.add_argument("--roles", default="", help="one role per replica (mixed, prefill, decode), e.g. prefill,decode: "
+                    "prefill/decode disaggregation through KVMESH_OFFLOAD_REMOTE_URL's Redis (docs/mesh.md)")
     up.set_defaults(func=_up)
     demo = sub.add_parser("demo", help="up + one streamed chat answer")
     _add_suite_args(demo)

@@ -27,6 +27,15 @@ class MeshConfig:
     with_offload: bool = True
     log_dir: str = ""
     extra_env: Mapping[str, str] = field(default_factory=dict)
+    roles: tuple[str, ...] = ()  # one per replica (KVMESH_SCHED_ROLE and the router's list); () = all mixed
+
+    def __post_init__(self) -> None:
+        if self.roles and len(self.roles) != self.replicas:
+            raise ValueError(f"{len(self.roles)} roles for {self.replicas} replicas")
+
+    def role(self, i: int) -> str:
+        """Replica i's role."""
+        return self.roles[i] if self.roles else "mixed"
 
 
 class Mesh:
@@ -43,9 +52,10 @@ class Mesh:
                 log_dir = str(Path(config.log_dir) / f"r{i}") if config.log_dir else ""
                 self.suites.append(Suite(SuiteConfig(
                     model_dir=config.model_dir, host=config.host, scheduler_port=0,
-                    with_offload=config.with_offload, log_dir=log_dir, extra_env=config.extra_env),
+                    with_offload=config.with_offload, log_dir=log_dir,
+                    extra_env={**config.extra_env, "KVMESH_SCHED_ROLE": config.role(i)}),
                     startup_timeout))
-            replicas = ",".join(f"r{i}={s.address}/{s.services['kv-cache-manager'].address}"
+            replicas = ",".join(f"r{i}={s.address}/{s.services['kv-cache-manager'].address}/{config.role(i)}"
                                 for i, s in enumerate(self.suites))
             env = {**config.extra_env, "KVMESH_MODEL_DIR": config.model_dir, "KVMESH_ROUTER_REPLICAS": replicas,
                    "KVMESH_ROUTER_POLICY": config.policy}

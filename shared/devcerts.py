@@ -24,9 +24,11 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from shared.tls import TLSFiles
 
 SERVICES = ("scheduler", "kv-cache-manager", "model-runner", "offload-store", "router")
-# compose's `mesh` profile runs a second replica as <service>-2 with the same certificates, so
-# each replica service's certificate also names its -2 twin (the host the other side dials).
+# compose's `mesh` profile runs a second replica as <service>-2, and its `pd` profile a prefill and
+# a decode replica as <service>-prefill / -decode, all with the same certificates, so each replica
+# service's certificate also names those twins (the hosts the other side dials).
 MESH_TWINS = ("scheduler", "kv-cache-manager", "model-runner", "offload-store")
+TWIN_SUFFIXES = ("-2", "-prefill", "-decode")
 
 
 @dataclass(frozen=True)
@@ -87,7 +89,7 @@ def write_dev_secrets(folder: Path) -> str:
     """The CA, a certificate per service and an ``api-keys`` file; returns the new API key."""
     ca = make_ca(folder, "ca")
     for service in SERVICES:
-        make_cert(folder, service, ca, (f"{service}-2",) if service in MESH_TWINS else ())
+        make_cert(folder, service, ca, tuple(service + t for t in TWIN_SUFFIXES) if service in MESH_TWINS else ())
     api_key = "sk-" + secrets.token_urlsafe(24)
     keys = folder / "api-keys"
     keys.write_text(f"# key tenant [min_priority]\n{api_key} default\n")

@@ -42,7 +42,7 @@ class _Up:
     """``kvmesh up --no-offload --http-port -1`` as a child process, with the runner's settings in its env."""
 
     def __init__(self, model_dir: str, env: dict[str, str], log_path: Path) -> None:
-        from shared.client import KVMeshClient
+        from services.scheduler.client import KVMeshClient
 
         self.port = _free_port()
         self.log = open(log_path, "w")  # noqa: SIM115 (closed in stop())

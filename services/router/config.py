@@ -8,6 +8,7 @@ from services.router.discovery import DiscoveryTarget
 from services.router.types import ReplicaAddress
 
 POLICIES = ("kv_aware", "round_robin")
+ROLES = ("mixed", "prefill", "decode")  # the scheduler's KVMESH_SCHED_ROLE values
 
 
 @dataclass(frozen=True)
@@ -15,8 +16,9 @@ class RouterConfig:
     """Which replicas, how to pick one, how often to look at them.
 
     Attributes:
-        replicas: comma-separated ``id=scheduler_host:port/kv_cache_manager_host:port`` entries
-            (``id=`` optional: ``r0``, ``r1``, ... by position). Empty with ``discovery_name``.
+        replicas: comma-separated ``id=scheduler_host:port/kv_cache_manager_host:port[/role]``
+            entries (``id=`` optional: ``r0``, ``r1``, ... by position; role ``mixed`` unless
+            ``prefill`` or ``decode`` is given). Empty with ``discovery_name``.
         discovery_name: instead of ``replicas``, a DNS name (a headless Service) whose A/AAAA
             records are the replicas, resolved every ``discovery_interval_seconds``
             (services/router/discovery.py); each address serves its scheduler on
@@ -33,6 +35,12 @@ class RouterConfig:
         rpc_timeout_seconds: deadline of a probe or a unary forward.
         reconnect_min_seconds / reconnect_max_seconds: backoff of event-stream reconnects.
         ready_timeout_seconds: at start, how long to wait for every replica before serving anyway.
+        pd_threshold_tokens: prefill/decode disaggregation (services/router/disagg.py): a request
+            whose uncached prompt on the best decode candidate is longer than this many tokens
+            goes first to a prefill replica (when one is healthy); shorter ones go whole.
+        pd_max_prefill_in_flight: a prefill replica with this many streams open is not used
+            (the request goes whole): Dynamo's "remote prefill only when the prefill queue is
+            short". 0 = no bound.
     """
 
     replicas: str = ""
@@ -52,6 +60,8 @@ class RouterConfig:
     reconnect_min_seconds: float = 0.1
     reconnect_max_seconds: float = 5.0
     ready_timeout_seconds: float = 60.0
+    pd_threshold_tokens: int = 256
+    pd_max_prefill_in_flight: int = 0
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -63,6 +73,8 @@ class RouterConfig:
         self.replica_addresses()  # fail at start on a malformed list
         if self.discovery_name and self.replicas:
             raise ValueError("set KVMESH_ROUTER_REPLICAS or KVMESH_ROUTER_DISCOVERY_NAME, not both")
+        if self.pd_threshold_tokens < 0 or self.pd_max_prefill_in_flight < 0:
+            raise ValueError("KVMESH_ROUTER_PD_THRESHOLD_TOKENS and _PD_MAX_PREFILL_IN_FLIGHT must be >= 0")
         if self.discovery_interval_seconds <= 0:
             raise ValueError("KVMESH_ROUTER_DISCOVERY_INTERVAL_SECONDS must be positive")
         for port in (self.discovery_scheduler_port, self.discovery_kvm_port):
@@ -82,10 +94,14 @@ class RouterConfig:
             if not raw:
                 continue
             rid, sep, rest = raw.rpartition("=")
-            sched, slash, kvm = rest.partition("/")
-            if not slash or not sched or not kvm:
-                raise ValueError(f"KVMESH_ROUTER_REPLICAS entry {raw!r}: expected id=scheduler/kv_cache_manager")
-            out.append(ReplicaAddress(rid if sep else f"r{i}", sched, kvm))
+            parts = rest.split("/")
+            if len(parts) not in (2, 3) or not all(parts):
+                raise ValueError(f"KVMESH_ROUTER_REPLICAS entry {raw!r}: expected "
+                                 "id=scheduler/kv_cache_manager[/role]")
+            role = parts[2] if len(parts) == 3 else "mixed"
+            if role not in ROLES:
+                raise ValueError(f"KVMESH_ROUTER_REPLICAS entry {raw!r}: role must be one of {ROLES}")
+            out.append(ReplicaAddress(rid if sep else f"r{i}", parts[0], parts[1], role))
         if len({r.id for r in out}) != len(out):
             raise ValueError("KVMESH_ROUTER_REPLICAS: replica ids must be unique")
         return tuple(out)

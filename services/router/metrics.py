@@ -13,6 +13,7 @@ from shared.metrics import PREFIX
 
 RETRY_REASONS = ("unavailable", "refused")
 RESYNC_REASONS = ("gap", "disconnect")
+PD_OUTCOMES = ("split", "refused", "prefill_failed")  # services/router/disagg.py
 
 
 class RouterMetrics:
@@ -36,6 +37,12 @@ class RouterMetrics:
                                     ["replica"], registry=registry)
         self.healthy = Gauge(PREFIX + "router_replica_healthy", "1 when the replica answered its last probe.",
                              ["replica"], registry=registry)
+        self.pd = Counter(PREFIX + "router_pd_requests",
+                          "Long uncached prompts with a prefill replica healthy: split in two legs, refused "
+                          "(sampling that cannot be continued: sent whole), or prefill_failed (leg 1 gave "
+                          "no token: sent whole).", ["outcome"], registry=registry)
+        for outcome in PD_OUTCOMES:
+            self.pd.labels(outcome)
 
     def record(self, decision: Decision) -> None:
         """One routing decision (its first candidate is where the request went first)."""

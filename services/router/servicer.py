@@ -12,12 +12,15 @@ input, deadline, auth) is the caller's answer as the replica gave it.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator
 from typing import TypeVar
 
 import grpc
 
+from services.router import disagg
 from services.router.client import Metadata, Replica, ReplicaSet
+from services.router.disagg import refusal, split_roles, uncached_tokens
 from services.router.routing import Router
 from services.router.types import Decision
 from services.scheduler.auth import current_tenant
@@ -35,6 +38,8 @@ PUBLIC_API = ServiceName.of("router", scheduler_pb2, "Scheduler")
 _NOT_FORWARDED = frozenset({"user-agent", "traceparent", "tracestate"})
 TRAILER_REPLICA = "kvmesh-replica"
 TRAILER_MATCHED = "kvmesh-matched-blocks"
+TRAILER_PREFILL = "kvmesh-prefill-replica"  # set when the request was disaggregated (docs/mesh.md)
+log = logging.getLogger(__name__)
 
 
 def forwarded_metadata(context: grpc.ServicerContext) -> Metadata:
@@ -106,7 +111,15 @@ class RouterFront:
 
     def decide(self, request: scheduler_pb2.GenerateRequest, context: grpc.ServicerContext,
                record: bool) -> tuple[Decision, list[Replica]]:
-        candidates = self.candidates()
+        decision, order, _, _ = self.plan(request, context, record)
+        return decision, order
+
+    def plan(self, request: scheduler_pb2.GenerateRequest, context: grpc.ServicerContext, record: bool
+             ) -> tuple[Decision, list[Replica], list[int], scheduler_pb2.SchedulerModelInfo]:
+        """The decision over the replicas that serve whole requests (prefill replicas only when no
+        other is healthy), its candidates in order, the prompt's ids and the model info."""
+        healthy = self.candidates()
+        candidates = split_roles(healthy)[1] or healthy
         metadata = forwarded_metadata(context)
         try:
             info = self.replicas.model_info(candidates, metadata)
@@ -116,7 +129,28 @@ class RouterFront:
         decision = self.router.decide(candidates, ids, current_tenant().id, request.cache_salt, info.model_id,
                                       info.block_size, record=record)
         by_id = {r.id: r for r in candidates}  # not replicas.by_id: discovery may have dropped one since
-        return decision, [by_id[s.replica_id] for s in decision.scores]
+        return decision, [by_id[s.replica_id] for s in decision.scores], ids, info
+
+    def prefill_replica(self, request: scheduler_pb2.GenerateRequest, decision: Decision, ids: list[int],
+                        info: scheduler_pb2.SchedulerModelInfo) -> Replica | None:
+        """The prefill replica for leg 1 when this request is to be disaggregated, else None."""
+        cfg = self.router.config
+        prefill = [r for r in split_roles(self.replicas.healthy())[0]
+                   if not cfg.pd_max_prefill_in_flight or r.in_flight < cfg.pd_max_prefill_in_flight]
+        if not prefill or uncached_tokens(decision, info.block_size, len(ids)) <= cfg.pd_threshold_tokens:
+            return None
+        why = refusal(request)
+        metrics = self.router.metrics
+        if why:
+            log.info("not disaggregated (%s): the request goes whole", why)
+            if metrics is not None:
+                metrics.pd.labels("refused").inc()
+            return None
+        if metrics is not None:
+            metrics.pd.labels("split").inc()
+        best = self.router.decide(prefill, ids, current_tenant().id, request.cache_salt, info.model_id,
+                                  info.block_size, record=False)
+        return next(r for r in prefill if r.id == best.replica_id)
 
 
 class RouterSchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
@@ -127,7 +161,41 @@ class RouterSchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
 
     def Generate(self, request: scheduler_pb2.GenerateRequest, context: grpc.ServicerContext
                  ) -> Iterator[scheduler_pb2.GenerateResponse]:
-        decision, order = self.front.decide(request, context, record=True)
+        decision, order, ids, info = self.front.plan(request, context, record=True)
+        prefill = self.front.prefill_replica(request, decision, ids, info)
+        if prefill is None:
+            yield from self._forward(request, decision, order, context)
+            return
+        metadata = forwarded_metadata(context)
+
+        def leg1(req: scheduler_pb2.GenerateRequest) -> Iterator[scheduler_pb2.GenerateResponse]:
+            with prefill.track():
+                call = prefill.stub.Generate(req, metadata=metadata, timeout=_timeout(context))
+                context.add_callback(call.cancel)
+                yield from call
+
+        def failed(exc: Exception) -> bool:
+            code = exc.code() if isinstance(exc, grpc.RpcError) else None
+            if code == grpc.StatusCode.UNAVAILABLE:
+                prefill.mark_failed()
+            if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INTERNAL,
+                        grpc.StatusCode.UNKNOWN, grpc.StatusCode.ABORTED):
+                log.warning("prefill replica %s failed (%s): the decode replica computes what is missing",
+                            prefill.id, code)
+                if self.front.router.metrics is not None:
+                    self.front.router.metrics.pd.labels("prefill_failed").inc()
+                return True
+            if code is not None:  # bad input, deadline, auth, cancelled: the caller's answer as given
+                context.abort(code, exc.details() or "")  # type: ignore[attr-defined]
+            return False
+
+        trailer = ((TRAILER_PREFILL, prefill.id),)
+        yield from disagg.two_legs(request, ids, leg1,
+                                   lambda req: self._forward(req, decision, order, context, trailer), failed)
+
+    def _forward(self, request: scheduler_pb2.GenerateRequest, decision: Decision, order: list[Replica],
+                 context: grpc.ServicerContext, trailer: Metadata = ()) -> Iterator[scheduler_pb2.GenerateResponse]:
+        """One request to the candidates in ``order`` under the fault rules (module docstring)."""
         metadata = forwarded_metadata(context)
         unreachable, refused = 0, 0
         last: grpc.RpcError | None = None
@@ -161,7 +229,7 @@ class RouterSchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                         self.front.router.metrics.retries.labels(reason).inc()
                     continue
             matched = next(s.matched_blocks for s in decision.scores if s.replica_id == replica.id)
-            context.set_trailing_metadata(((TRAILER_REPLICA, replica.id), (TRAILER_MATCHED, str(matched))))
+            context.set_trailing_metadata(((TRAILER_REPLICA, replica.id), (TRAILER_MATCHED, str(matched)), *trailer))
             return
         if unreachable == 0 and last is not None:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,

@@ -7,11 +7,16 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True)
 class ReplicaAddress:
-    """Where one replica is: its public scheduler and its kv-cache-manager (for events, stats)."""
+    """Where one replica is: its public scheduler and its kv-cache-manager (for events, stats).
+
+    ``role``: ``mixed``, ``prefill`` or ``decode`` (docs/mesh.md, "Prefill/decode"): a ``prefill``
+    replica only ever gets the first leg of a disaggregated request.
+    """
 
     id: str
     scheduler_address: str
     kvm_address: str
+    role: str = "mixed"
 
 
 @dataclass(frozen=True)

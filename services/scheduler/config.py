@@ -8,6 +8,7 @@ from dataclasses import dataclass
 # suite, the gateway and the client default to it).
 DEFAULT_PORT = 50051
 DEFAULT_ADDRESS = f"127.0.0.1:{DEFAULT_PORT}"
+ROLES = ("mixed", "prefill", "decode")
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,11 @@ class SchedulerConfig:
             that cannot start one within ``tokenize_wait_seconds`` gets ``RESOURCE_EXHAUSTED``.
         dependency_check_seconds: how often readiness probes the runner, kv-cache-manager and
             offload-store (each probe has this as its timeout too).
+        role: the replica's part in prefill/decode disaggregation (docs/mesh.md, "Prefill/decode"):
+            ``mixed`` (both phases, the default), ``prefill`` (publishes every request's full prompt
+            blocks to the offload-store as soon as its first token is sampled, so a decode replica
+            can load them from the shared remote tier) or ``decode`` (behaves as ``mixed``; the
+            name only documents the deployment). The router's replica list says the same for routing.
     """
 
     max_num_seqs: int = 64
@@ -75,6 +81,7 @@ class SchedulerConfig:
     max_concurrent_tokenizations: int = 4
     tokenize_wait_seconds: float = 2.0
     dependency_check_seconds: float = 1.0
+    role: str = "mixed"
 
     def __post_init__(self) -> None:
         if self.max_num_seqs <= 0 or self.max_num_batched_tokens <= 0:
@@ -83,5 +90,7 @@ class SchedulerConfig:
             raise ValueError("owner_lease_seconds must be positive")
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode must be recompute or swap, got {self.preemption_mode!r}")
+        if self.role not in ROLES:
+            raise ValueError(f"KVMESH_SCHED_ROLE must be one of {ROLES}, got {self.role!r}")
         if self.max_bytes_per_token <= 0 or self.max_concurrent_tokenizations <= 0:
             raise ValueError("max_bytes_per_token and max_concurrent_tokenizations must be positive")

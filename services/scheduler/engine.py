@@ -64,7 +64,8 @@ class Engine:
         self.kv = kv
         self.runner = runner
         info = runner.info()
-        self.offload = OffloadConnector(offload) if offload is not None else None
+        self.offload = (OffloadConnector(offload, publish_prefill=config.role == "prefill")
+                        if offload is not None else None)
         self.scheduler = Scheduler(config, kv, info, self.offload, prefix_hash_seed(config, info))
         self.outputs = OutputQueues(config, metrics)
         self.binding = SuiteBinding(config, kv, runner, self.offload, self.scheduler, self._fail_all, clock)
@@ -225,7 +226,10 @@ class Engine:
             stepped = sched.requests.get(rid)
             if stepped is not None:
                 stepped.num_steps += 1
-        self.outputs.push(sched.update(step, output))
+        events = sched.update(step, output)
+        if self.offload is not None:  # a prefill replica's prompts, before their first token leaves
+            self.offload.publish_prompts([ev.request for ev in events], sched.block_size)
+        self.outputs.push(events)
         self.outputs.publish_queues(sched)
 
     def _fail_step(self, step: ScheduledStep, exc: Exception) -> None:

@@ -10,6 +10,11 @@ Policy (docs/design.md, "Offload policy"):
   are allocated, filled by the store through shared memory, and only the rest is prefilled;
 * **swap preemption** (``preemption_mode=swap``) — a preempted request's full blocks are saved
   eagerly before they are freed;
+* **publish after prefill** (``publish_prefill``, on for a ``prefill`` replica) — as soon as a
+  request's first token is sampled, its full prompt blocks are saved (and so written through to
+  the shared remote tier), *before* that token is handed to the client: a decode replica the
+  router sends the rest to finds them (docs/mesh.md, "Prefill/decode"); without it blocks reach
+  the store only when the pool evicts or swaps them;
 * **faults** — store down, a load error, a checksum mismatch: the affected blocks are recomputed
   (the request's answer never changes) and a counter records it;
 * **re-attach** — a restarted store has no pool mapped and no owner: its remote adapter
@@ -29,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from services.offload_store.client import OffloadBackend
+    from services.scheduler.request import Request
 
 log = logging.getLogger(__name__)
 
@@ -44,14 +50,38 @@ class OffloadCounters:
     load_failures: int = 0  # blocks that had to be recomputed after a failed load
     errors: int = 0  # calls that raised (store down, timeouts)
     attach_failures: int = 0  # AttachPool calls that failed (the store then saves nothing)
+    published_blocks: int = 0  # prompt blocks offered by publish-after-prefill (saved or already held)
 
 
 class OffloadConnector:
     """Wraps a backend so that any failure degrades to a miss, and counts everything."""
 
-    def __init__(self, backend: OffloadBackend) -> None:
+    def __init__(self, backend: OffloadBackend, publish_prefill: bool = False) -> None:
+        """Args:
+            publish_prefill: save every request's full prompt blocks right after its prefill.
+        """
         self.backend = backend
+        self.publish_prefill = publish_prefill
         self.counters = OffloadCounters()
+
+    def publish_prompts(self, requests: Sequence[Request], block_size: int) -> None:
+        """With ``publish_prefill``: saves the full prompt blocks of the requests whose first token
+        this step sampled (their blocks are computed and not yet freed: frees go with the next step).
+
+        One save call for the whole step; a resumed request (more than one output token) is skipped,
+        its blocks were published the first time.
+        """
+        if not self.publish_prefill:
+            return
+        blocks: list[tuple[bytes, int]] = []
+        for req in requests:
+            if len(req.output_token_ids) != 1:
+                continue
+            n = min(req.num_prompt_tokens // block_size, len(req.block_hashes), len(req.block_ids))
+            blocks += zip(req.block_hashes[:n], req.block_ids[:n], strict=True)
+        if blocks:
+            self.counters.published_blocks += len(blocks)
+            self.save(blocks)
 
     def lookup(self, chains: Sequence[Sequence[bytes]]) -> list[int]:
         """Per chain, the leading blocks available; all 0 on any error."""

@@ -332,5 +332,68 @@ def test_dev_certificates_name_the_mesh_twins(tmp_path: Path) -> None:
     for name in ("scheduler", "kv-cache-manager", "model-runner", "offload-store", "router"):
         cert = x509.load_pem_x509_certificate((tmp_path / f"{name}.crt").read_bytes())
         sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
-        expected = {name, "localhost"} | ({f"{name}-2"} if name != "router" else set())
+        twins = {f"{name}-2", f"{name}-prefill", f"{name}-decode"}
+        expected = {name, "localhost"} | (twins if name != "router" else set())
         assert set(sans.get_values_for_type(x509.DNSName)) == expected
+
+
+# --- the pd profile: Redis, one prefill and one decode replica behind a router ------------------
+
+PD_ONLY = {"redis", "router-pd"} | {f"{n}-{role}" for n in PORTS for role in ("prefill", "decode")}
+
+
+@pytest.fixture(scope="module")
+def pd(compose_bin: str) -> dict[str, Any]:
+    result = _compose(compose_bin, "--profile", "pd", "config", "--format", "json")
+    assert result.returncode == 0, result.stderr
+    config: dict[str, Any] = json.loads(result.stdout)
+    return config
+
+
+def test_pd_services_exist_only_with_the_profile(rendered: dict[str, Any], pd: dict[str, Any]) -> None:
+    assert not PD_ONLY & set(rendered["services"])
+    assert set(pd["services"]) == set(rendered["services"]) | PD_ONLY
+
+
+def test_pd_router_splits_between_the_two_roles(pd: dict[str, Any]) -> None:
+    from services.router.config import RouterConfig
+    from services.router.types import ReplicaAddress
+
+    router = pd["services"]["router-pd"]
+    env = router["environment"]
+    cfg = RouterConfig(replicas=env["KVMESH_ROUTER_REPLICAS"],
+                       pd_threshold_tokens=int(env["KVMESH_ROUTER_PD_THRESHOLD_TOKENS"]))
+    assert cfg.replica_addresses() == (
+        ReplicaAddress("p", "scheduler-prefill:50051", "kv-cache-manager-prefill:50052", "prefill"),
+        ReplicaAddress("d", "scheduler-decode:50051", "kv-cache-manager-decode:50052", "decode"))
+    assert cfg.pd_threshold_tokens == 256
+    assert router["command"] == ["serve", "router"]
+    assert [(p["host_ip"], p["published"], p["target"]) for p in router["ports"]] == [("127.0.0.1", "50070", 50050)]
+    assert env["KVMESH_AUTH_MODE"] == "on" and env["KVMESH_TLS_CERT"] == "/run/secrets/router-cert"
+    for key in ("KVMESH_DEPLOYMENT_KEY", "KVMESH_MODEL_DIR"):
+        assert env[key] == pd["services"]["scheduler"]["environment"][key]
+    assert {k: v["condition"] for k, v in router["depends_on"].items()} == {
+        "model-prepare": "service_completed_successfully", "scheduler-prefill": "service_healthy",
+        "scheduler-decode": "service_healthy"}
+
+
+def test_pd_replicas_have_their_role_and_share_the_redis(pd: dict[str, Any]) -> None:
+    svcs = pd["services"]
+    for role in ("prefill", "decode"):
+        env = svcs[f"scheduler-{role}"]["environment"]
+        assert env["KVMESH_SCHED_ROLE"] == role
+        dials = (env["KVMESH_SCHED_KVM_ADDRESS"], env["KVMESH_SCHED_RUNNER_ADDRESS"],
+                 env["KVMESH_SCHED_OFFLOAD_ADDRESS"])
+        assert dials == (f"kv-cache-manager-{role}:50052", f"model-runner-{role}:50053", f"offload-store-{role}:50054")
+        assert not svcs[f"scheduler-{role}"].get("ports")
+        store = svcs[f"offload-store-{role}"]
+        assert store["environment"]["KVMESH_OFFLOAD_REMOTE_URL"] == "redis://redis:6379/0"
+        assert store["environment"]["KVMESH_OFFLOAD_DATA_DIR"] == "/var/lib/kvmesh/offload"  # the base's env kept
+        assert store["ipc"] == f"service:model-runner-{role}"
+        assert {m["source"] for m in store["volumes"]} == {f"offload-data-{role}"}
+        assert store["depends_on"]["redis"]["condition"] == "service_healthy"
+    # The default replica keeps its private tiers only.
+    assert "KVMESH_OFFLOAD_REMOTE_URL" not in svcs["offload-store"]["environment"]
+    assert "KVMESH_SCHED_ROLE" not in svcs["scheduler"]["environment"]
+    cmd = svcs["redis"]["command"]
+    assert cmd[cmd.index("--maxmemory-policy") + 1] == "allkeys-lru" and "--maxmemory" in cmd
