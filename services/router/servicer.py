@@ -18,7 +18,7 @@ from typing import TypeVar
 
 import grpc
 
-from services.router import disagg
+from services.router import convert, disagg
 from services.router.client import Metadata, Replica, ReplicaSet
 from services.router.disagg import refusal, split_roles, uncached_tokens
 from services.router.routing import Router
@@ -51,15 +51,6 @@ def forwarded_metadata(context: grpc.ServicerContext) -> Metadata:
 def _timeout(context: grpc.ServicerContext) -> float | None:
     remaining = context.time_remaining()
     return remaining if remaining is not None and remaining < 1e8 else None
-
-
-def decision_to_pb(decision: Decision) -> router_pb2.RouteDecision:
-    """A decision as the Router API's message."""
-    return router_pb2.RouteDecision(
-        replica_id=decision.replica_id, policy=decision.policy, total_blocks=decision.total_blocks,
-        matched_blocks=decision.matched_blocks,
-        scores=[router_pb2.ReplicaScore(id=s.replica_id, matched_blocks=s.matched_blocks, cost=s.cost,
-                                        in_flight=s.in_flight, kv_usage=s.kv_usage) for s in decision.scores])
 
 
 class RouterFront:
@@ -262,12 +253,11 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     def GetReplicas(self, request: router_pb2.GetReplicasRequest, context: grpc.ServicerContext
                     ) -> router_pb2.GetReplicasResponse:
         index = self.front.router.index
-        return router_pb2.GetReplicasResponse(replicas=[router_pb2.ReplicaState(
-            id=r.id, scheduler_address=r.address.scheduler_address, healthy=r.healthy, subscribed=r.subscribed,
-            last_seq=index.last_seq(r.id), num_indexed_blocks=index.num_blocks(r.id), in_flight=r.in_flight,
-            kv_usage=r.kv_usage, subscriptions=r.subscriptions) for r in self.front.replicas.replicas])
+        return router_pb2.GetReplicasResponse(replicas=[
+            convert.replica_state_to_pb(r, index.last_seq(r.id), index.num_blocks(r.id))
+            for r in self.front.replicas.replicas])
 
     def Explain(self, request: scheduler_pb2.GenerateRequest, context: grpc.ServicerContext
                 ) -> router_pb2.RouteDecision:
         decision, _ = self.front.decide(request, context, record=False)
-        return decision_to_pb(decision)
+        return convert.decision_to_pb(decision)
