@@ -10,14 +10,14 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from services.kv_cache_manager.types import BlockStored, KVEventBatch
+from services.offload_store.types import OffloadEventBatch, StoredBlocks, TierEvent
 from services.router.config import RouterConfig
+from services.router.disagg import uncached_tokens
 from services.router.index import PrefixIndex
 from services.router.metrics import RouterMetrics
+from services.router.offload_index import OffloadIndex
 from services.router.prefix import request_hashes
 from services.router.routing import Router
-from services.offload_store.types import OffloadEventBatch, StoredBlocks, TierEvent
-from services.router.disagg import uncached_tokens
-from services.router.offload_index import OffloadIndex
 from services.router.types import OffloadMatch, ReplicaLoad
 from shared.metrics import new_registry
 
