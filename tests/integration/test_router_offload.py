@@ -44,7 +44,8 @@ def mesh(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
         yield m
 
 
-def generate(address: str, prompt: list[int], max_tokens: int = 4) -> tuple[list[int], scheduler_pb2.GenerateFinal, str]:
+def generate(address: str, prompt: list[int],
+             max_tokens: int = 4) -> tuple[list[int], scheduler_pb2.GenerateFinal, str]:
     """(tokens, final, replica) of one greedy request through ``address``."""
     with KVMeshClient(address, api_key=KEYS["team-a"]) as client:
         call = client.stub.Generate(client.request(prompt, max_tokens, ignore_eos=True),

@@ -74,8 +74,8 @@ def setup(tmp_path: Path, redis_url: str, remote_prefix: str, make_pool: PoolFac
     offload = OffloadIndex()
     # Neither the scheduler nor the kv-cache-manager is dialled to any effect here (port 1).
     config = RouterConfig(health_interval_seconds=3600, reconnect_min_seconds=0.05, reconnect_max_seconds=0.2)
-    replica = Replica(ReplicaAddress("a", "127.0.0.1:1", "127.0.0.1:1", offload_address=f"127.0.0.1:{store.server.port}"),
-                      config, PrefixIndex(), offload=offload)
+    address = ReplicaAddress("a", "127.0.0.1:1", "127.0.0.1:1", offload_address=f"127.0.0.1:{store.server.port}")
+    replica = Replica(address, config, PrefixIndex(), offload=offload)
     replica.start()
     wait_for(lambda: replica.offload_subscribed)
     pool = make_pool()
