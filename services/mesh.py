@@ -38,6 +38,14 @@ class MeshConfig:
         return self.roles[i] if self.roles else "mixed"
 
 
+def _replica_entry(i: int, suite: Suite, role: str) -> str:
+    """The router's list entry of replica ``i``: scheduler/kv-cache-manager/role[/offload-store]."""
+    entry = f"r{i}={suite.address}/{suite.services['kv-cache-manager'].address}/{role}"
+    if "offload-store" in suite.services:  # its tiers count in the router's score
+        entry += f"/{suite.services['offload-store'].address}"
+    return entry
+
+
 class Mesh:
     """The running replicas and router; use as a context manager or call :meth:`stop`."""
 
@@ -55,8 +63,7 @@ class Mesh:
                     with_offload=config.with_offload, log_dir=log_dir,
                     extra_env={**config.extra_env, "KVMESH_SCHED_ROLE": config.role(i)}),
                     startup_timeout))
-            replicas = ",".join(f"r{i}={s.address}/{s.services['kv-cache-manager'].address}/{config.role(i)}"
-                                for i, s in enumerate(self.suites))
+            replicas = ",".join(_replica_entry(i, s, config.role(i)) for i, s in enumerate(self.suites))
             env = {**config.extra_env, "KVMESH_MODEL_DIR": config.model_dir, "KVMESH_ROUTER_REPLICAS": replicas,
                    "KVMESH_ROUTER_POLICY": config.policy}
             self.router = ServiceProcess("router", env=env, host=config.host, port=config.port,

@@ -8,6 +8,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from shared.event_hub import EventStreamEnded as _EventStreamEnded
 from shared.hashing import BlockHash
 
 
@@ -150,9 +151,6 @@ class CachedBlocks:
     block_hashes: tuple[BlockHash, ...]
 
 
-class EventStreamEnded(Exception):
-    """A kv-cache-manager's event stream or snapshot call failed (the wire's reason in the message).
+# Raised by every event client (kv-cache-manager and offload-store alike); one owner in shared/.
+EventStreamEnded = _EventStreamEnded
 
-    Here, beside the events, so a subscriber's core (the router's resync rule) can catch it without
-    importing the gRPC client that raises it.
-    """

@@ -37,6 +37,10 @@ class OffloadConfig:
         remote_retry_seconds: after a failed remote call the tier is bypassed this long, so an
             outage costs one timeout per period rather than one per step.
         remote_batch_bytes: payload bytes one remote load pipeline carries (one round trip).
+        remote_index_blocks: most remote block hashes this store remembers for its events (what
+            it wrote or was served; services/offload_store/events.py); 0: remote residency is
+            not reported. About 100 bytes each.
+        max_subscribers: concurrent SubscribeEvents streams (each holds a server thread).
     """
 
     data_dir: str = "/var/tmp/kvmesh-offload"
@@ -52,6 +56,8 @@ class OffloadConfig:
     remote_ttl_seconds: int = 0
     remote_retry_seconds: float = 2.0
     remote_batch_bytes: int = 64 << 20
+    remote_index_blocks: int = 1 << 18
+    max_subscribers: int = 4
 
     def __post_init__(self) -> None:
         if not self.data_dir:
@@ -64,6 +70,8 @@ class OffloadConfig:
             raise ValueError("remote_timeout_seconds must be > 0 and remote_retry_seconds >= 0")
         if self.remote_ttl_seconds < 0 or self.remote_batch_bytes <= 0:
             raise ValueError("remote_ttl_seconds must be >= 0 and remote_batch_bytes > 0")
+        if self.remote_index_blocks < 0 or self.max_subscribers < 1:
+            raise ValueError("remote_index_blocks must be >= 0 and max_subscribers >= 1")
         if not self.db_table.isidentifier():
             raise ValueError(f"db_table must be an identifier, got {self.db_table!r}")
 

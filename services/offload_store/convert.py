@@ -11,7 +11,15 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from services.offload_store.types import LoadResult, LookupResult, OffloadStats, SaveResult
+from services.offload_store.types import (
+    LoadResult,
+    LookupResult,
+    OffloadEventBatch,
+    OffloadStats,
+    SaveResult,
+    StoredBlocks,
+    TierEvent,
+)
 from shared.hashing import BlockHash
 from shared.pb.kvmesh.v1 import common_pb2
 from shared.pb.kvmesh.v1 import offload_store_pb2 as pb
@@ -148,3 +156,33 @@ def stats_from_pb(msg: pb.OffloadStats) -> OffloadStats:
         corruptions=msg.corruptions, pool_attached=msg.pool_attached, pool_generation=msg.pool_generation,
         refused_no_pool=msg.refused_no_pool,
     )
+
+
+_TIER_TO_PB = {"dram": pb.OFFLOAD_TIER_DRAM, "disk": pb.OFFLOAD_TIER_DISK, "remote": pb.OFFLOAD_TIER_REMOTE}
+_TIER_FROM_PB = {v: k for k, v in _TIER_TO_PB.items()}
+
+
+def event_batch_to_pb(batch: OffloadEventBatch) -> pb.OffloadEventBatch:
+    """One batch of tier events as sent on ``SubscribeEvents``."""
+    return pb.OffloadEventBatch(seq=batch.seq, events=[
+        pb.OffloadEvent(tier=_TIER_TO_PB[e.tier], stored=e.stored, block_hashes=list(e.block_hashes))
+        for e in batch.events])
+
+
+def event_batch_from_pb(msg: pb.OffloadEventBatch) -> OffloadEventBatch:
+    """Inverse of :func:`event_batch_to_pb`; an event of an unknown tier (a newer store) is skipped."""
+    return OffloadEventBatch(msg.seq, tuple(
+        TierEvent(_TIER_FROM_PB[e.tier], e.stored, tuple(BlockHash(h) for h in e.block_hashes))
+        for e in msg.events if e.tier in _TIER_FROM_PB))
+
+
+def stored_blocks_to_pb(snap: StoredBlocks) -> pb.GetStoredBlocksResponse:
+    """The tiers' snapshot as ``GetStoredBlocksResponse``."""
+    return pb.GetStoredBlocksResponse(seq=snap.seq, dram_hashes=list(snap.dram), disk_hashes=list(snap.disk),
+                                      remote_hashes=list(snap.remote))
+
+
+def stored_blocks_from_pb(msg: pb.GetStoredBlocksResponse) -> StoredBlocks:
+    """Inverse of :func:`stored_blocks_to_pb`."""
+    return StoredBlocks(msg.seq, tuple(BlockHash(h) for h in msg.dram_hashes),
+                        tuple(BlockHash(h) for h in msg.disk_hashes), tuple(BlockHash(h) for h in msg.remote_hashes))

@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -52,8 +52,10 @@ class PutResult:
 class DiskTier:
     """Block files under ``<root>/blocks`` indexed by ``index``, within ``capacity_bytes``."""
 
-    def __init__(self, root: str | os.PathLike[str], index: BlockIndex, capacity_bytes: int) -> None:
+    def __init__(self, root: str | os.PathLike[str], index: BlockIndex, capacity_bytes: int,
+                 on_change: Callable[[bool, Sequence[BlockHash]], None] | None = None) -> None:
         self.capacity_bytes = capacity_bytes
+        self._on_change = on_change  # told of every block that enters or leaves (the offload events)
         self.files = BlockFiles(root)
         self._index = index
         self._lru: OrderedDict[BlockHash, IndexRow] = OrderedDict()
@@ -144,6 +146,8 @@ class DiskTier:
         for r in rows:
             self._lru[r.block_hash] = r
             self.used_bytes += r.size
+        if self._on_change is not None:
+            self._on_change(True, [r.block_hash for r in rows])
         return PutResult(len(rows), present, dropped)
 
     def read_into(self, block_hash: BlockHash, out: torch.Tensor) -> IndexRow:
@@ -172,11 +176,15 @@ class DiskTier:
         if not hashes:
             return
         self._index.delete_many(hashes)
+        held = []
         for h in hashes:
             row = self._lru.pop(h, None)
             if row is not None:
                 self.used_bytes -= row.size
+                held.append(h)
             self.files.remove(h)
+        if self._on_change is not None and held:
+            self._on_change(False, held)
 
     def _evict_to_fit(self, incoming: int) -> int:
         victims: list[BlockHash] = []

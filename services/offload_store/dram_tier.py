@@ -34,6 +34,8 @@ class DramEntry:
 
 # Receives evicted blocks while their bytes are still intact: (hash, format, row view) each.
 DemoteSink = Callable[[list[tuple[BlockHash, BlockFormat, torch.Tensor]]], None]
+# Told of every change of the held set: (stored, hashes); the store's event journal.
+ChangeListener = Callable[[bool, Sequence[BlockHash]], None]
 
 
 class DramTier:
@@ -42,11 +44,13 @@ class DramTier:
     Args:
         capacity_bytes: the budget; it holds ``capacity_bytes // slot_bytes`` blocks.
         demote: where evicted blocks go (the disk tier); called before their slots are reused.
+        on_change: told of every block that enters or leaves the tier (the offload events).
     """
 
-    def __init__(self, capacity_bytes: int, demote: DemoteSink) -> None:
+    def __init__(self, capacity_bytes: int, demote: DemoteSink, on_change: ChangeListener | None = None) -> None:
         self.capacity_bytes = capacity_bytes
         self._demote = demote
+        self._on_change = on_change
         self._slab = torch.empty((0, 0), dtype=torch.uint8)
         self._pinned = False
         self._lru: OrderedDict[BlockHash, DramEntry] = OrderedDict()
@@ -141,6 +145,8 @@ class DramTier:
             entry = DramEntry(block_hash, fmt, self._free.pop())
             self._lru[block_hash] = entry
             rows.append(self._slab[entry.slot])
+        if self._on_change is not None:
+            self._on_change(True, [h for h, _ in keys])
         return rows
 
     def discard(self, block_hash: BlockHash) -> bool:
@@ -149,12 +155,16 @@ class DramTier:
         if entry is None:
             return False
         self._free.append(entry.slot)
+        if self._on_change is not None:
+            self._on_change(False, [block_hash])
         return True
 
     def _evict(self, hashes: Sequence[BlockHash]) -> None:
         if not hashes:
             return
         victims = [self._lru.pop(h) for h in hashes]
+        if self._on_change is not None:
+            self._on_change(False, list(hashes))
         try:  # demote while the bytes are intact; only then do the slots become free
             self._demote([(v.block_hash, v.fmt, self._slab[v.slot]) for v in victims])
         finally:  # a failed demotion loses cached copies, never slots

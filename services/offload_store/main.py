@@ -48,12 +48,14 @@ def main() -> int:
                  config.remote_key_prefix)
     try:
         registration = ServiceRegistration(
-            SERVICE.grpc, OffloadStoreServicer(core, OffloadMetrics(registry, mcfg.model_name)),
+            SERVICE.grpc, OffloadStoreServicer(core, OffloadMetrics(registry, mcfg.model_name),
+                                               max_subscribers=config.max_subscribers),
             offload_store_pb2_grpc.add_OffloadStoreServicer_to_server,
         )
         running = start_server(server_config, [registration], interceptors=server_interceptors())
         start_metrics_server(mcfg.port, registry, addr=mcfg.host)
         serve_forever(running, SERVICE.label)
     finally:
+        core.hub.close()  # open event streams end cleanly
         core.close()
     return 0

@@ -181,10 +181,15 @@ class RemoteTier:
                 want.append(h)
         return dict(zip(want, self.get_many(want, fmt), strict=True))
 
-    def put_many(self, items: Sequence[tuple[BlockHash, BlockFormat, torch.Tensor]]) -> int:
+    def put_many(self, items: Sequence[tuple[BlockHash, BlockFormat, torch.Tensor]],
+                 stored: list[BlockHash] | None = None) -> int:
         """Writes blocks that are not stored yet; returns how many were written.
 
         Two round trips: which keys exist (refreshing their TTL, if any), then the new values.
+
+        Args:
+            stored: extended with the hashes known stored afterwards (written, or already there):
+                what the store's remote events report.
         """
         if not items:
             return 0
@@ -195,12 +200,16 @@ class RemoteTier:
             return 0
         todo = [(h, fmt, row) for (h, fmt, row), there in zip(items, held, strict=True) if not there]
         self.stats.skipped_saves += len(items) - len(todo)
+        if stored is not None:
+            stored.extend(h for (h, _, _), there in zip(items, held, strict=True) if there)
         if not todo:
             return 0
         values = [(self.key(h), encode_block(fmt, row.numpy().data)) for h, fmt, row in todo]
         if self._pipeline(lambda p: [p.set(k, v, ex=ttl or None) for k, v in values]) is None:
             return 0
         self.stats.saves += len(values)
+        if stored is not None:
+            stored.extend(h for h, _, _ in todo)
         self.stats.bytes_written += sum(len(v) for _, v in values)
         return len(values)
 

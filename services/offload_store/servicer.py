@@ -5,25 +5,34 @@ Only hashes, block ids and counters cross this boundary; KV bytes move through t
 Ownership (docs/reliability.md): ``AttachPool`` makes the caller's ``kvmesh-owner`` the owner
 (refused while another owner's lease runs); ``Save``, ``Load`` and ``Release`` are the owner's
 only, so nobody who merely reaches the port can overwrite or read another scheduler's cached KV.
-``Lookup`` (whether given hashes are stored: no KV moves, and a hash needs the deployment's seed)
-and ``GetStats`` (aggregates) stay open.
+``Lookup`` (whether given hashes are stored: no KV moves, and a hash needs the deployment's seed),
+``GetStats`` (aggregates), ``SubscribeEvents`` and ``GetStoredBlocks`` (hashes per tier, for a
+router's index) stay open.
+
+Events: every core call runs under the one lock and publishes its batch before releasing it,
+and a subscription is registered under the same lock, so "subscribe, then snapshot, then the
+batches numbered above the snapshot's" is exact (the router's resync, services/router/events.py).
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 from services.offload_store import convert
 from services.offload_store.metrics import OffloadMetrics
 from services.offload_store.store import OffloadStore
 from services.offload_store.types import OffloadStats
+from shared.errors import ResourceExhausted
 from shared.grpc_server import ServiceName
 from shared.ownership import Lease, owner_from_metadata
 from shared.pb.kvmesh.v1 import offload_store_pb2 as pb
 from shared.pb.kvmesh.v1 import offload_store_pb2_grpc
 
 SERVICE = ServiceName.of("offload-store", pb, "OffloadStore")
+# Initial metadata of a registered SubscribeEvents stream (the same as the kv-cache-manager's).
+SUBSCRIBED_METADATA = (("kvmesh-subscribed", "1"),)
 
 
 class OffloadStoreServicer(offload_store_pb2_grpc.OffloadStoreServicer):
@@ -31,8 +40,9 @@ class OffloadStoreServicer(offload_store_pb2_grpc.OffloadStoreServicer):
     thread-safe, and the grpc server runs handlers on a thread pool."""
 
     def __init__(self, core: OffloadStore, metrics: OffloadMetrics | None = None,
-                 default_lease_seconds: float = 10.0) -> None:
+                 default_lease_seconds: float = 10.0, max_subscribers: int = 4) -> None:
         self._core = core
+        self._max_subscribers = max_subscribers
         self._lock = threading.Lock()
         self._metrics = metrics
         self._seen = OffloadStats()
@@ -107,3 +117,27 @@ class OffloadStoreServicer(offload_store_pb2_grpc.OffloadStoreServicer):
         with self._lock:
             stats = self._core.stats()
         return convert.stats_to_pb(stats)
+
+    def SubscribeEvents(self, request: pb.SubscribeOffloadEventsRequest,
+                        context: Any) -> Iterator[pb.OffloadEventBatch]:
+        hub = self._core.hub
+        with self._lock:  # no operation is half-published: every later one reaches this stream
+            if hub.num_subscribers >= self._max_subscribers:
+                raise ResourceExhausted(f"at most {self._max_subscribers} event subscribers; retry later")
+            sub = hub.subscribe()
+        if not context.add_callback(sub.close):  # the client is already gone
+            sub.close()
+            return
+        context.send_initial_metadata(SUBSCRIBED_METADATA)
+        try:
+            for batch in sub:
+                yield convert.event_batch_to_pb(batch)
+        finally:
+            sub.close()
+        if sub.overflowed:
+            raise ResourceExhausted("event subscriber fell behind and was dropped; resubscribe")
+
+    def GetStoredBlocks(self, request: pb.GetStoredBlocksRequest, context: Any) -> pb.GetStoredBlocksResponse:
+        with self._lock:
+            snap = self._core.stored_blocks()
+        return convert.stored_blocks_to_pb(snap)

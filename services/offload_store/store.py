@@ -13,13 +13,19 @@ hit is promoted to DRAM like a disk hit. Data faults (a missing, truncated or co
 remote value) never raise: they are counted, the bad entry is removed and the load stops there;
 bytes are verified *before* they reach the pool, so a failed block leaves the pool block
 untouched. Malformed requests raise :mod:`shared.errors` exceptions before anything changes.
+
+Every verb's tier changes leave as one numbered event batch (services/offload_store/events.py,
+``hub``), and :meth:`OffloadStore.stored_blocks` is the matching snapshot, so a router can keep a
+per-tier index of this store exactly as it keeps one of the pool.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar, cast
 
 import torch
 
@@ -28,14 +34,29 @@ from services.offload_store.block_files import BlockFault
 from services.offload_store.config import OffloadConfig
 from services.offload_store.disk_tier import DiskTier, ReconcileReport
 from services.offload_store.dram_tier import DramTier
+from services.offload_store.events import OffloadEventHub, TierJournal
 from services.offload_store.index import BlockIndex
 from services.offload_store.pool_mapping import MappedPool, PoolHandle, map_pool
 from services.offload_store.remote_tier import RemoteTier, copy_payload, open_remote
-from services.offload_store.types import BlockFormat, LoadResult, LookupResult, OffloadStats, SaveResult
+from services.offload_store.types import BlockFormat, LoadResult, LookupResult, OffloadStats, SaveResult, StoredBlocks
 from shared.errors import FailedPrecondition, IntegrityError, InvalidArgument
 from shared.hashing import HASH_BYTES, BlockHash
 
 log = logging.getLogger(__name__)
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _publishing(verb: F) -> F:
+    """Publishes the tier changes of one call of ``verb`` as one event batch, however it ends."""
+    @functools.wraps(verb)
+    def wrapped(self: OffloadStore, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return verb(self, *args, **kwargs)
+        finally:
+            self._journal.flush()
+    return cast(F, wrapped)
+
 
 # Bounce rows for blocks that do not go through a DRAM slot: write-through saves (DRAM disabled)
 # and disk loads that cannot be promoted. Also the batch size of those paths.
@@ -49,13 +70,16 @@ class OffloadStore:
         config: data dir, index URL and tier budgets.
     """
 
-    def __init__(self, config: OffloadConfig) -> None:
+    def __init__(self, config: OffloadConfig, hub: OffloadEventHub | None = None) -> None:
         self.config = config
+        self.hub = hub if hub is not None else OffloadEventHub()
+        self._journal = TierJournal(self.hub, config.remote_index_blocks)
         os.makedirs(config.data_dir, exist_ok=True)
         self._index = BlockIndex(config.resolved_db_url, config.db_table)
-        self._disk = DiskTier(config.data_dir, self._index, config.disk_bytes)
+        self._disk = DiskTier(config.data_dir, self._index, config.disk_bytes, self._journal.listener("disk"))
         self.reconcile_report: ReconcileReport = self._disk.reconcile()
-        self._dram = DramTier(config.dram_bytes, demote=self._demote)
+        self._dram = DramTier(config.dram_bytes, demote=self._demote, on_change=self._journal.listener("dram"))
+        self._journal.flush()
         self.remote: RemoteTier | None = open_remote(config)  # public for its counters (metrics)
         self._pool: MappedPool | None = None
         self._pool_generation = ""
@@ -72,6 +96,7 @@ class OffloadStore:
 
     # --- the five verbs --------------------------------------------------------------------------
 
+    @_publishing
     def attach_pool(self, handle: PoolHandle) -> int:
         """Maps the runner's pool (replacing any earlier mapping); returns bytes per block."""
         pool = map_pool(handle, self.config.pool_dir)
@@ -82,6 +107,7 @@ class OffloadStore:
                  handle.path or "cuda_ipc", handle.dtype, handle.generation, pool.block_format.nbytes)
         return pool.block_format.nbytes
 
+    @_publishing
     def lookup(self, hashes: Sequence[bytes]) -> LookupResult:
         """The longest leading run of ``hashes`` held in any tier, and how many are in DRAM.
 
@@ -100,11 +126,14 @@ class OffloadStore:
                 if not remote and self.remote is not None:
                     start, remote = i, self.remote.present([BlockHash(r) for r in hashes[i:]], fmt)
                 if not remote or not remote[i - start]:
+                    self._journal.remote_gone([h])
                     break
+                self._journal.remote_seen([h])
             present += 1
             in_dram += int(dram_ok)
         return LookupResult(present, in_dram)
 
+    @_publishing
     def save(self, blocks: Sequence[tuple[bytes, int]]) -> SaveResult:
         """Copies pool blocks into the DRAM tier (or straight to disk when DRAM holds no block).
 
@@ -126,6 +155,7 @@ class OffloadStore:
         self._stats.saves += saved
         return SaveResult(saved, len(blocks) - len(todo))
 
+    @_publishing
     def load(self, blocks: Sequence[tuple[bytes, int]]) -> LoadResult:
         """Copies stored blocks into pool blocks, in order, stopping at the first failure.
 
@@ -168,7 +198,11 @@ class OffloadStore:
                 rest = [BlockHash(r) for r, _ in blocks[k:]]
                 fetched = self.remote.get_batch(rest, fmt, held=lambda x: self._holds(x, fmt))
             payload = None if on_disk else fetched.get(h)
+            if payload is not None:
+                self._journal.remote_seen([h])
             if not on_disk and payload is None:
+                if h in fetched:  # asked and not served: gone from Redis (or Redis unreachable)
+                    self._journal.remote_gone([h])
                 self._stats.misses += 1
                 failed.append(h)
                 break
@@ -203,6 +237,10 @@ class OffloadStore:
             pool_generation=self._pool_generation if self._pool is not None else "",
             refused_no_pool=s.refused_no_pool,
         )
+
+    def stored_blocks(self) -> StoredBlocks:
+        """Every tier's hashes with the number of the last event batch they include."""
+        return self._journal.snapshot(list(self._dram), self._disk.hashes())
 
     def detach_pool(self) -> None:
         """Unmaps the pool (its owner left); stored blocks stay, saves and loads are refused."""
@@ -250,7 +288,9 @@ class OffloadStore:
 
     def _put_remote(self, chunk: list[tuple[BlockHash, int]], fmt: BlockFormat, rows: list[torch.Tensor]) -> None:
         if self.remote is not None:
-            self.remote.put_many([(h, fmt, r) for (h, _), r in zip(chunk, rows, strict=True)])
+            stored: list[BlockHash] = []
+            self.remote.put_many([(h, fmt, r) for (h, _), r in zip(chunk, rows, strict=True)], stored=stored)
+            self._journal.remote_seen(stored)
 
     def _read_verified(self, h: BlockHash, buf: torch.Tensor, promoted: bool) -> bool:
         """Reads the disk block ``h`` into ``buf`` and verifies it. On a fault: counts it, drops

@@ -84,3 +84,46 @@ class OffloadStats:
     pool_attached: bool = False
     pool_generation: str = ""  # the mapped pool's incarnation
     refused_no_pool: int = 0  # Save / Load calls refused because no pool was attached
+
+
+TIERS = ("dram", "disk", "remote")  # the tiers an event names (OffloadTier in the proto)
+
+
+@dataclass(frozen=True)
+class TierEvent:
+    """Event: blocks entered (``stored``) or left one tier of this store.
+
+    ``remote`` events say what THIS store wrote to the shared remote tier or saw served from it
+    (docs/mesh.md, "The offload tiers in the score"): other replicas' writes appear on their own
+    streams, and Redis' own evictions on none.
+    """
+
+    tier: str
+    stored: bool
+    block_hashes: tuple[BlockHash, ...]
+
+
+@dataclass(frozen=True)
+class OffloadEventBatch:
+    """Tier events of one store operation, in order; ``seq`` grows by one per published batch."""
+
+    seq: int
+    events: tuple[TierEvent, ...]
+
+
+@dataclass(frozen=True)
+class StoredBlocks:
+    """The store's hashes per tier as of event batch ``seq`` (see ``GetStoredBlocksResponse``).
+
+    NOTE: as with the pool's snapshot, a subscriber registered before it skips batches up to
+    ``seq`` (already in it) and applies every later one.
+    """
+
+    seq: int
+    dram: tuple[BlockHash, ...] = ()
+    disk: tuple[BlockHash, ...] = ()
+    remote: tuple[BlockHash, ...] = ()
+
+    def tier(self, name: str) -> tuple[BlockHash, ...]:
+        """The hashes of tier ``name`` (one of :data:`TIERS`)."""
+        return {"dram": self.dram, "disk": self.disk, "remote": self.remote}[name]

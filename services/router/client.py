@@ -9,6 +9,9 @@ Each replica gets two daemon threads:
   (GetCachedBlocks) that replaces the replica's index entries, then every later batch; on a
   gap, an overflow or a broken stream it resyncs the same way (with exponential backoff while
   the replica is unreachable), so the index equals the pool again after each.
+
+A replica whose address names its offload-store gets a third thread: the same feed on the
+store's tier events (GetStoredBlocks, then batches) into the offload index.
 """
 
 from __future__ import annotations
@@ -24,17 +27,20 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.kv_cache_manager.client import KVEventStream
+from services.offload_store.client import OffloadEventStream
+from services.offload_store.types import OffloadEventBatch, StoredBlocks
 from services.router import discovery
 from services.router.config import RouterConfig
 from services.router.discovery import DiscoveryDiff, GetAddrInfo
-from services.router.events import EventFeed
+from services.router.events import EventFeed, PoolSink
 from services.router.index import PrefixIndex
 from services.router.metrics import RouterMetrics
+from services.router.offload_index import OffloadIndex, OffloadSink
 from services.router.types import ReplicaAddress, ReplicaLoad
 from shared.channels import open_channel
 from shared.pb.kvmesh.v1 import kv_cache_manager_pb2 as kvm_pb2
 from shared.pb.kvmesh.v1 import kv_cache_manager_pb2_grpc as kvm_grpc
-from shared.pb.kvmesh.v1 import scheduler_pb2, scheduler_pb2_grpc
+from shared.pb.kvmesh.v1 import offload_store_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from shared.telemetry import instrument_grpc_client
 
 log = logging.getLogger(__name__)
@@ -45,11 +51,12 @@ class Replica:
     """One replica: its stubs, what the probes last saw, the streams the router has open on it."""
 
     def __init__(self, address: ReplicaAddress, config: RouterConfig, index: PrefixIndex,
-                 metrics: RouterMetrics | None = None) -> None:
+                 metrics: RouterMetrics | None = None, offload: OffloadIndex | None = None) -> None:
         self.address = address
         self.id = address.id
         self._config = config
         self._index = index
+        self._offload = offload
         self._metrics = metrics
         self.channel = instrument_grpc_client(open_channel(address.scheduler_address))
         self.stub = scheduler_pb2_grpc.SchedulerStub(self.channel)
@@ -62,10 +69,20 @@ class Replica:
         self.kv_usage = 0.0
         self.info: scheduler_pb2.SchedulerModelInfo | None = None
         self._in_flight = 0
-        self._feed = EventFeed(self.id, KVEventStream(self._kvm, config.rpc_timeout_seconds), config, index, metrics,
-                               self._forget_model)
+        self._feed = EventFeed(self.id, KVEventStream(self._kvm, config.rpc_timeout_seconds), config,
+                               PoolSink(index, self.id), metrics, self._forget_model)
         self._threads = [threading.Thread(target=self._probe_loop, name=f"router-probe-{self.id}", daemon=True),
                          threading.Thread(target=self._feed.run, name=f"router-events-{self.id}", daemon=True)]
+        self._offload_channel: grpc.Channel | None = None
+        self._offload_feed: EventFeed[OffloadEventBatch, StoredBlocks] | None = None
+        if address.offload_address and offload is not None:
+            self._offload_channel = open_channel(address.offload_address)
+            stream = OffloadEventStream(offload_store_pb2_grpc.OffloadStoreStub(self._offload_channel),
+                                        config.rpc_timeout_seconds)
+            self._offload_feed = EventFeed(self.id, stream, config, OffloadSink(offload, self.id), metrics,
+                                           kind="offload")
+            self._threads.append(threading.Thread(target=self._offload_feed.run, name=f"router-offload-{self.id}",
+                                                  daemon=True))
 
     def start(self) -> None:
         """Starts the probe and event threads."""
@@ -76,6 +93,21 @@ class Replica:
     def subscribed(self) -> bool:
         """Whether its event stream is open and the index follows it."""
         return self._feed.subscribed
+
+    @property
+    def has_offload(self) -> bool:
+        """Whether the router follows this replica's offload-store (its tiers count in the score)."""
+        return self._offload_feed is not None
+
+    @property
+    def offload_subscribed(self) -> bool:
+        """Whether its offload-store's event stream is open and the offload index follows it."""
+        return self._offload_feed is not None and self._offload_feed.subscribed
+
+    @property
+    def offload_subscriptions(self) -> int:
+        """Offload-store event streams opened so far."""
+        return self._offload_feed.subscriptions if self._offload_feed is not None else 0
 
     @property
     def subscriptions(self) -> int:
@@ -133,6 +165,9 @@ class Replica:
         if self._metrics is not None:
             self._metrics.healthy.labels(self.id).set(1 if self.healthy else 0)
             self._metrics.indexed_blocks.labels(self.id).set(self._index.num_blocks(self.id))
+            if self._offload is not None and self.has_offload:
+                for tier, index in self._offload.tiers.items():
+                    self._metrics.offload_indexed.labels(self.id, tier).set(index.num_blocks(self.id))
 
     def model_info(self, metadata: Metadata) -> scheduler_pb2.SchedulerModelInfo:
         """The replica's model info, asked once with the caller's metadata, then kept until it reconnects."""
@@ -151,11 +186,15 @@ class Replica:
         """Stops the probe and event threads; the channels stay open (calls on them still end with a status)."""
         self._stop.set()
         self._feed.stop()
+        if self._offload_feed is not None:
+            self._offload_feed.stop()
 
     def close(self) -> None:
         """Stops the threads and closes the channels."""
         self.stop()
         self._kvm_channel.close()
+        if self._offload_channel is not None:
+            self._offload_channel.close()
         self.channel.close()
 
 
@@ -167,15 +206,17 @@ class ReplicaSet:
     """
 
     def __init__(self, config: RouterConfig, index: PrefixIndex, metrics: RouterMetrics | None = None,
-                 getaddrinfo: GetAddrInfo = socket.getaddrinfo) -> None:
+                 getaddrinfo: GetAddrInfo = socket.getaddrinfo, offload: OffloadIndex | None = None) -> None:
         self._config = config
         self._index = index
+        self._offload = offload
         self._metrics = metrics
         self._target = config.discovery_target()
         self._getaddrinfo = getaddrinfo
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self.replicas: list[Replica] = [Replica(a, config, index, metrics) for a in config.replica_addresses()]
+        self.replicas: list[Replica] = [Replica(a, config, index, metrics, offload)
+                                        for a in config.replica_addresses()]
         self.by_id: dict[str, Replica] = {r.id: r for r in self.replicas}
         # Dropped replicas, closed one discovery round later: a request that chose one just before
         # it was dropped gets UNAVAILABLE from its open channel (and fails over), not a closed channel.
@@ -202,7 +243,7 @@ class ReplicaSet:
                                 [r.id for r in current if r.healthy], self._target)
         if not change.added and not change.removed:
             return change
-        fresh = [Replica(a, self._config, self._index, self._metrics) for a in change.added]
+        fresh = [Replica(a, self._config, self._index, self._metrics, self._offload) for a in change.added]
         for r in fresh:
             r.probe()
         with self._lock:
@@ -214,6 +255,8 @@ class ReplicaSet:
         for r in gone:
             r.stop()
             self._index.clear_replica(r.id)
+            if self._offload is not None:
+                self._offload.clear_replica(r.id)
         self._retired.extend(gone)
         log.info("router: discovery via %s: added %s, removed %s", self._target.name,
                  [a.id for a in change.added] or "-", list(change.removed) or "-")
@@ -229,7 +272,8 @@ class ReplicaSet:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             current = self.replicas
-            if current and all(r.healthy and r.subscribed for r in current):
+            if current and all(r.healthy and r.subscribed and (r.offload_subscribed or not r.has_offload)
+                               for r in current):
                 return True
             time.sleep(0.05)
         return False

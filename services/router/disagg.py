@@ -2,7 +2,8 @@
 
 Conditional disaggregation, as Dynamo does it (docs/mesh.md, "Prefill/decode"): a request goes
 first to a ``prefill`` replica only when its **uncached** prompt on the best decode candidate
-(prompt blocks minus the blocks the index says that replica holds) is longer than
+(prompt blocks minus the blocks the indexes say that replica holds in its pool or would load
+from its offload tiers, the shared remote one included) is longer than
 ``pd_threshold_tokens`` and a prefill replica is healthy (and not over
 ``pd_max_prefill_in_flight``); anything else goes whole to a decode (or mixed) replica.
 
@@ -76,8 +77,13 @@ def refusal(request: scheduler_pb2.GenerateRequest) -> str:
 
 
 def uncached_tokens(decision: Decision, block_size: int, num_prompt_tokens: int) -> int:
-    """Prompt tokens the best decode candidate would have to compute itself."""
-    return max(num_prompt_tokens - decision.matched_blocks * block_size, 0)
+    """Prompt tokens the best decode candidate would have to compute itself.
+
+    Blocks its offload-store would load count as cached: its DRAM and disk, and the shared remote
+    tier (a prompt a prefill replica already published is not prefilled again).
+    """
+    held = decision.matched_blocks + decision.offload.total
+    return max(num_prompt_tokens - held * block_size, 0)
 
 
 def leg1_request(request: scheduler_pb2.GenerateRequest, prompt_ids: Sequence[int]) -> scheduler_pb2.GenerateRequest:

@@ -34,11 +34,13 @@ class DiscoveryTarget:
         name: the headless Service's DNS name (e.g. ``engine`` or ``engine.kvmesh.svc``).
         scheduler_port: each replica's scheduler port (what clients' requests are forwarded to).
         kvm_port: each replica's kv-cache-manager port (events and stats).
+        offload_port: each replica's offload-store port (tier events); 0: not followed.
     """
 
     name: str
     scheduler_port: int
     kvm_port: int
+    offload_port: int = 0
 
 
 @dataclass(frozen=True)
@@ -55,7 +57,9 @@ def _hostport(ip: str, port: int) -> str:
 
 def replica_for(ip: str, target: DiscoveryTarget) -> ReplicaAddress:
     """The replica at ``ip``: its id is the address itself (stable for the pod's life, unique)."""
-    return ReplicaAddress(ip, _hostport(ip, target.scheduler_port), _hostport(ip, target.kvm_port))
+    offload = _hostport(ip, target.offload_port) if target.offload_port else ""
+    return ReplicaAddress(ip, _hostport(ip, target.scheduler_port), _hostport(ip, target.kvm_port),
+                          offload_address=offload)
 
 
 def resolve(target: DiscoveryTarget, getaddrinfo: GetAddrInfo = socket.getaddrinfo) -> frozenset[str] | None:

@@ -1,21 +1,25 @@
-"""One replica's KV event feed into the index: subscribe, snapshot, then every later batch.
+"""One event feed into the router's index: subscribe, snapshot, then every later batch.
 
-The resync protocol (docs/mesh.md "The global prefix index"):
+Two kinds of feed follow this one rule: each replica's kv-cache-manager (its pool, into
+:class:`~services.router.index.PrefixIndex` through :class:`PoolSink`) and, where the replica
+names one, its offload-store (its DRAM, disk and remote tiers, into
+:class:`~services.router.offload_index.OffloadIndex`). The resync protocol (docs/mesh.md "The
+global prefix index"):
 
 1. ``SubscribeEvents``; its initial metadata means the stream is registered, so every batch
    published from now on will reach us.
-2. ``GetCachedBlocks``: the pool's hashes and the number ``seq`` of the last batch they include
-   (read under the kv-cache-manager's lock, which every publishing operation holds).
+2. The snapshot RPC (``GetCachedBlocks`` / ``GetStoredBlocks``): the hashes and the number
+   ``seq`` of the last batch they include (read under the service's lock, which every
+   publishing operation holds).
 3. The replica's entries are **replaced** by the snapshot; streamed batches numbered ``<= seq``
    are skipped (already in it), each later one is applied in order.
 
-A gap in the batch numbers, an overflow (the manager dropped us) or a broken stream (a restart)
-starts again from 1: after a reconnect the index equals the pool, not just what was stored
-since. A broken stream clears the replica's entries until the next snapshot, since the index
-must never claim blocks of a replica it cannot see; a gap keeps them until the snapshot that
-follows at once. A kv-cache-manager without the snapshot RPC
-(``UNIMPLEMENTED``, an older build during a rolling upgrade) is followed as before: cleared and
-relearned from new events.
+A gap in the batch numbers, an overflow (the service dropped us) or a broken stream (a restart)
+starts again from 1: after a reconnect the index equals the service's state, not just what
+changed since. A broken stream clears the replica's entries until the next snapshot, since the
+index must never claim blocks of a replica it cannot see; a gap keeps them until the snapshot
+that follows at once. A service without the snapshot RPC (``UNIMPLEMENTED``, an older build
+during a rolling upgrade) is followed as before: cleared and relearned from new events.
 """
 
 from __future__ import annotations
@@ -23,24 +27,40 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Iterator
-from typing import Protocol
+from typing import Generic, Protocol, TypeVar
 
-from services.kv_cache_manager.types import CachedBlocks, EventStreamEnded, KVEventBatch
+from services.kv_cache_manager.types import CachedBlocks, KVEventBatch
 from services.router.config import RouterConfig
 from services.router.index import PrefixIndex
 from services.router.metrics import RouterMetrics
+from shared.event_hub import EventStreamEnded
 
 log = logging.getLogger(__name__)
 
 
-class EventSource(Protocol):
-    """A replica's kv-cache-manager as the feed needs it (over gRPC: the kv-cache-manager's ``KVEventStream``)."""
+class Numbered(Protocol):
+    """A batch: its number is all the feed reads."""
 
-    def subscribe(self) -> Iterator[KVEventBatch]:
+    @property
+    def seq(self) -> int: ...
+
+
+B = TypeVar("B", bound=Numbered)
+S = TypeVar("S")
+B_co = TypeVar("B_co", bound=Numbered, covariant=True)
+S_co = TypeVar("S_co", covariant=True)
+B_contra = TypeVar("B_contra", bound=Numbered, contravariant=True)
+S_contra = TypeVar("S_contra", contravariant=True)
+
+
+class EventSource(Protocol[B_co, S_co]):
+    """A replica's service as the feed needs it (over gRPC: ``KVEventStream``, ``OffloadEventStream``)."""
+
+    def subscribe(self) -> Iterator[B_co]:
         """Opens a stream; returns once it is registered. Iterating raises EventStreamEnded on a failure."""
 
-    def snapshot(self) -> CachedBlocks | None:
-        """The pool's hashes and batch number; None when the replica has no snapshot RPC."""
+    def snapshot(self) -> S_co | None:
+        """The state's hashes and batch number; None when the service has no snapshot RPC."""
 
     def cancel(self) -> None:
         """Ends the open stream, if any (from another thread)."""
@@ -49,22 +69,62 @@ class EventSource(Protocol):
         """Ends the open stream and every later one (the feed is stopping)."""
 
 
-class EventFeed:
-    """Keeps ``index``'s entries for one replica equal to its pool, across gaps and restarts.
+class FeedSink(Protocol[B_contra, S_contra]):
+    """Where one feed's view lives: one replica's entries in an index."""
+
+    def apply(self, batch: B_contra) -> bool:
+        """Applies a batch; False (nothing applied) when it does not follow the last one."""
+
+    def replace(self, snapshot: S_contra) -> None:
+        """Sets the entries to a snapshot (the next batch must follow its number)."""
+
+    def clear(self) -> None:
+        """Forgets the entries until the next snapshot."""
+
+    def last_seq(self) -> int:
+        """The last batch applied."""
+
+
+class PoolSink:
+    """One replica's pool entries in the :class:`PrefixIndex`."""
+
+    def __init__(self, index: PrefixIndex, replica_id: str) -> None:
+        self._index = index
+        self._id = replica_id
+
+    def apply(self, batch: KVEventBatch) -> bool:
+        return self._index.apply(self._id, batch)
+
+    def replace(self, snapshot: CachedBlocks) -> None:
+        self._index.replace(self._id, snapshot.block_hashes, snapshot.seq)
+
+    def clear(self) -> None:
+        self._index.clear_replica(self._id)
+
+    def last_seq(self) -> int:
+        return self._index.last_seq(self._id)
+
+
+class EventFeed(Generic[B, S]):
+    """Keeps ``sink``'s entries for one replica equal to its service's state, across gaps and restarts.
 
     Args:
-        replica_id: the index key.
-        source: the replica's kv-cache-manager.
+        name: the replica id, as logs and the resync metric name it.
+        source: the replica's kv-cache-manager or offload-store.
+        sink: the replica's entries in the index that service feeds.
         on_subscribed: called after each (re)subscription is in place (the replica forgets what a
             restart may have changed, e.g. its model info).
+        kind: ``pool`` or ``offload`` (the resync metric's label).
     """
 
-    def __init__(self, replica_id: str, source: EventSource, config: RouterConfig,
-                 index: PrefixIndex, metrics: RouterMetrics | None, on_subscribed: Callable[[], None]) -> None:
-        self._id = replica_id
+    def __init__(self, name: str, source: EventSource[B, S], config: RouterConfig, sink: FeedSink[B, S],
+                 metrics: RouterMetrics | None, on_subscribed: Callable[[], None] = lambda: None,
+                 kind: str = "pool") -> None:
+        self._id = name
         self._source = source
         self._config = config
-        self._index = index
+        self._sink = sink
+        self._kind = kind
         self._metrics = metrics
         self._on_subscribed = on_subscribed
         self._stop = threading.Event()
@@ -74,11 +134,11 @@ class EventFeed:
     def _sync(self) -> int:
         """Replaces the replica's entries by its snapshot; returns the last batch number it includes."""
         snap = self._source.snapshot()
-        if snap is None:  # an older kv-cache-manager: relearn from new events
-            self._index.clear_replica(self._id)
+        if snap is None:  # an older service: relearn from new events
+            self._sink.clear()
             return -1
-        self._index.replace(self._id, snap.block_hashes, snap.seq)
-        return snap.seq
+        self._sink.replace(snap)
+        return self._sink.last_seq()
 
     def _follow(self) -> str:
         """Applies the stream until it ends; the reason to resync (``gap`` or ``disconnect``)."""
@@ -90,9 +150,9 @@ class EventFeed:
         for batch in stream:
             if batch.seq <= base:  # published before the snapshot, so already in it
                 continue
-            if not self._index.apply(self._id, batch):
-                log.warning("router: replica %s event gap after batch %d (got %d): resyncing",
-                            self._id, self._index.last_seq(self._id), batch.seq)
+            if not self._sink.apply(batch):
+                log.warning("router: replica %s %s event gap after batch %d (got %d): resyncing",
+                            self._id, self._kind, self._sink.last_seq(), batch.seq)
                 self._source.cancel()
                 return "gap"
         return "disconnect"
@@ -108,15 +168,15 @@ class EventFeed:
                 reason = self._follow()
             except EventStreamEnded as exc:
                 if not self._stop.is_set():
-                    log.info("router: replica %s event stream ended (%s): resyncing", self._id, exc)
+                    log.info("router: replica %s %s event stream ended (%s): resyncing", self._id, self._kind, exc)
             finally:
                 self.subscribed = False
             if self._stop.is_set():
                 return
             if reason == "disconnect":  # until the next snapshot, claim nothing we cannot see
-                self._index.clear_replica(self._id)  # (a gap resyncs at once: the old view stays till then)
+                self._sink.clear()  # (a gap resyncs at once: the old view stays till then)
             if self._metrics is not None:
-                self._metrics.resyncs.labels(self._id, reason).inc()
+                self._metrics.resyncs.labels(self._id, reason, self._kind).inc()
             if self.subscriptions > subscriptions:
                 backoff = cfg.reconnect_min_seconds  # it was up: retry at once-ish
             if reason != "gap":

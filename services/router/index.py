@@ -140,6 +140,11 @@ class PrefixIndex:
                 result[rid] = len(hashes)
             return result
 
+    def holders(self, hashes: Sequence[bytes]) -> list[frozenset[str]]:
+        """Per hash, the replicas whose events hold it (predictions not counted), in one lock."""
+        with self._lock:
+            return [frozenset(self._holders.get(h, ())) for h in hashes]
+
     def blocks(self, replica_id: str) -> frozenset[bytes]:
         """A copy of the hashes held for ``replica_id``."""
         with self._lock:

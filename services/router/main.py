@@ -17,6 +17,7 @@ from services.router.client import ReplicaSet
 from services.router.config import RouterConfig
 from services.router.index import PrefixIndex
 from services.router.metrics import RouterMetrics
+from services.router.offload_index import OffloadIndex
 from services.router.routing import Router
 from services.router.servicer import PUBLIC_API, SERVICE, RouterFront, RouterSchedulerServicer, RouterServicer
 from services.scheduler.auth import AuthInterceptor, key_store_for
@@ -51,13 +52,14 @@ def main() -> int:
     keys = key_store_for(from_env(AuthConfig, "KVMESH_AUTH_"), server_cfg.host)
     metrics = RouterMetrics(registry)
     index = PrefixIndex()
-    replicas = ReplicaSet(config, index, metrics)
+    offload = OffloadIndex()
+    replicas = ReplicaSet(config, index, metrics, offload=offload)
     replicas.start()
     if not replicas.wait_ready(config.ready_timeout_seconds):
         log.warning("router: serving before every replica is up: %s",
                     ", ".join(f"{r.id} healthy={r.healthy} subscribed={r.subscribed}" for r in replicas.replicas))
     tokenizer = Tokenizer(config.model_dir) if config.model_dir else None
-    front = RouterFront(replicas, Router(config, index, metrics), tokenizer)
+    front = RouterFront(replicas, Router(config, index, metrics, offload), tokenizer)
     mcfg = metrics_config(env, server_cfg.host)  # bound to KVMESH_HOST like every service's
     start_metrics_server(mcfg.port, registry, addr=mcfg.host)
     running = start_server(server_cfg, [

@@ -31,8 +31,16 @@ class RouterMetrics:
                                "Generate attempts moved to another replica before the first token.",
                                ["reason"], registry=registry)
         self.resyncs = Counter(PREFIX + "router_index_resyncs",
-                               "Times a replica's index entries were resynced from a snapshot (gap, reconnect).",
-                               ["replica", "reason"], registry=registry)
+                               "Times a replica's index entries were resynced from a snapshot (gap, reconnect), "
+                               "by index: its pool or its offload-store's tiers.",
+                               ["replica", "reason", "index"], registry=registry)
+        self.offload_blocks = Counter(PREFIX + "router_offload_matched_blocks",
+                                      "Prompt blocks past the pool match the chosen replica's offload-store held "
+                                      "when routed, by tier (dram, disk, remote).", ["replica", "tier"],
+                                      registry=registry)
+        self.offload_indexed = Gauge(PREFIX + "router_offload_indexed_blocks",
+                                     "Block hashes indexed per replica's offload-store tier.", ["replica", "tier"],
+                                     registry=registry)
         self.indexed_blocks = Gauge(PREFIX + "router_indexed_blocks", "Block hashes indexed per replica.",
                                     ["replica"], registry=registry)
         self.healthy = Gauge(PREFIX + "router_replica_healthy", "1 when the replica answered its last probe.",
@@ -51,3 +59,6 @@ class RouterMetrics:
         self.decisions.labels(decision.replica_id, decision.policy).inc()
         self.matched_blocks.labels(decision.replica_id).inc(decision.matched_blocks)
         self.prompt_blocks.inc(decision.total_blocks)
+        o = decision.offload
+        for tier, n in (("dram", o.dram), ("disk", o.disk), ("remote", o.remote)):
+            self.offload_blocks.labels(decision.replica_id, tier).inc(n)

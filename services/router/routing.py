@@ -17,6 +17,7 @@ from opentelemetry import trace
 from services.router.config import RouterConfig
 from services.router.index import PrefixIndex
 from services.router.metrics import RouterMetrics
+from services.router.offload_index import OffloadIndex
 from services.router.prefix import request_hashes
 from services.router.scoring import Scorer
 from services.router.types import Decision, ReplicaLoad
@@ -30,15 +31,20 @@ class Candidate(Protocol):
 
     id: str
 
+    @property
+    def has_offload(self) -> bool: ...
+
     def load(self) -> ReplicaLoad: ...
 
 
 class Router:
     """Decides where each request goes; thread-safe (its parts are)."""
 
-    def __init__(self, config: RouterConfig, index: PrefixIndex, metrics: RouterMetrics | None = None) -> None:
+    def __init__(self, config: RouterConfig, index: PrefixIndex, metrics: RouterMetrics | None = None,
+                 offload: OffloadIndex | None = None) -> None:
         self.config = config
         self.index = index
+        self.offload = offload if offload is not None else OffloadIndex()
         self.scorer = Scorer(config)
         self.metrics = metrics
 
@@ -52,8 +58,9 @@ class Router:
         cfg = self.config
         hashes = request_hashes(cfg.deployment_key, model_id, block_size, token_ids, tenant_id, client_salt)
         ids = [c.id for c in candidates]
-        decision = self.scorer.decide(len(hashes), ids, self.index.match(hashes, ids),
-                                      {c.id: c.load() for c in candidates})
+        matches = self.index.match(hashes, ids)
+        offload = self.offload.extend(hashes, matches, [c.id for c in candidates if c.has_offload])
+        decision = self.scorer.decide(len(hashes), ids, matches, {c.id: c.load() for c in candidates}, offload)
         decision = dataclasses.replace(decision, hashes=tuple(hashes))
         if record:
             self._record(decision)
@@ -72,8 +79,9 @@ class Router:
         self.index.unpredict(replica_id, decision.hashes)
 
     def _record(self, decision: Decision) -> None:
-        parts = " ".join(f"{s.replica_id}:matched={s.matched_blocks},in_flight={s.in_flight},"
-                         f"kv={s.kv_usage:.2f},cost={s.cost:.1f}" for s in decision.scores)
+        parts = " ".join(f"{s.replica_id}:matched={s.matched_blocks},dram={s.offload.dram},disk={s.offload.disk},"
+                         f"remote={s.offload.remote},in_flight={s.in_flight},kv={s.kv_usage:.2f},cost={s.cost:.1f}"
+                         for s in decision.scores)
         log.info("route %s -> %s (%d/%d blocks held) [%s]", decision.policy, decision.replica_id or "-",
                  decision.matched_blocks, decision.total_blocks, parts)
         # NOTE: ids from the router's configuration and counts only: no request content.
@@ -81,6 +89,9 @@ class Router:
             "kvmesh.router.replica": decision.replica_id, "kvmesh.router.policy": decision.policy,
             "kvmesh.router.matched_blocks": decision.matched_blocks,
             "kvmesh.router.total_blocks": decision.total_blocks,
+            "kvmesh.router.offload_dram_blocks": decision.offload.dram,
+            "kvmesh.router.offload_disk_blocks": decision.offload.disk,
+            "kvmesh.router.offload_remote_blocks": decision.offload.remote,
             "kvmesh.router.cost": decision.scores[0].cost if decision.scores else 0.0,
             "kvmesh.router.candidates": len(decision.scores),
         })

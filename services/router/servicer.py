@@ -252,9 +252,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
     def GetReplicas(self, request: router_pb2.GetReplicasRequest, context: grpc.ServicerContext
                     ) -> router_pb2.GetReplicasResponse:
-        index = self.front.router.index
+        index, offload = self.front.router.index, self.front.router.offload
         return router_pb2.GetReplicasResponse(replicas=[
-            convert.replica_state_to_pb(r, index.last_seq(r.id), index.num_blocks(r.id))
+            convert.replica_state_to_pb(r, index.last_seq(r.id), index.num_blocks(r.id),
+                                        {t: i.num_blocks(r.id) for t, i in offload.tiers.items()})
             for r in self.front.replicas.replicas])
 
     def Explain(self, request: scheduler_pb2.GenerateRequest, context: grpc.ServicerContext

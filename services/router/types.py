@@ -10,13 +10,29 @@ class ReplicaAddress:
     """Where one replica is: its public scheduler and its kv-cache-manager (for events, stats).
 
     ``role``: ``mixed``, ``prefill`` or ``decode`` (docs/mesh.md, "Prefill/decode"): a ``prefill``
-    replica only ever gets the first leg of a disaggregated request.
+    replica only ever gets the first leg of a disaggregated request. ``offload_address``: its
+    offload-store, whose tier events the router follows ("": none, the pool alone is scored).
     """
 
     id: str
     scheduler_address: str
     kvm_address: str
     role: str = "mixed"
+    offload_address: str = ""
+
+
+@dataclass(frozen=True)
+class OffloadMatch:
+    """Blocks past a replica's pool match that its offload-store would load, by tier."""
+
+    dram: int = 0
+    disk: int = 0
+    remote: int = 0
+
+    @property
+    def total(self) -> int:
+        """Blocks the replica would load rather than compute."""
+        return self.dram + self.disk + self.remote
 
 
 @dataclass(frozen=True)
@@ -37,10 +53,11 @@ class ReplicaScore:
     """One candidate's score: the parts and their weighted sum (lower wins)."""
 
     replica_id: str
-    matched_blocks: int
+    matched_blocks: int  # in its pool
     cost: float
     in_flight: int
     kv_usage: float
+    offload: OffloadMatch = OffloadMatch()  # past matched_blocks, in its offload tiers
 
 
 @dataclass(frozen=True)
@@ -59,5 +76,10 @@ class Decision:
 
     @property
     def matched_blocks(self) -> int:
-        """Blocks of the request the chosen replica holds."""
+        """Blocks of the request the chosen replica holds in its pool."""
         return self.scores[0].matched_blocks if self.scores else 0
+
+    @property
+    def offload(self) -> OffloadMatch:
+        """Blocks past that the chosen replica's offload-store would load."""
+        return self.scores[0].offload if self.scores else OffloadMatch()

@@ -244,8 +244,9 @@ def test_mutual_tls_and_api_keys_are_on(rendered: dict[str, Any]) -> None:
             assert env["KVMESH_AUTH_MODE"] == "on" and env["KVMESH_AUTH_KEYS_FILE"] == "/run/secrets/api-keys"
             assert "api-keys" in mounted and Path(secrets["api-keys"]["file"]) == folder / "api-keys"
         else:
-            # The kv-cache-manager also admits the mesh profile's router (SubscribeEvents, GetStats).
-            peers = "scheduler,router" if name == "kv-cache-manager" else "scheduler"
+            # The kv-cache-manager and the offload-store also admit the mesh profiles' router
+            # (SubscribeEvents, snapshots, GetStats).
+            peers = "scheduler,router" if name in ("kv-cache-manager", "offload-store") else "scheduler"
             assert env["KVMESH_TLS_ALLOWED_PEERS"] == peers
             assert "api-keys" not in mounted
 
@@ -284,8 +285,8 @@ def test_mesh_router_fronts_both_replicas(mesh: dict[str, Any]) -> None:
     router = mesh["services"]["router"]
     env = router["environment"]
     assert router["command"] == ["serve", "router"]
-    assert env["KVMESH_ROUTER_REPLICAS"] == ("r1=scheduler:50051/kv-cache-manager:50052,"
-                                             "r2=scheduler-2:50051/kv-cache-manager-2:50052")
+    assert env["KVMESH_ROUTER_REPLICAS"] == ("r1=scheduler:50051/kv-cache-manager:50052/offload-store:50054,"
+                                             "r2=scheduler-2:50051/kv-cache-manager-2:50052/offload-store-2:50054")
     assert (env["KVMESH_PORT"], env["KVMESH_METRICS_PORT"], env["KVMESH_HEALTH_PORT"]) == ("50050", "9095", "50060")
     assert [(p["host_ip"], p["published"], p["target"]) for p in router["ports"]] == [("127.0.0.1", "50050", 50050)]
     assert env["KVMESH_TLS_CERT"] == "/run/secrets/router-cert" and env["KVMESH_TLS_KEY"] == "/run/secrets/router-key"
@@ -364,8 +365,10 @@ def test_pd_router_splits_between_the_two_roles(pd: dict[str, Any]) -> None:
     cfg = RouterConfig(replicas=env["KVMESH_ROUTER_REPLICAS"],
                        pd_threshold_tokens=int(env["KVMESH_ROUTER_PD_THRESHOLD_TOKENS"]))
     assert cfg.replica_addresses() == (
-        ReplicaAddress("p", "scheduler-prefill:50051", "kv-cache-manager-prefill:50052", "prefill"),
-        ReplicaAddress("d", "scheduler-decode:50051", "kv-cache-manager-decode:50052", "decode"))
+        ReplicaAddress("p", "scheduler-prefill:50051", "kv-cache-manager-prefill:50052", "prefill",
+                       "offload-store-prefill:50054"),
+        ReplicaAddress("d", "scheduler-decode:50051", "kv-cache-manager-decode:50052", "decode",
+                       "offload-store-decode:50054"))
     assert cfg.pd_threshold_tokens == 256
     assert router["command"] == ["serve", "router"]
     assert [(p["host_ip"], p["published"], p["target"]) for p in router["ports"]] == [("127.0.0.1", "50070", 50050)]

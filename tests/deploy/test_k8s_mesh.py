@@ -105,11 +105,11 @@ def test_engine_pod_is_one_whole_replica_scaled_to_two(rendered: tuple[str, list
     assert prep["args"] == ["model", "prepare"]
 
 
-def test_kv_cache_manager_admits_the_router_and_the_rest_only_the_scheduler(rendered: tuple[str, list[Doc]]) -> None:
+def test_kvm_and_offload_store_admit_the_router_the_rest_only_the_scheduler(rendered: tuple[str, list[Doc]]) -> None:
     _text, docs = rendered
     peers = {c["name"]: _env(c).get("KVMESH_TLS_ALLOWED_PEERS") for c in _pod(docs, "engine")["containers"]}
     assert peers == {"scheduler": None, "kv-cache-manager": "scheduler,router",
-                     "model-runner": "scheduler", "offload-store": "scheduler"}
+                     "model-runner": "scheduler", "offload-store": "scheduler,router"}
     sched = next(c for c in _pod(docs, "engine")["containers"] if c["name"] == "scheduler")
     assert _env(sched)["KVMESH_AUTH_MODE"] == "on"
 
@@ -137,7 +137,8 @@ def test_router_discovers_the_headless_service(rendered: tuple[str, list[Doc]]) 
     env = _env(c)
     config = from_env(RouterConfig, "KVMESH_ROUTER_", {**_values(docs), **env})
     target = config.discovery_target()
-    assert target is not None and (target.name, target.scheduler_port, target.kvm_port) == ("engine", 50051, 50052)
+    assert target is not None and (target.name, target.scheduler_port, target.kvm_port, target.offload_port) == (
+        "engine", 50051, 50052, 50054)
     assert config.replicas == "" and config.discovery_interval_seconds == 5.0
     assert target.name in _kind(docs, "Service")  # the headless Service of the same namespace
     assert env["KVMESH_TLS_SERVER_NAME"] == "engine"  # the SAN the replicas' certificates carry
@@ -170,7 +171,7 @@ def test_network_policies_let_only_the_router_reach_the_replicas(rendered: tuple
     rules = engine["spec"]["ingress"]
     grpc_rules = [r for r in rules if {p["port"] for p in r["ports"]} & set(GRPC_PORTS.values())]
     (rule,) = grpc_rules
-    assert {p["port"] for p in rule["ports"]} == {50051, 50052}  # never 50053/50054: loopback only
+    assert {p["port"] for p in rule["ports"]} == {50051, 50052, 50054}  # never 50053: loopback only
     (peer,) = rule["from"]
     assert set(peer) == {"podSelector"}
     assert [n for n, lab in pods.items() if _selects(peer["podSelector"], lab)] == ["router"]

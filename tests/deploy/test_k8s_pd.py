@@ -104,8 +104,8 @@ def test_router_lists_the_two_roles_by_name(rendered: tuple[str, list[Doc]]) -> 
     config = from_env(RouterConfig, "KVMESH_ROUTER_", {**_values(docs), **env})
     assert config.discovery_target() is None and config.pd_threshold_tokens == 256
     assert config.replica_addresses() == (
-        ReplicaAddress("p", "engine-prefill:50051", "engine-prefill:50052", "prefill"),
-        ReplicaAddress("d", "engine-decode:50051", "engine-decode:50052", "decode"))
+        ReplicaAddress("p", "engine-prefill:50051", "engine-prefill:50052", "prefill", "engine-prefill:50054"),
+        ReplicaAddress("d", "engine-decode:50051", "engine-decode:50052", "decode", "engine-decode:50054"))
     svcs = _kind(docs, "Service")
     deps = _kind(docs, "Deployment")
     for svc, dep in (("engine-prefill", "engine-prefill"), ("engine-decode", "engine")):

@@ -11,12 +11,14 @@ replica's offload-store and then its scheduler away.
 from __future__ import annotations
 
 import socket
+import time
 import urllib.request
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
 import pytest
 import redis
 from prometheus_client.parser import text_string_to_metric_families
@@ -24,13 +26,14 @@ from prometheus_client.parser import text_string_to_metric_families
 from services.scheduler.client import KVMeshClient
 from services.suite import METRICS_PORT_OFFSETS, Suite, SuiteConfig
 from shared.launcher import ServiceProcess
-from shared.pb.kvmesh.v1 import scheduler_pb2
+from shared.pb.kvmesh.v1 import router_pb2_grpc, scheduler_pb2
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]  # two suites and a router: nine processes
 
 BS = 4
 KEY = "pd-test-deployment-key"
 KEYS = {"team-a": "sk-pd-team-a-00000001", "team-b": "sk-pd-team-b-00000001"}
+AUTH = (("authorization", f"Bearer {KEYS['team-a']}"),)  # the Router API is behind the same keys
 THRESHOLD = 16  # tokens: a 48-token prompt is split, an 8-token one is not
 
 
@@ -114,8 +117,10 @@ def pd(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory, redis_url
             **env, "KVMESH_MODEL_DIR": str(tiny_llama_dir), "KVMESH_ROUTER_HEALTH_INTERVAL_SECONDS": "60",
             "KVMESH_ROUTER_READY_TIMEOUT_SECONDS": "30", "KVMESH_ROUTER_PD_THRESHOLD_TOKENS": str(THRESHOLD),
             "KVMESH_METRICS_PORT": str(ports[2]),
-            "KVMESH_ROUTER_REPLICAS": f"p={p.address}/{p.services['kv-cache-manager'].address}/prefill,"
-                                      f"d={d.address}/{d.services['kv-cache-manager'].address}/decode"})
+            "KVMESH_ROUTER_REPLICAS": f"p={p.address}/{p.services['kv-cache-manager'].address}/prefill/"
+                                      f"{p.services['offload-store'].address},"
+                                      f"d={d.address}/{d.services['kv-cache-manager'].address}/decode/"
+                                      f"{d.services['offload-store'].address}"})
         yield PD(p, d, router, ports[0] + METRICS_PORT_OFFSETS["scheduler"],
                  ports[1] + METRICS_PORT_OFFSETS["scheduler"], ports[2], prefix)
     finally:
@@ -200,6 +205,35 @@ def test_tenant_b_is_never_served_tenant_a_blocks(pd: PD) -> None:
     # A's blocks are now in Redis, in the decode replica's pool and DRAM: B's prompt hashes differ.
     tokens_b, final_b, _ = generate(pd.decode.address, p, tenant="team-b")
     assert tokens_b == want and final_b.cached_tokens == 0
+
+
+def test_a_prompt_already_published_is_not_prefilled_again(pd: PD) -> None:
+    """The prefill replica published a prompt's blocks (asked directly, as another router would);
+    the router learns it from that replica's offload-store events, so a longer prompt with the same
+    48-token prefix is only 8 tokens uncached on the decode replica (below the threshold of 16):
+    it goes whole to the decode replica, which loads the prefix from Redis, and leg 1 is skipped."""
+    p = prompt(7)
+    longer = [*p, *prompt(8, 8)]
+    want = reference(pd, longer)
+    _, published, _ = generate(pd.prefill.address, p, max_tokens=1)
+    assert published.cached_tokens == 0
+    with grpc.insecure_channel(pd.router.address) as channel:
+        admin = router_pb2_grpc.RouterStub(channel)
+        req = scheduler_pb2.GenerateRequest(max_tokens=6)
+        req.token_ids.ids.extend(longer)
+        deadline = time.monotonic() + 10
+        while True:  # until p's 12 remote blocks reached the router's index (events are asynchronous)
+            scores = {s.id: s for s in admin.Explain(req, metadata=AUTH).scores}
+            if scores["d"].remote_blocks == 12:
+                break
+            assert time.monotonic() < deadline, scores
+            time.sleep(0.05)
+    assert (scores["d"].matched_blocks, scores["d"].dram_blocks, scores["d"].disk_blocks) == (0, 0, 0)
+    before, (pre0, _) = pd.pd_outcomes(), pd.tokens_served()
+    tokens, final, trailers = generate(pd.router.address, longer)
+    assert tokens == want and "kvmesh-prefill-replica" not in trailers and trailers["kvmesh-replica"] == "d"
+    assert (final.prompt_tokens, final.cached_tokens) == (56, 48)  # the published prefix, from Redis
+    assert pd.tokens_served()[0] == pre0 and pd.pd_outcomes() == before  # no leg 1, not counted as a split
 
 
 def test_remote_tier_miss_is_recomputed(pd: PD) -> None:

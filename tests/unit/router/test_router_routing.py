@@ -10,12 +10,15 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from services.kv_cache_manager.types import BlockStored, KVEventBatch
+from services.offload_store.types import OffloadEventBatch, StoredBlocks, TierEvent
 from services.router.config import RouterConfig
+from services.router.disagg import uncached_tokens
 from services.router.index import PrefixIndex
 from services.router.metrics import RouterMetrics
+from services.router.offload_index import OffloadIndex
 from services.router.prefix import request_hashes
 from services.router.routing import Router
-from services.router.types import ReplicaLoad
+from services.router.types import OffloadMatch, ReplicaLoad
 from shared.metrics import new_registry
 
 
@@ -25,6 +28,7 @@ class Fake:
 
     id: str
     in_flight: int = 0
+    has_offload: bool = False
 
     def load(self) -> ReplicaLoad:
         return ReplicaLoad(self.in_flight, 0.0)
@@ -48,7 +52,9 @@ def test_decision_uses_the_tenants_hashes_and_is_recorded() -> None:
     attrs = dict(exporter.get_finished_spans()[0].attributes or {})
     assert attrs == {"kvmesh.router.replica": "b", "kvmesh.router.policy": "kv_aware",
                      "kvmesh.router.matched_blocks": 3, "kvmesh.router.total_blocks": 5,
-                     "kvmesh.router.cost": 2.0, "kvmesh.router.candidates": 2}
+                     "kvmesh.router.cost": 2.0, "kvmesh.router.candidates": 2,
+                     "kvmesh.router.offload_dram_blocks": 0, "kvmesh.router.offload_disk_blocks": 0,
+                     "kvmesh.router.offload_remote_blocks": 0}
     # Another tenant's hashes differ from block 0 on: no hit anywhere.
     other = router.decide([Fake("a"), Fake("b")], tokens, "team-b", "", "m", 4)
     assert [s.matched_blocks for s in other.scores] == [0, 0]
@@ -87,3 +93,46 @@ def test_a_routed_requests_blocks_are_predicted_on_its_replica_until_events_conf
     assert [s.matched_blocks for s in other.scores] == [0, 0]  # other tenants' hashes differ
     now[0] = 110.0  # the replica never stored them (refused, failed): the prediction lapses
     assert index.match(hashes, ["a", "b"]) == {"a": 0, "b": 0}
+
+
+def test_offload_tiers_extend_the_pool_match_at_their_weights() -> None:
+    """6 blocks. b's pool holds 0-1 and its disk 2; a's DRAM holds 0-3, and a's store wrote 4-5 to
+    the shared remote tier. a: 4 DRAM + 2 remote = 6 - (0.5 x 4 + 0.3 x 2) = 3.4; b: 6 - 2 - 0.3 x 1
+    = 3.7 (block 3 is in no tier b reaches: its chain stops there). Remote blocks count for every
+    replica with a store, wherever they were reported."""
+    cfg = RouterConfig(deployment_key="dk", predict_seconds=0)  # weights: DRAM 0.5, disk 0.3, remote 0.3
+    tokens = list(range(10, 34))
+    h = request_hashes("dk", "m", 4, tokens, "team-a")
+    index = PrefixIndex()
+    index.apply("b", KVEventBatch(1, (BlockStored(tuple(h[:2]), None, 4, 8, (1, 2)),)))
+    offload = OffloadIndex()
+    offload.replace("a", StoredBlocks(7, dram=tuple(h[:4])))
+    assert offload.apply("a", OffloadEventBatch(8, (TierEvent("remote", True, tuple(h[4:])),)))
+    assert not offload.apply("a", OffloadEventBatch(10, ()))  # a gap: refused, nothing applied
+    offload.replace("b", StoredBlocks(3, disk=(h[2],)))
+    registry = new_registry(process_collectors=False)
+    router = Router(cfg, index, RouterMetrics(registry), offload)
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    with provider.get_tracer("t").start_as_current_span("Generate"):
+        d = router.decide([Fake("a", has_offload=True), Fake("b", has_offload=True)], tokens, "team-a", "", "m", 4)
+    assert [(s.replica_id, s.matched_blocks, s.offload, round(s.cost, 6)) for s in d.scores] == [
+        ("a", 0, OffloadMatch(dram=4, remote=2), 3.4), ("b", 2, OffloadMatch(disk=1, remote=0), 3.7)]
+    assert uncached_tokens(d, 4, len(tokens)) == 0  # every block loads: nothing to prefill
+    attrs = dict(exporter.get_finished_spans()[0].attributes or {})
+    assert (attrs["kvmesh.router.offload_dram_blocks"], attrs["kvmesh.router.offload_disk_blocks"],
+            attrs["kvmesh.router.offload_remote_blocks"]) == (4, 0, 2)
+    sample = registry.get_sample_value
+    assert [sample("kvmesh:router_offload_matched_blocks_total", {"replica": "a", "tier": t})
+            for t in ("dram", "disk", "remote")] == [4.0, 0.0, 2.0]
+    # A replica whose store the router does not follow gets no offload credit: pool only.
+    plain = router.decide([Fake("a"), Fake("b")], tokens, "team-a", "", "m", 4, record=False)
+    assert [(s.replica_id, s.offload, s.cost) for s in plain.scores] == [("b", OffloadMatch(), 4.0),
+                                                                          ("a", OffloadMatch(), 6.0)]
+    # A weight of 0 turns a tier off; a removal takes the block out of the chain.
+    offload.apply("a", OffloadEventBatch(9, (TierEvent("dram", False, (h[1],)),)))
+    no_remote = Router(RouterConfig(deployment_key="dk", predict_seconds=0, offload_weight_remote=0), index,
+                       offload=offload)
+    d2 = no_remote.decide([Fake("a", has_offload=True)], tokens, "team-a", "", "m", 4, record=False)
+    assert (d2.offload, d2.scores[0].cost) == (OffloadMatch(dram=1), 5.5)

@@ -25,41 +25,53 @@ _sym_db = _symbol_database.Default()
 from shared.pb.kvmesh.v1 import common_pb2 as kvmesh_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dkvmesh/v1/offload_store.proto\x12\tkvmesh.v1\x1a\x16kvmesh/v1/common.proto\"W\n\x11\x41ttachPoolRequest\x12+\n\x04pool\x18\x01 \x01(\x0b\x32\x1d.kvmesh.v1.SharedTensorHandle\x12\x15\n\rlease_seconds\x18\x02 \x01(\x02\"\x17\n\x15ReleaseOffloadRequest\"\x18\n\x16ReleaseOffloadResponse\"-\n\x12\x41ttachPoolResponse\x12\x17\n\x0f\x62ytes_per_block\x18\x01 \x01(\x03\"!\n\tHashChain\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\"5\n\rLookupRequest\x12$\n\x06\x63hains\x18\x01 \x03(\x0b\x32\x14.kvmesh.v1.HashChain\":\n\x0eLookupResponse\x12\x13\n\x0bnum_present\x18\x01 \x03(\x05\x12\x13\n\x0bnum_in_dram\x18\x02 \x03(\x05\"0\n\x08\x42lockRef\x12\x12\n\nblock_hash\x18\x01 \x01(\x0c\x12\x10\n\x08\x62lock_id\x18\x02 \x01(\x05\"2\n\x0bSaveRequest\x12#\n\x06\x62locks\x18\x01 \x03(\x0b\x32\x13.kvmesh.v1.BlockRef\"6\n\x0cSaveResponse\x12\x11\n\tnum_saved\x18\x01 \x01(\x05\x12\x13\n\x0bnum_skipped\x18\x02 \x01(\x05\"2\n\x0bLoadRequest\x12#\n\x06\x62locks\x18\x01 \x03(\x0b\x32\x13.kvmesh.v1.BlockRef\"9\n\x0cLoadResponse\x12\x12\n\nnum_loaded\x18\x01 \x01(\x05\x12\x15\n\rfailed_hashes\x18\x02 \x03(\x0c\"\x18\n\x16GetOffloadStatsRequest\"\xbd\x02\n\x0cOffloadStats\x12\x13\n\x0b\x64ram_blocks\x18\x01 \x01(\x03\x12\x12\n\ndram_bytes\x18\x02 \x01(\x03\x12\x1b\n\x13\x64ram_capacity_bytes\x18\x03 \x01(\x03\x12\x13\n\x0b\x64isk_blocks\x18\x04 \x01(\x03\x12\x12\n\ndisk_bytes\x18\x05 \x01(\x03\x12\x1b\n\x13\x64isk_capacity_bytes\x18\x06 \x01(\x03\x12\x11\n\tdram_hits\x18\x07 \x01(\x03\x12\x11\n\tdisk_hits\x18\x08 \x01(\x03\x12\x0e\n\x06misses\x18\t \x01(\x03\x12\r\n\x05saves\x18\n \x01(\x03\x12\x13\n\x0b\x63orruptions\x18\x0b \x01(\x03\x12\x15\n\rpool_attached\x18\x0c \x01(\x08\x12\x17\n\x0fpool_generation\x18\r \x01(\t\x12\x17\n\x0frefused_no_pool\x18\x0e \x01(\x03\x32\xa2\x03\n\x0cOffloadStore\x12I\n\nAttachPool\x12\x1c.kvmesh.v1.AttachPoolRequest\x1a\x1d.kvmesh.v1.AttachPoolResponse\x12N\n\x07Release\x12 .kvmesh.v1.ReleaseOffloadRequest\x1a!.kvmesh.v1.ReleaseOffloadResponse\x12=\n\x06Lookup\x12\x18.kvmesh.v1.LookupRequest\x1a\x19.kvmesh.v1.LookupResponse\x12\x37\n\x04Save\x12\x16.kvmesh.v1.SaveRequest\x1a\x17.kvmesh.v1.SaveResponse\x12\x37\n\x04Load\x12\x16.kvmesh.v1.LoadRequest\x1a\x17.kvmesh.v1.LoadResponse\x12\x46\n\x08GetStats\x12!.kvmesh.v1.GetOffloadStatsRequest\x1a\x17.kvmesh.v1.OffloadStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dkvmesh/v1/offload_store.proto\x12\tkvmesh.v1\x1a\x16kvmesh/v1/common.proto\"\x1f\n\x1dSubscribeOffloadEventsRequest\"Z\n\x0cOffloadEvent\x12$\n\x04tier\x18\x01 \x01(\x0e\x32\x16.kvmesh.v1.OffloadTier\x12\x0e\n\x06stored\x18\x02 \x01(\x08\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x03(\x0c\"I\n\x11OffloadEventBatch\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\'\n\x06\x65vents\x18\x02 \x03(\x0b\x32\x17.kvmesh.v1.OffloadEvent\"\x18\n\x16GetStoredBlocksRequest\"g\n\x17GetStoredBlocksResponse\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x13\n\x0b\x64ram_hashes\x18\x02 \x03(\x0c\x12\x13\n\x0b\x64isk_hashes\x18\x03 \x03(\x0c\x12\x15\n\rremote_hashes\x18\x04 \x03(\x0c\"W\n\x11\x41ttachPoolRequest\x12+\n\x04pool\x18\x01 \x01(\x0b\x32\x1d.kvmesh.v1.SharedTensorHandle\x12\x15\n\rlease_seconds\x18\x02 \x01(\x02\"\x17\n\x15ReleaseOffloadRequest\"\x18\n\x16ReleaseOffloadResponse\"-\n\x12\x41ttachPoolResponse\x12\x17\n\x0f\x62ytes_per_block\x18\x01 \x01(\x03\"!\n\tHashChain\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\"5\n\rLookupRequest\x12$\n\x06\x63hains\x18\x01 \x03(\x0b\x32\x14.kvmesh.v1.HashChain\":\n\x0eLookupResponse\x12\x13\n\x0bnum_present\x18\x01 \x03(\x05\x12\x13\n\x0bnum_in_dram\x18\x02 \x03(\x05\"0\n\x08\x42lockRef\x12\x12\n\nblock_hash\x18\x01 \x01(\x0c\x12\x10\n\x08\x62lock_id\x18\x02 \x01(\x05\"2\n\x0bSaveRequest\x12#\n\x06\x62locks\x18\x01 \x03(\x0b\x32\x13.kvmesh.v1.BlockRef\"6\n\x0cSaveResponse\x12\x11\n\tnum_saved\x18\x01 \x01(\x05\x12\x13\n\x0bnum_skipped\x18\x02 \x01(\x05\"2\n\x0bLoadRequest\x12#\n\x06\x62locks\x18\x01 \x03(\x0b\x32\x13.kvmesh.v1.BlockRef\"9\n\x0cLoadResponse\x12\x12\n\nnum_loaded\x18\x01 \x01(\x05\x12\x15\n\rfailed_hashes\x18\x02 \x03(\x0c\"\x18\n\x16GetOffloadStatsRequest\"\xbd\x02\n\x0cOffloadStats\x12\x13\n\x0b\x64ram_blocks\x18\x01 \x01(\x03\x12\x12\n\ndram_bytes\x18\x02 \x01(\x03\x12\x1b\n\x13\x64ram_capacity_bytes\x18\x03 \x01(\x03\x12\x13\n\x0b\x64isk_blocks\x18\x04 \x01(\x03\x12\x12\n\ndisk_bytes\x18\x05 \x01(\x03\x12\x1b\n\x13\x64isk_capacity_bytes\x18\x06 \x01(\x03\x12\x11\n\tdram_hits\x18\x07 \x01(\x03\x12\x11\n\tdisk_hits\x18\x08 \x01(\x03\x12\x0e\n\x06misses\x18\t \x01(\x03\x12\r\n\x05saves\x18\n \x01(\x03\x12\x13\n\x0b\x63orruptions\x18\x0b \x01(\x03\x12\x15\n\rpool_attached\x18\x0c \x01(\x08\x12\x17\n\x0fpool_generation\x18\r \x01(\t\x12\x17\n\x0frefused_no_pool\x18\x0e \x01(\x03*r\n\x0bOffloadTier\x12\x1c\n\x18OFFLOAD_TIER_UNSPECIFIED\x10\x00\x12\x15\n\x11OFFLOAD_TIER_DRAM\x10\x01\x12\x15\n\x11OFFLOAD_TIER_DISK\x10\x02\x12\x17\n\x13OFFLOAD_TIER_REMOTE\x10\x03\x32\xd9\x04\n\x0cOffloadStore\x12I\n\nAttachPool\x12\x1c.kvmesh.v1.AttachPoolRequest\x1a\x1d.kvmesh.v1.AttachPoolResponse\x12N\n\x07Release\x12 .kvmesh.v1.ReleaseOffloadRequest\x1a!.kvmesh.v1.ReleaseOffloadResponse\x12=\n\x06Lookup\x12\x18.kvmesh.v1.LookupRequest\x1a\x19.kvmesh.v1.LookupResponse\x12\x37\n\x04Save\x12\x16.kvmesh.v1.SaveRequest\x1a\x17.kvmesh.v1.SaveResponse\x12\x37\n\x04Load\x12\x16.kvmesh.v1.LoadRequest\x1a\x17.kvmesh.v1.LoadResponse\x12\x46\n\x08GetStats\x12!.kvmesh.v1.GetOffloadStatsRequest\x1a\x17.kvmesh.v1.OffloadStats\x12[\n\x0fSubscribeEvents\x12(.kvmesh.v1.SubscribeOffloadEventsRequest\x1a\x1c.kvmesh.v1.OffloadEventBatch0\x01\x12X\n\x0fGetStoredBlocks\x12!.kvmesh.v1.GetStoredBlocksRequest\x1a\".kvmesh.v1.GetStoredBlocksResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'shared.pb.kvmesh.v1.offload_store_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ATTACHPOOLREQUEST']._serialized_start=68
-  _globals['_ATTACHPOOLREQUEST']._serialized_end=155
-  _globals['_RELEASEOFFLOADREQUEST']._serialized_start=157
-  _globals['_RELEASEOFFLOADREQUEST']._serialized_end=180
-  _globals['_RELEASEOFFLOADRESPONSE']._serialized_start=182
-  _globals['_RELEASEOFFLOADRESPONSE']._serialized_end=206
-  _globals['_ATTACHPOOLRESPONSE']._serialized_start=208
-  _globals['_ATTACHPOOLRESPONSE']._serialized_end=253
-  _globals['_HASHCHAIN']._serialized_start=255
-  _globals['_HASHCHAIN']._serialized_end=288
-  _globals['_LOOKUPREQUEST']._serialized_start=290
-  _globals['_LOOKUPREQUEST']._serialized_end=343
-  _globals['_LOOKUPRESPONSE']._serialized_start=345
-  _globals['_LOOKUPRESPONSE']._serialized_end=403
-  _globals['_BLOCKREF']._serialized_start=405
-  _globals['_BLOCKREF']._serialized_end=453
-  _globals['_SAVEREQUEST']._serialized_start=455
-  _globals['_SAVEREQUEST']._serialized_end=505
-  _globals['_SAVERESPONSE']._serialized_start=507
-  _globals['_SAVERESPONSE']._serialized_end=561
-  _globals['_LOADREQUEST']._serialized_start=563
-  _globals['_LOADREQUEST']._serialized_end=613
-  _globals['_LOADRESPONSE']._serialized_start=615
-  _globals['_LOADRESPONSE']._serialized_end=672
-  _globals['_GETOFFLOADSTATSREQUEST']._serialized_start=674
-  _globals['_GETOFFLOADSTATSREQUEST']._serialized_end=698
-  _globals['_OFFLOADSTATS']._serialized_start=701
-  _globals['_OFFLOADSTATS']._serialized_end=1018
-  _globals['_OFFLOADSTORE']._serialized_start=1021
-  _globals['_OFFLOADSTORE']._serialized_end=1439
+  _globals['_OFFLOADTIER']._serialized_start=1351
+  _globals['_OFFLOADTIER']._serialized_end=1465
+  _globals['_SUBSCRIBEOFFLOADEVENTSREQUEST']._serialized_start=68
+  _globals['_SUBSCRIBEOFFLOADEVENTSREQUEST']._serialized_end=99
+  _globals['_OFFLOADEVENT']._serialized_start=101
+  _globals['_OFFLOADEVENT']._serialized_end=191
+  _globals['_OFFLOADEVENTBATCH']._serialized_start=193
+  _globals['_OFFLOADEVENTBATCH']._serialized_end=266
+  _globals['_GETSTOREDBLOCKSREQUEST']._serialized_start=268
+  _globals['_GETSTOREDBLOCKSREQUEST']._serialized_end=292
+  _globals['_GETSTOREDBLOCKSRESPONSE']._serialized_start=294
+  _globals['_GETSTOREDBLOCKSRESPONSE']._serialized_end=397
+  _globals['_ATTACHPOOLREQUEST']._serialized_start=399
+  _globals['_ATTACHPOOLREQUEST']._serialized_end=486
+  _globals['_RELEASEOFFLOADREQUEST']._serialized_start=488
+  _globals['_RELEASEOFFLOADREQUEST']._serialized_end=511
+  _globals['_RELEASEOFFLOADRESPONSE']._serialized_start=513
+  _globals['_RELEASEOFFLOADRESPONSE']._serialized_end=537
+  _globals['_ATTACHPOOLRESPONSE']._serialized_start=539
+  _globals['_ATTACHPOOLRESPONSE']._serialized_end=584
+  _globals['_HASHCHAIN']._serialized_start=586
+  _globals['_HASHCHAIN']._serialized_end=619
+  _globals['_LOOKUPREQUEST']._serialized_start=621
+  _globals['_LOOKUPREQUEST']._serialized_end=674
+  _globals['_LOOKUPRESPONSE']._serialized_start=676
+  _globals['_LOOKUPRESPONSE']._serialized_end=734
+  _globals['_BLOCKREF']._serialized_start=736
+  _globals['_BLOCKREF']._serialized_end=784
+  _globals['_SAVEREQUEST']._serialized_start=786
+  _globals['_SAVEREQUEST']._serialized_end=836
+  _globals['_SAVERESPONSE']._serialized_start=838
+  _globals['_SAVERESPONSE']._serialized_end=892
+  _globals['_LOADREQUEST']._serialized_start=894
+  _globals['_LOADREQUEST']._serialized_end=944
+  _globals['_LOADRESPONSE']._serialized_start=946
+  _globals['_LOADRESPONSE']._serialized_end=1003
+  _globals['_GETOFFLOADSTATSREQUEST']._serialized_start=1005
+  _globals['_GETOFFLOADSTATSREQUEST']._serialized_end=1029
+  _globals['_OFFLOADSTATS']._serialized_start=1032
+  _globals['_OFFLOADSTATS']._serialized_end=1349
+  _globals['_OFFLOADSTORE']._serialized_start=1468
+  _globals['_OFFLOADSTORE']._serialized_end=2069
 # @@protoc_insertion_point(module_scope)

@@ -9,6 +9,7 @@ from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from shared.pb.kvmesh.v1 import common_pb2 as _common_pb2
 import builtins as _builtins
 import sys
@@ -20,6 +21,174 @@ else:
     from typing_extensions import TypeAlias as _TypeAlias, Never as _Never
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class _OffloadTier:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _OffloadTierEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_OffloadTier.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    OFFLOAD_TIER_UNSPECIFIED: _OffloadTier.ValueType  # 0
+    """Never sent."""
+    OFFLOAD_TIER_DRAM: _OffloadTier.ValueType  # 1
+    """This store's DRAM tier."""
+    OFFLOAD_TIER_DISK: _OffloadTier.ValueType  # 2
+    """This store's disk tier."""
+    OFFLOAD_TIER_REMOTE: _OffloadTier.ValueType  # 3
+    """The shared remote tier (Redis), as far as this store knows: what it wrote there or was
+    served from there, minus what it found missing. Redis' own evictions are not seen.
+    """
+
+class OffloadTier(_OffloadTier, metaclass=_OffloadTierEnumTypeWrapper):
+    """Which tier an event or a snapshot list is about."""
+
+OFFLOAD_TIER_UNSPECIFIED: OffloadTier.ValueType  # 0
+"""Never sent."""
+OFFLOAD_TIER_DRAM: OffloadTier.ValueType  # 1
+"""This store's DRAM tier."""
+OFFLOAD_TIER_DISK: OffloadTier.ValueType  # 2
+"""This store's disk tier."""
+OFFLOAD_TIER_REMOTE: OffloadTier.ValueType  # 3
+"""The shared remote tier (Redis), as far as this store knows: what it wrote there or was
+served from there, minus what it found missing. Redis' own evictions are not seen.
+"""
+Global___OffloadTier: _TypeAlias = OffloadTier  # noqa: Y015
+
+@_typing.final
+class SubscribeOffloadEventsRequest(_message.Message):
+    """No fields."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SubscribeOffloadEventsRequest: _TypeAlias = SubscribeOffloadEventsRequest  # noqa: Y015
+
+@_typing.final
+class OffloadEvent(_message.Message):
+    """Blocks that entered or left one tier."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TIER_FIELD_NUMBER: _builtins.int
+    STORED_FIELD_NUMBER: _builtins.int
+    BLOCK_HASHES_FIELD_NUMBER: _builtins.int
+    tier: Global___OffloadTier.ValueType
+    """The tier."""
+    stored: _builtins.bool
+    """True: the blocks are now held; false: no longer held."""
+    @_builtins.property
+    def block_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
+        """Their hashes, in the order of the change."""
+
+    def __init__(
+        self,
+        *,
+        tier: Global___OffloadTier.ValueType = ...,
+        stored: _builtins.bool = ...,
+        block_hashes: _abc.Iterable[_builtins.bytes] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "stored", b"stored", "tier", b"tier"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___OffloadEvent: _TypeAlias = OffloadEvent  # noqa: Y015
+
+@_typing.final
+class OffloadEventBatch(_message.Message):
+    """Events of one store operation, in order."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SEQ_FIELD_NUMBER: _builtins.int
+    EVENTS_FIELD_NUMBER: _builtins.int
+    seq: _builtins.int
+    """Monotonic sequence number of this batch (per store process)."""
+    @_builtins.property
+    def events(self) -> _containers.RepeatedCompositeFieldContainer[Global___OffloadEvent]:
+        """The events."""
+
+    def __init__(
+        self,
+        *,
+        seq: _builtins.int = ...,
+        events: _abc.Iterable[Global___OffloadEvent] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["events", b"events", "seq", b"seq"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___OffloadEventBatch: _TypeAlias = OffloadEventBatch  # noqa: Y015
+
+@_typing.final
+class GetStoredBlocksRequest(_message.Message):
+    """No fields."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetStoredBlocksRequest: _TypeAlias = GetStoredBlocksRequest  # noqa: Y015
+
+@_typing.final
+class GetStoredBlocksResponse(_message.Message):
+    """The tiers' contents at one point of the event sequence."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SEQ_FIELD_NUMBER: _builtins.int
+    DRAM_HASHES_FIELD_NUMBER: _builtins.int
+    DISK_HASHES_FIELD_NUMBER: _builtins.int
+    REMOTE_HASHES_FIELD_NUMBER: _builtins.int
+    seq: _builtins.int
+    """Number of the last event batch published before the snapshot (0: none yet). Batches with a
+    number <= seq are already reflected here; every later one is not.
+    """
+    @_builtins.property
+    def dram_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
+        """Hashes held in DRAM."""
+
+    @_builtins.property
+    def disk_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
+        """Hashes held on disk."""
+
+    @_builtins.property
+    def remote_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
+        """Hashes this store knows to be in the remote tier (see OFFLOAD_TIER_REMOTE)."""
+
+    def __init__(
+        self,
+        *,
+        seq: _builtins.int = ...,
+        dram_hashes: _abc.Iterable[_builtins.bytes] | None = ...,
+        disk_hashes: _abc.Iterable[_builtins.bytes] | None = ...,
+        remote_hashes: _abc.Iterable[_builtins.bytes] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["disk_hashes", b"disk_hashes", "dram_hashes", b"dram_hashes", "remote_hashes", b"remote_hashes", "seq", b"seq"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetStoredBlocksResponse: _TypeAlias = GetStoredBlocksResponse  # noqa: Y015
 
 @_typing.final
 class AttachPoolRequest(_message.Message):

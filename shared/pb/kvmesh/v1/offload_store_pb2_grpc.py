@@ -31,7 +31,8 @@ class OffloadStoreStub:
     Ownership (docs/reliability.md): AttachPool makes the caller (gRPC metadata `kvmesh-owner`)
     the owner with a lease that its calls renew; Save, Load and Release from anyone else are
     refused with FAILED_PRECONDITION, and so is an AttachPool while another owner's lease runs.
-    Lookup (presence of given hashes only) and GetStats stay open.
+    Lookup (presence of given hashes only), GetStats, SubscribeEvents and GetStoredBlocks stay open
+    (hashes and counts only: no KV moves, and a hash needs the deployment's seed to mean anything).
     """
 
     def __init__(self, channel):
@@ -70,6 +71,16 @@ class OffloadStoreStub:
                 request_serializer=kvmesh_dot_v1_dot_offload__store__pb2.GetOffloadStatsRequest.SerializeToString,
                 response_deserializer=kvmesh_dot_v1_dot_offload__store__pb2.OffloadStats.FromString,
                 _registered_method=True)
+        self.SubscribeEvents = channel.unary_stream(
+                '/kvmesh.v1.OffloadStore/SubscribeEvents',
+                request_serializer=kvmesh_dot_v1_dot_offload__store__pb2.SubscribeOffloadEventsRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_v1_dot_offload__store__pb2.OffloadEventBatch.FromString,
+                _registered_method=True)
+        self.GetStoredBlocks = channel.unary_unary(
+                '/kvmesh.v1.OffloadStore/GetStoredBlocks',
+                request_serializer=kvmesh_dot_v1_dot_offload__store__pb2.GetStoredBlocksRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_v1_dot_offload__store__pb2.GetStoredBlocksResponse.FromString,
+                _registered_method=True)
 
 
 class OffloadStoreServicer:
@@ -78,7 +89,8 @@ class OffloadStoreServicer:
     Ownership (docs/reliability.md): AttachPool makes the caller (gRPC metadata `kvmesh-owner`)
     the owner with a lease that its calls renew; Save, Load and Release from anyone else are
     refused with FAILED_PRECONDITION, and so is an AttachPool while another owner's lease runs.
-    Lookup (presence of given hashes only) and GetStats stay open.
+    Lookup (presence of given hashes only), GetStats, SubscribeEvents and GetStoredBlocks stay open
+    (hashes and counts only: no KV moves, and a hash needs the deployment's seed to mean anything).
     """
 
     def AttachPool(self, request, context):
@@ -123,6 +135,24 @@ class OffloadStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SubscribeEvents(self, request, context):
+        """A stream of the tiers' changes, one numbered batch per store operation. Initial metadata
+        `kvmesh-subscribed: 1` is sent once the stream is registered: every later operation's events
+        reach it. A subscriber that falls behind is dropped with RESOURCE_EXHAUSTED (resubscribe and
+        take a snapshot); more than the store's subscriber limit are refused the same way.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetStoredBlocks(self, request, context):
+        """Every tier's hashes with the number of the last event batch published before the snapshot
+        (the router's resync, as GetCachedBlocks for the pool).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_OffloadStoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -156,6 +186,16 @@ def add_OffloadStoreServicer_to_server(servicer, server):
                     request_deserializer=kvmesh_dot_v1_dot_offload__store__pb2.GetOffloadStatsRequest.FromString,
                     response_serializer=kvmesh_dot_v1_dot_offload__store__pb2.OffloadStats.SerializeToString,
             ),
+            'SubscribeEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.SubscribeEvents,
+                    request_deserializer=kvmesh_dot_v1_dot_offload__store__pb2.SubscribeOffloadEventsRequest.FromString,
+                    response_serializer=kvmesh_dot_v1_dot_offload__store__pb2.OffloadEventBatch.SerializeToString,
+            ),
+            'GetStoredBlocks': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetStoredBlocks,
+                    request_deserializer=kvmesh_dot_v1_dot_offload__store__pb2.GetStoredBlocksRequest.FromString,
+                    response_serializer=kvmesh_dot_v1_dot_offload__store__pb2.GetStoredBlocksResponse.SerializeToString,
+            ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
             'kvmesh.v1.OffloadStore', rpc_method_handlers)
@@ -170,7 +210,8 @@ class OffloadStore:
     Ownership (docs/reliability.md): AttachPool makes the caller (gRPC metadata `kvmesh-owner`)
     the owner with a lease that its calls renew; Save, Load and Release from anyone else are
     refused with FAILED_PRECONDITION, and so is an AttachPool while another owner's lease runs.
-    Lookup (presence of given hashes only) and GetStats stay open.
+    Lookup (presence of given hashes only), GetStats, SubscribeEvents and GetStoredBlocks stay open
+    (hashes and counts only: no KV moves, and a hash needs the deployment's seed to mean anything).
     """
 
     @staticmethod
@@ -325,6 +366,60 @@ class OffloadStore:
             '/kvmesh.v1.OffloadStore/GetStats',
             kvmesh_dot_v1_dot_offload__store__pb2.GetOffloadStatsRequest.SerializeToString,
             kvmesh_dot_v1_dot_offload__store__pb2.OffloadStats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SubscribeEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvmesh.v1.OffloadStore/SubscribeEvents',
+            kvmesh_dot_v1_dot_offload__store__pb2.SubscribeOffloadEventsRequest.SerializeToString,
+            kvmesh_dot_v1_dot_offload__store__pb2.OffloadEventBatch.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetStoredBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.v1.OffloadStore/GetStoredBlocks',
+            kvmesh_dot_v1_dot_offload__store__pb2.GetStoredBlocksRequest.SerializeToString,
+            kvmesh_dot_v1_dot_offload__store__pb2.GetStoredBlocksResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -34,7 +34,8 @@ class OffloadStoreStub:
     Ownership (docs/reliability.md): AttachPool makes the caller (gRPC metadata `kvmesh-owner`)
     the owner with a lease that its calls renew; Save, Load and Release from anyone else are
     refused with FAILED_PRECONDITION, and so is an AttachPool while another owner's lease runs.
-    Lookup (presence of given hashes only) and GetStats stay open.
+    Lookup (presence of given hashes only), GetStats, SubscribeEvents and GetStoredBlocks stay open
+    (hashes and counts only: no KV moves, and a hash needs the deployment's seed to mean anything).
     """
 
     @_typing.overload
@@ -53,6 +54,16 @@ class OffloadStoreStub:
     """Copies stored blocks into pool blocks."""
     GetStats: _grpc.UnaryUnaryMultiCallable[_offload_store_pb2.GetOffloadStatsRequest, _offload_store_pb2.OffloadStats]
     """Tier usage and hit/miss/corruption counters."""
+    SubscribeEvents: _grpc.UnaryStreamMultiCallable[_offload_store_pb2.SubscribeOffloadEventsRequest, _offload_store_pb2.OffloadEventBatch]
+    """A stream of the tiers' changes, one numbered batch per store operation. Initial metadata
+    `kvmesh-subscribed: 1` is sent once the stream is registered: every later operation's events
+    reach it. A subscriber that falls behind is dropped with RESOURCE_EXHAUSTED (resubscribe and
+    take a snapshot); more than the store's subscriber limit are refused the same way.
+    """
+    GetStoredBlocks: _grpc.UnaryUnaryMultiCallable[_offload_store_pb2.GetStoredBlocksRequest, _offload_store_pb2.GetStoredBlocksResponse]
+    """Every tier's hashes with the number of the last event batch published before the snapshot
+    (the router's resync, as GetCachedBlocks for the pool).
+    """
 
 @_typing.type_check_only
 class OffloadStoreAsyncStub(OffloadStoreStub):
@@ -61,7 +72,8 @@ class OffloadStoreAsyncStub(OffloadStoreStub):
     Ownership (docs/reliability.md): AttachPool makes the caller (gRPC metadata `kvmesh-owner`)
     the owner with a lease that its calls renew; Save, Load and Release from anyone else are
     refused with FAILED_PRECONDITION, and so is an AttachPool while another owner's lease runs.
-    Lookup (presence of given hashes only) and GetStats stay open.
+    Lookup (presence of given hashes only), GetStats, SubscribeEvents and GetStoredBlocks stay open
+    (hashes and counts only: no KV moves, and a hash needs the deployment's seed to mean anything).
     """
 
     def __init__(self, channel: _aio.Channel) -> None: ...
@@ -77,6 +89,16 @@ class OffloadStoreAsyncStub(OffloadStoreStub):
     """Copies stored blocks into pool blocks."""
     GetStats: _aio.UnaryUnaryMultiCallable[_offload_store_pb2.GetOffloadStatsRequest, _offload_store_pb2.OffloadStats]  # type: ignore[assignment]
     """Tier usage and hit/miss/corruption counters."""
+    SubscribeEvents: _aio.UnaryStreamMultiCallable[_offload_store_pb2.SubscribeOffloadEventsRequest, _offload_store_pb2.OffloadEventBatch]  # type: ignore[assignment]
+    """A stream of the tiers' changes, one numbered batch per store operation. Initial metadata
+    `kvmesh-subscribed: 1` is sent once the stream is registered: every later operation's events
+    reach it. A subscriber that falls behind is dropped with RESOURCE_EXHAUSTED (resubscribe and
+    take a snapshot); more than the store's subscriber limit are refused the same way.
+    """
+    GetStoredBlocks: _aio.UnaryUnaryMultiCallable[_offload_store_pb2.GetStoredBlocksRequest, _offload_store_pb2.GetStoredBlocksResponse]  # type: ignore[assignment]
+    """Every tier's hashes with the number of the last event batch published before the snapshot
+    (the router's resync, as GetCachedBlocks for the pool).
+    """
 
 class OffloadStoreServicer(metaclass=_abc_1.ABCMeta):
     """Saves and loads KV blocks by hash.
@@ -84,7 +106,8 @@ class OffloadStoreServicer(metaclass=_abc_1.ABCMeta):
     Ownership (docs/reliability.md): AttachPool makes the caller (gRPC metadata `kvmesh-owner`)
     the owner with a lease that its calls renew; Save, Load and Release from anyone else are
     refused with FAILED_PRECONDITION, and so is an AttachPool while another owner's lease runs.
-    Lookup (presence of given hashes only) and GetStats stay open.
+    Lookup (presence of given hashes only), GetStats, SubscribeEvents and GetStoredBlocks stay open
+    (hashes and counts only: no KV moves, and a hash needs the deployment's seed to mean anything).
     """
 
     @_abc_1.abstractmethod
@@ -134,5 +157,27 @@ class OffloadStoreServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_offload_store_pb2.OffloadStats, _abc.Awaitable[_offload_store_pb2.OffloadStats]]:
         """Tier usage and hit/miss/corruption counters."""
+
+    @_abc_1.abstractmethod
+    def SubscribeEvents(
+        self,
+        request: _offload_store_pb2.SubscribeOffloadEventsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_offload_store_pb2.OffloadEventBatch], _abc.AsyncIterator[_offload_store_pb2.OffloadEventBatch]]:
+        """A stream of the tiers' changes, one numbered batch per store operation. Initial metadata
+        `kvmesh-subscribed: 1` is sent once the stream is registered: every later operation's events
+        reach it. A subscriber that falls behind is dropped with RESOURCE_EXHAUSTED (resubscribe and
+        take a snapshot); more than the store's subscriber limit are refused the same way.
+        """
+
+    @_abc_1.abstractmethod
+    def GetStoredBlocks(
+        self,
+        request: _offload_store_pb2.GetStoredBlocksRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_offload_store_pb2.GetStoredBlocksResponse, _abc.Awaitable[_offload_store_pb2.GetStoredBlocksResponse]]:
+        """Every tier's hashes with the number of the last event batch published before the snapshot
+        (the router's resync, as GetCachedBlocks for the pool).
+        """
 
 def add_OffloadStoreServicer_to_server(servicer: OffloadStoreServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

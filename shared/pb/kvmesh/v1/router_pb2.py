@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from shared.pb.kvmesh.v1 import scheduler_pb2 as kvmesh_dot_v1_dot_scheduler__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvmesh/v1/router.proto\x12\tkvmesh.v1\x1a\x19kvmesh/v1/scheduler.proto\"\x14\n\x12GetReplicasRequest\"\xc4\x01\n\x0cReplicaState\x12\n\n\x02id\x18\x01 \x01(\t\x12\x19\n\x11scheduler_address\x18\x02 \x01(\t\x12\x0f\n\x07healthy\x18\x03 \x01(\x08\x12\x12\n\nsubscribed\x18\x04 \x01(\x08\x12\x10\n\x08last_seq\x18\x05 \x01(\x04\x12\x1a\n\x12num_indexed_blocks\x18\x06 \x01(\x05\x12\x11\n\tin_flight\x18\x07 \x01(\x05\x12\x10\n\x08kv_usage\x18\x08 \x01(\x01\x12\x15\n\rsubscriptions\x18\t \x01(\x05\"@\n\x13GetReplicasResponse\x12)\n\x08replicas\x18\x01 \x03(\x0b\x32\x17.kvmesh.v1.ReplicaState\"e\n\x0cReplicaScore\x12\n\n\x02id\x18\x01 \x01(\t\x12\x16\n\x0ematched_blocks\x18\x02 \x01(\x05\x12\x0c\n\x04\x63ost\x18\x03 \x01(\x01\x12\x11\n\tin_flight\x18\x04 \x01(\x05\x12\x10\n\x08kv_usage\x18\x05 \x01(\x01\"\x8a\x01\n\rRouteDecision\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0e\n\x06policy\x18\x02 \x01(\t\x12\x14\n\x0ctotal_blocks\x18\x03 \x01(\x05\x12\x16\n\x0ematched_blocks\x18\x04 \x01(\x05\x12\'\n\x06scores\x18\x05 \x03(\x0b\x32\x17.kvmesh.v1.ReplicaScore2\x97\x01\n\x06Router\x12L\n\x0bGetReplicas\x12\x1d.kvmesh.v1.GetReplicasRequest\x1a\x1e.kvmesh.v1.GetReplicasResponse\x12?\n\x07\x45xplain\x12\x1a.kvmesh.v1.GenerateRequest\x1a\x18.kvmesh.v1.RouteDecisionb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvmesh/v1/router.proto\x12\tkvmesh.v1\x1a\x19kvmesh/v1/scheduler.proto\"\x14\n\x12GetReplicasRequest\"\xc6\x02\n\x0cReplicaState\x12\n\n\x02id\x18\x01 \x01(\t\x12\x19\n\x11scheduler_address\x18\x02 \x01(\t\x12\x0f\n\x07healthy\x18\x03 \x01(\x08\x12\x12\n\nsubscribed\x18\x04 \x01(\x08\x12\x10\n\x08last_seq\x18\x05 \x01(\x04\x12\x1a\n\x12num_indexed_blocks\x18\x06 \x01(\x05\x12\x11\n\tin_flight\x18\x07 \x01(\x05\x12\x10\n\x08kv_usage\x18\x08 \x01(\x01\x12\x15\n\rsubscriptions\x18\t \x01(\x05\x12\x17\n\x0foffload_address\x18\n \x01(\t\x12\x1a\n\x12offload_subscribed\x18\x0b \x01(\x08\x12\x17\n\x0fnum_dram_blocks\x18\x0c \x01(\x05\x12\x17\n\x0fnum_disk_blocks\x18\r \x01(\x05\x12\x19\n\x11num_remote_blocks\x18\x0e \x01(\x05\"@\n\x13GetReplicasResponse\x12)\n\x08replicas\x18\x01 \x03(\x0b\x32\x17.kvmesh.v1.ReplicaState\"\xa6\x01\n\x0cReplicaScore\x12\n\n\x02id\x18\x01 \x01(\t\x12\x16\n\x0ematched_blocks\x18\x02 \x01(\x05\x12\x0c\n\x04\x63ost\x18\x03 \x01(\x01\x12\x11\n\tin_flight\x18\x04 \x01(\x05\x12\x10\n\x08kv_usage\x18\x05 \x01(\x01\x12\x13\n\x0b\x64ram_blocks\x18\x06 \x01(\x05\x12\x13\n\x0b\x64isk_blocks\x18\x07 \x01(\x05\x12\x15\n\rremote_blocks\x18\x08 \x01(\x05\"\x8a\x01\n\rRouteDecision\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0e\n\x06policy\x18\x02 \x01(\t\x12\x14\n\x0ctotal_blocks\x18\x03 \x01(\x05\x12\x16\n\x0ematched_blocks\x18\x04 \x01(\x05\x12\'\n\x06scores\x18\x05 \x03(\x0b\x32\x17.kvmesh.v1.ReplicaScore2\x97\x01\n\x06Router\x12L\n\x0bGetReplicas\x12\x1d.kvmesh.v1.GetReplicasRequest\x1a\x1e.kvmesh.v1.GetReplicasResponse\x12?\n\x07\x45xplain\x12\x1a.kvmesh.v1.GenerateRequest\x1a\x18.kvmesh.v1.RouteDecisionb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,13 +35,13 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETREPLICASREQUEST']._serialized_start=64
   _globals['_GETREPLICASREQUEST']._serialized_end=84
   _globals['_REPLICASTATE']._serialized_start=87
-  _globals['_REPLICASTATE']._serialized_end=283
-  _globals['_GETREPLICASRESPONSE']._serialized_start=285
-  _globals['_GETREPLICASRESPONSE']._serialized_end=349
-  _globals['_REPLICASCORE']._serialized_start=351
-  _globals['_REPLICASCORE']._serialized_end=452
-  _globals['_ROUTEDECISION']._serialized_start=455
-  _globals['_ROUTEDECISION']._serialized_end=593
-  _globals['_ROUTER']._serialized_start=596
-  _globals['_ROUTER']._serialized_end=747
+  _globals['_REPLICASTATE']._serialized_end=413
+  _globals['_GETREPLICASRESPONSE']._serialized_start=415
+  _globals['_GETREPLICASRESPONSE']._serialized_end=479
+  _globals['_REPLICASCORE']._serialized_start=482
+  _globals['_REPLICASCORE']._serialized_end=648
+  _globals['_ROUTEDECISION']._serialized_start=651
+  _globals['_ROUTEDECISION']._serialized_end=789
+  _globals['_ROUTER']._serialized_start=792
+  _globals['_ROUTER']._serialized_end=943
 # @@protoc_insertion_point(module_scope)

@@ -52,6 +52,11 @@ class ReplicaState(_message.Message):
     IN_FLIGHT_FIELD_NUMBER: _builtins.int
     KV_USAGE_FIELD_NUMBER: _builtins.int
     SUBSCRIPTIONS_FIELD_NUMBER: _builtins.int
+    OFFLOAD_ADDRESS_FIELD_NUMBER: _builtins.int
+    OFFLOAD_SUBSCRIBED_FIELD_NUMBER: _builtins.int
+    NUM_DRAM_BLOCKS_FIELD_NUMBER: _builtins.int
+    NUM_DISK_BLOCKS_FIELD_NUMBER: _builtins.int
+    NUM_REMOTE_BLOCKS_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """The replica's id (from the router's configuration)."""
     scheduler_address: _builtins.str
@@ -70,6 +75,16 @@ class ReplicaState(_message.Message):
     """Share of its pool referenced by requests, 0..1, from the last stats probe."""
     subscriptions: _builtins.int
     """Event streams (re)established since start (1 = never reconnected)."""
+    offload_address: _builtins.str
+    """Its offload-store address ("" when the router does not follow one)."""
+    offload_subscribed: _builtins.bool
+    """Whether the offload-store's event stream is subscribed now."""
+    num_dram_blocks: _builtins.int
+    """Block hashes its offload-store reported per tier: DRAM, disk, remote (what it wrote or was served)."""
+    num_disk_blocks: _builtins.int
+    """See num_dram_blocks."""
+    num_remote_blocks: _builtins.int
+    """See num_dram_blocks."""
     def __init__(
         self,
         *,
@@ -82,10 +97,15 @@ class ReplicaState(_message.Message):
         in_flight: _builtins.int = ...,
         kv_usage: _builtins.float = ...,
         subscriptions: _builtins.int = ...,
+        offload_address: _builtins.str = ...,
+        offload_subscribed: _builtins.bool = ...,
+        num_dram_blocks: _builtins.int = ...,
+        num_disk_blocks: _builtins.int = ...,
+        num_remote_blocks: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["healthy", b"healthy", "id", b"id", "in_flight", b"in_flight", "kv_usage", b"kv_usage", "last_seq", b"last_seq", "num_indexed_blocks", b"num_indexed_blocks", "scheduler_address", b"scheduler_address", "subscribed", b"subscribed", "subscriptions", b"subscriptions"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["healthy", b"healthy", "id", b"id", "in_flight", b"in_flight", "kv_usage", b"kv_usage", "last_seq", b"last_seq", "num_disk_blocks", b"num_disk_blocks", "num_dram_blocks", b"num_dram_blocks", "num_indexed_blocks", b"num_indexed_blocks", "num_remote_blocks", b"num_remote_blocks", "offload_address", b"offload_address", "offload_subscribed", b"offload_subscribed", "scheduler_address", b"scheduler_address", "subscribed", b"subscribed", "subscriptions", b"subscriptions"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -126,6 +146,9 @@ class ReplicaScore(_message.Message):
     COST_FIELD_NUMBER: _builtins.int
     IN_FLIGHT_FIELD_NUMBER: _builtins.int
     KV_USAGE_FIELD_NUMBER: _builtins.int
+    DRAM_BLOCKS_FIELD_NUMBER: _builtins.int
+    DISK_BLOCKS_FIELD_NUMBER: _builtins.int
+    REMOTE_BLOCKS_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """The replica."""
     matched_blocks: _builtins.int
@@ -136,6 +159,14 @@ class ReplicaScore(_message.Message):
     """Generate streams open on it when scored."""
     kv_usage: _builtins.float
     """Its KV usage, 0..1, when scored."""
+    dram_blocks: _builtins.int
+    """Blocks past matched_blocks its offload-store would load, by tier (DRAM, its disk, the shared
+    remote tier); each credited at KVMESH_ROUTER_OFFLOAD_WEIGHT_<TIER> of a prefill block.
+    """
+    disk_blocks: _builtins.int
+    """See dram_blocks."""
+    remote_blocks: _builtins.int
+    """See dram_blocks."""
     def __init__(
         self,
         *,
@@ -144,10 +175,13 @@ class ReplicaScore(_message.Message):
         cost: _builtins.float = ...,
         in_flight: _builtins.int = ...,
         kv_usage: _builtins.float = ...,
+        dram_blocks: _builtins.int = ...,
+        disk_blocks: _builtins.int = ...,
+        remote_blocks: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cost", b"cost", "id", b"id", "in_flight", b"in_flight", "kv_usage", b"kv_usage", "matched_blocks", b"matched_blocks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cost", b"cost", "disk_blocks", b"disk_blocks", "dram_blocks", b"dram_blocks", "id", b"id", "in_flight", b"in_flight", "kv_usage", b"kv_usage", "matched_blocks", b"matched_blocks", "remote_blocks", b"remote_blocks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
