@@ -21,7 +21,6 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Sequence
 
 from services.kv_cache_manager.client import KVCacheBackend
 from services.kv_cache_manager.types import (
@@ -290,7 +289,7 @@ class Scheduler:
             return FinishReason.LENGTH, ""
         return None, ""
 
-    def expire(self, now: float, ids: Sequence[str] | None = None) -> list[Request]:
+    def expire(self, now: float) -> list[Request]:
         """Aborts requests past their deadline; returns them."""
         expired = [r for r in list(self.requests.values())
                    if r.spec.deadline is not None and now > r.spec.deadline]
