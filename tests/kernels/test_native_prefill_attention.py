@@ -78,3 +78,22 @@ def test_a_row_is_the_same_however_the_prompt_is_chunked(split: list[int], threa
             start += size
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize(("queries_per_kv", "head_dim", "block_size"), [(3, 64, 16), (2, 128, 4), (16, 32, 16),
+                                                                         (1, 16, 1)])  # fmt: skip
+def test_a_prefill_row_is_bitwise_the_decode_of_its_position(queries_per_kv: int, head_dim: int,
+                                                             block_size: int) -> None:  # fmt: skip
+    """The same 45 query rows as one prefill chunk and as 45 decodes (row j seeing its own
+    prefix): bitwise equal, so a position computed once as a prefill row and once as a decode (a
+    cold run's decode, a preempted request's recompute) has the same bits."""
+    chunk = make_batch([45], [60], block_size=block_size, head_dim=head_dim, queries_per_kv=queries_per_kv,
+                       num_kv_heads=2, seed=head_dim)  # fmt: skip
+    as_chunk = _forward(CpuAttentionBackend(), chunk)
+    tables = chunk.meta.block_tables.repeat(45, 1)
+    meta = dataclasses.replace(
+        chunk.meta, query_start_loc=torch.arange(46, dtype=torch.int32),
+        seq_lens=torch.arange(16, 61, dtype=torch.int32), block_tables=tables, max_query_len=1,
+    )  # fmt: skip
+    as_decodes = CpuAttentionBackend().forward(chunk.query, chunk.k_cache, chunk.v_cache, meta, head_dim**-0.5)
+    assert torch.equal(as_chunk[:45], as_decodes[:45])

@@ -10,15 +10,15 @@
  *
  * How: K and V of each KV head are gathered once from the paged cache, K transposed in 16-key
  * tiles ([D][16]); then each work item is RT (query token, head) rows of one KV head: scores for
- * 16 keys at a time (each transposed-K vector loaded once for the RT rows, every row's score lane
- * a chain of D fused multiply-adds in d order), a softmax per row, and the weighted V sum per row.
+ * 16 keys at a time (each transposed-K vector loaded once for RH rows), a softmax per row, and the
+ * weighted V sum per row (each V vector loaded once for the RT rows).
  *
- * Numerics (fixed per row): a row's scores, its softmax (max, exp, lane-wise sum over 16-key
- * tiles aligned at key 0) and its weighted sum (keys in order, masked past the row's own length)
- * depend only on that row's query, its keys and its length, not on the rows beside it in the tile,
- * the chunk's split or the thread: a prompt chunked any way gives every row the same bits. They
- * are not the decode kernel's bits (paged_decode.c sums a dot product as 16 lane partials and a
- * tree): a position computed as a prefill row and as a decode agrees to fp32 rounding.
+ * Numerics: bitwise paged_decode.c's for the same row (its dot-product order, see score_rows; the
+ * same softmax over the row's own length in 16-key steps from key 0; the weighted sum over keys in
+ * order, masked past the row's length; the same exp): a row's bits depend only on its query, its
+ * keys and its length, not on the rows beside it, the chunk's split, the thread, or whether the
+ * position is computed as a prefill row or as a decode. So chunked prefill, prefix-cache hits and
+ * preemption's recompute give a cold run's bits (tests/kernels/test_native_prefill_attention.py).
  *
  * Returns 0; -1 for a shape it does not take (head_dim not a multiple of 16 or > 256, no AVX-512:
  * the caller keeps SDPA); -2 when a buffer could not be allocated.
@@ -31,9 +31,41 @@
 #include "exp_math.h"
 
 #define RT 8             /* rows (query token, head) per work item: 8 score accumulators */
+#define RH 4             /* of which scored together (4 x 4 partials + the halves in registers) */
 #define PF_MAX_DIM 256
 
 #if defined(__AVX512F__)
+/* Scores of RH rows (scaled queries qs, RH x head_dim) for the 16 keys of one transposed tile kb
+ * ([head_dim][16]) into a[0..RH): lane t = key t. The sum has paged_decode.c's order exactly: lane
+ * l of a d-chunk partial is q[l] k[l] then fused multiply-adds over l + 16, l + 32, ...; the 16
+ * partials combine as ((Q0 + Q1) + (Q2 + Q3)), Qc = (p[4c] + p[4c+2]) + (p[4c+1] + p[4c+3]) (its
+ * transpose_sum16), so a prefill row's scores are bitwise a decode's. */
+static inline __attribute__((always_inline)) void score_rows(const float *kb, const float *qs, int64_t head_dim,
+                                                             int nd, __m512 *a)
+{
+    __m512 half[RH];
+    for (int r = 0; r < RH; r++) half[r] = _mm512_setzero_ps();  /* set at c = 0 (the compiler cannot tell) */
+    for (int c = 0; c < 4; c++) {
+        __m512 p[4][RH];
+        for (int i = 0; i < 4; i++) {
+            const int64_t l = 4 * c + i;
+            const __m512 k0 = _mm512_loadu_ps(kb + l * 16);
+            for (int r = 0; r < RH; r++) p[i][r] = _mm512_mul_ps(_mm512_set1_ps(qs[r * head_dim + l]), k0);
+            for (int j = 1; j < nd; j++) {
+                const __m512 k = _mm512_loadu_ps(kb + (l + 16 * j) * 16);
+                for (int r = 0; r < RH; r++)
+                    p[i][r] = _mm512_fmadd_ps(_mm512_set1_ps(qs[r * head_dim + l + 16 * j]), k, p[i][r]);
+            }
+        }
+        for (int r = 0; r < RH; r++) {
+            const __m512 q = _mm512_add_ps(_mm512_add_ps(p[0][r], p[2][r]), _mm512_add_ps(p[1][r], p[3][r]));
+            if (c == 0 || c == 2) half[r] = q;  /* Q0, then Q2 */
+            else if (c == 1) a[r] = _mm512_add_ps(half[r], q);  /* Q0 + Q1 */
+            else a[r] = _mm512_add_ps(a[r], _mm512_add_ps(half[r], q));  /* + (Q2 + Q3) */
+        }
+    }
+}
+
 static void attend_tile(const float *kt, const float *vc, const float *q, int64_t q_row_stride, float *out,
                         int64_t out_row_stride, int64_t group, int64_t kvh, int64_t ctx0,
                         int64_t row0, int64_t rows_total, int64_t head_dim, float scale, float *qs, float *sc,
@@ -58,11 +90,7 @@ static void attend_tile(const float *kt, const float *vc, const float *q, int64_
     for (int64_t t0 = 0; t0 < max_len; t0 += 16) {
         const float *kb = kt + (t0 / 16) * head_dim * 16;
         __m512 a[RT];
-        for (int r = 0; r < RT; r++) a[r] = _mm512_mul_ps(_mm512_set1_ps(qs[r * head_dim]), _mm512_loadu_ps(kb));
-        for (int64_t d = 1; d < head_dim; d++) {
-            const __m512 k = _mm512_loadu_ps(kb + d * 16);
-            for (int r = 0; r < RT; r++) a[r] = _mm512_fmadd_ps(_mm512_set1_ps(qs[r * head_dim + d]), k, a[r]);
-        }
+        for (int h = 0; h < RT; h += RH) score_rows(kb, qs + h * head_dim, head_dim, nd, a + h);
         for (int r = 0; r < RT; r++) {
             const int64_t n = len[r] - t0;
             if (n <= 0) continue;
