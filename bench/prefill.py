@@ -8,7 +8,11 @@ In one process, on SmolLM2-135M (the embedded model), with runners built by
    torch's SDPA over the gathered chunk (what it ran before). The four runners take turns step by
    step, one ``--sizes``-token prefill of a fresh request each (medians over ``--repeats``, the
    first round a warm-up), so a noisy neighbour hits all of them alike.
-2. **Chunk sweep** (``--sweep``): a ``--sweep-prompt``-token prompt prefilled in chunks of each
+2. **Per-op profile** (``--profile``): the same prefills once more with wall-clock timers around
+   each op of the per-layer path (the GEMMs, attention with its K/V gather, the fused norms,
+   rotary, SwiGLU, the K/V writes, the embedding, the head); what no timer covers is Python and
+   input preparation. torch.profiler does not see the native kernels (ctypes calls), hence timers.
+3. **Chunk sweep** (``--sweep``): a ``--sweep-prompt``-token prompt prefilled in chunks of each
    ``--chunks`` size (each chunk one step after the cached rows before it, as the scheduler's token
    budget splits it), per-token cost = the prompt's total time / its tokens; and a decode step at
    batch 1 and 32 at the prompt's context, for the budget's trade-off (docs/model_runner.md,
@@ -20,6 +24,7 @@ Run: ``python bench/prefill.py [--threads 1] [--sweep]``; writes ``bench/results
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import platform
 import statistics
@@ -47,10 +52,10 @@ DEFAULT_MODEL = str(Path.home() / ".cache/kvmesh/SmolLM2-135M-Instruct")
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 
 
-def build(model: str, dtype: str, max_len: int, sdpa: bool) -> ModelRunner:
+def build(model: str, dtype: str, max_len: int, sdpa: bool, blocks: int = 0) -> ModelRunner:
     """A runner on the native backend; ``sdpa``: its prefill chunks through torch's SDPA (the former path)."""
     per_block = 30 * 2 * BLOCK_SIZE * 3 * 64 * 4  # SmolLM2: 30 layers, 3 KV heads of 64, fp32 K/V
-    blocks = 2 * (max_len // BLOCK_SIZE) + 80
+    blocks = max(blocks, 2 * (max_len // BLOCK_SIZE) + 80)
     runner = build_runner(RunnerConfig(model_dir=model, device="cpu", dtype=DTYPES[dtype], attention_backend="cpu",
                                        block_size=BLOCK_SIZE, kv_cache_memory_bytes=blocks * per_block,
                                        max_model_len=max_len))  # fmt: skip
@@ -91,6 +96,57 @@ def ab(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+def profile(args: argparse.Namespace) -> dict[str, Any]:
+    """Per-op milliseconds of one prefill step per runner and size (medians of ``--repeats``)."""
+    from services.model_runner.model import layers, native_layers, packed
+    from services.model_runner.model.transformer import CausalLM
+
+    spent: dict[str, float] = collections.defaultdict(float)
+
+    def timed(cls: Any, name: str, label: str) -> None:
+        inner = getattr(cls, name)
+
+        def wrapper(*a: Any, **k: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return inner(*a, **k)
+            finally:
+                spent[label] += time.perf_counter() - start
+
+        setattr(cls, name, wrapper)
+
+    ops: tuple[tuple[Any, str, str], ...] = (
+        (packed.PackedWeight, "__call__", "gemm"), (CpuAttentionBackend, "forward", "attention"),
+        (CpuAttentionBackend, "write_kv", "kv_write"), (native_layers.NativeRMSNorm, "forward", "norm"),
+        (native_layers.NativeRMSNorm, "add_forward", "norm"), (native_layers.NativeRotary, "forward", "rotary"),
+        (native_layers.NativeSiluAndMul, "forward", "swiglu"), (layers.Embedding, "forward", "embed"),
+        (CausalLM, "compute_logits", "head"),
+    )  # fmt: skip
+    for cls, name, label in ops:
+        timed(cls, name, label)
+    result: dict[str, Any] = {}
+    gen = torch.Generator().manual_seed(2)
+    for size in args.sizes:
+        prompt = torch.randint(3, 49_000, (size,), generator=gen).tolist()
+        for name in (f"{d}-{a}" for d in DTYPES for a in ("sdpa", "native")):
+            d = Driver(build(args.model, name.split("-")[0], size + 64, name.endswith("sdpa")))
+            rows: dict[str, list[float]] = collections.defaultdict(list)
+            for r in range(args.repeats + 1):
+                spent.clear()
+                seq = Seq(f"f{r}", list(prompt))
+                step = d.start([seq], SamplingParams())
+                d.finish([seq])
+                if r:
+                    rows["step"].append(step)
+                    for label, t in spent.items():
+                        rows[label].append(t)
+                    rows["rest"].append(step - sum(spent.values()))
+            ms = {k: statistics.median(v) * 1e3 for k, v in rows.items()}
+            result[f"{name}_{size}"] = ms
+            print(f"  profile {name} {size}: " + ", ".join(f"{k} {v:.1f}" for k, v in ms.items()), flush=True)
+    return result
+
+
 def chunked_prefill(d: Driver, seq: Seq, chunk: int) -> float:
     """Prefills ``seq`` in ``chunk``-token steps (the first step new, the rest cached); total seconds."""
     total, n = 0.0, len(seq.tokens)
@@ -116,7 +172,8 @@ def sweep(args: argparse.Namespace) -> dict[str, Any]:
     gen = torch.Generator().manual_seed(1)
     prompt = torch.randint(3, 49_000, (args.sweep_prompt,), generator=gen).tolist()
     for dtype in args.sweep_dtypes:
-        runner = build(args.model, dtype, args.sweep_prompt + 64, sdpa=False)
+        blocks = 32 * (args.decode_context // BLOCK_SIZE + 2) + 2 * (args.sweep_prompt // BLOCK_SIZE) + 80
+        runner = build(args.model, dtype, args.sweep_prompt + 64, sdpa=False, blocks=blocks)
         d = Driver(runner)
         per: dict[str, Any] = {}
         for r in range(args.repeats + 1):
@@ -148,6 +205,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--sizes", type=int, nargs="+", default=[512, 1024])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--skip-ab", action="store_true")
+    parser.add_argument("--profile", action="store_true")
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--sweep-prompt", type=int, default=2048)
     parser.add_argument("--sweep-dtypes", nargs="+", default=["bf16", "fp32"])
@@ -160,6 +218,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                            "args": {k: str(v) for k, v in vars(args).items()}}  # fmt: skip
     if not args.skip_ab:
         out["ab"] = ab(args)
+    if args.profile:
+        out["profile"] = profile(args)
     if args.sweep:
         out["sweep"] = sweep(args)
     args.out.parent.mkdir(parents=True, exist_ok=True)
