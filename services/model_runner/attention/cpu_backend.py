@@ -52,8 +52,9 @@ class CpuAttentionBackend(TorchAttentionBackend):
                 own position (``RunnerConfig.batch_invariant``): a row's numbers then depend on
                 nothing but its sequence and position, so chunked prefill, prefix-cache hits and
                 preemption's recompute are bitwise a cold run's, and every step (prefills, mixed
-                steps) runs the one-call native stack. Prefill attention is slower so (a decode
-                per row instead of SDPA's blocked GEMMs; docs/model_runner.md, "auto").
+                steps) runs the one-call native stack. Where the prefill kernel runs, the bits
+                are the default's (its rows are the decode kernel's); prefill attention is slower
+                (a decode per row instead of the prefill kernel's tiles; docs/model_runner.md).
         """
         super().__init__()
         self.batch_invariant = batch_invariant
