@@ -1,5 +1,6 @@
-"""The ``cpu`` attention backend: decodes through a native kernel that reads the paged cache in
-place, everything else (prefill chunks, non-fp32 caches) through the torch reference.
+"""The ``cpu`` attention backend: decodes and prefill chunks through native kernels that read the
+paged cache in place, anything else (non-fp32 caches, shapes the kernels refuse) through the torch
+reference.
 
 Decode attention is what a busy server spends its attention time on, and it is memory-bound: the
 torch reference must gather each sequence's blocks into a contiguous buffer before SDPA (no torch
@@ -8,6 +9,9 @@ op reads a paged cache), which moves every K/V byte two to three times. The nati
 It is not bitwise SDPA (another summation order and exp), so greedy outputs agree with the torch
 path and with transformers as any two fp32 implementations do: token for token except at
 near-ties of the top two logits (tested on the tiny models and SmolLM2, see docs/model_runner.md).
+Prefill chunks take ``native/prefill_attention.c`` (SDPA over a gathered chunk was ~40% of a
+bf16-mode prefill step): register-blocked, each row's numbers fixed by its own query, keys and
+length, so a prompt chunked any way gives the same bits (docs/model_runner.md, "Prefill").
 With ``batch_invariant`` the prefill rows take the decode kernel too, one decode per position, so
 no row's numbers depend on how its prompt was chunked (docs/model_runner.md, "auto").
 """
@@ -32,6 +36,7 @@ class NativeDecodePlan:
     tables: torch.Tensor  # [n, W]
     max_len: int
     chunks: list[Chunk]
+    chunk_tables: tuple[torch.Tensor, ...] = ()  # [nb] int32 block ids of each chunk, for the prefill kernel
 
 
 class CpuAttentionBackend(TorchAttentionBackend):
@@ -47,8 +52,9 @@ class CpuAttentionBackend(TorchAttentionBackend):
                 own position (``RunnerConfig.batch_invariant``): a row's numbers then depend on
                 nothing but its sequence and position, so chunked prefill, prefix-cache hits and
                 preemption's recompute are bitwise a cold run's, and every step (prefills, mixed
-                steps) runs the one-call native stack. Prefill attention is slower so (a decode
-                per row instead of SDPA's blocked GEMMs; docs/model_runner.md, "auto").
+                steps) runs the one-call native stack. Where the prefill kernel runs, the bits
+                are the default's (its rows are the decode kernel's); prefill attention is slower
+                (a decode per row instead of the prefill kernel's tiles; docs/model_runner.md).
         """
         super().__init__()
         self.batch_invariant = batch_invariant
@@ -114,8 +120,32 @@ class CpuAttentionBackend(TorchAttentionBackend):
             )  # fmt: skip
             if status != 0:
                 raise RuntimeError(f"native paged decode failed with status {status}")
-        self._attend_chunks(query, k_cache, v_cache, plan.chunks, out, softmax_scale, k_scale, v_scale)
+        self._attend_prefill(kernels, plan, query, k_cache, v_cache, out, softmax_scale, k_scale, v_scale)
         return out
+
+    def _attend_prefill(
+        self, kernels: NativeKernels, plan: NativeDecodePlan, query: torch.Tensor, k_cache: torch.Tensor,
+        v_cache: torch.Tensor, out: torch.Tensor, softmax_scale: float, k_scale: float, v_scale: float,
+    ) -> None:
+        """The multi-row chunks through ``prefill_attention.c`` (causal, in place on the paged
+        cache); a shape it does not take (head_dim not a multiple of 16, no AVX-512) through SDPA."""
+        num_heads, head_dim = query.shape[1], query.shape[2]
+        rest: list[Chunk] = []
+        for chunk, table in zip(plan.chunks, plan.chunk_tables, strict=True):
+            num_q = chunk.end - chunk.start
+            status = kernels.prefill_attention(
+                query.data_ptr() + chunk.start * query.stride(0) * query.element_size(), query.stride(0),
+                k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0),
+                table.data_ptr(), num_q, chunk.seq_len,
+                out.data_ptr() + chunk.start * out.stride(0) * out.element_size(), out.stride(0),
+                num_heads, k_cache.shape[2], head_dim, k_cache.shape[1], softmax_scale,
+            )  # fmt: skip
+            if status == -2:
+                raise RuntimeError("native prefill attention could not allocate its buffers")
+            if status != 0:
+                rest.append(chunk)
+        if rest:
+            self._attend_chunks(query, k_cache, v_cache, rest, out, softmax_scale, k_scale, v_scale)
 
     def decode_only_plan(self, meta: AttentionMetadata, block_size: int, num_tokens: int) -> NativeDecodePlan | None:
         """The step's native decode plan when the kernels are built and every one of the
@@ -154,6 +184,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
             tables=tables.contiguous(),
             max_len=max(lens, default=0),
             chunks=chunks,
+            chunk_tables=tuple(c.block_ids[0].to(torch.int32).contiguous() for c in chunks),
         )
         self._native_plan = (meta, plan)
         return plan

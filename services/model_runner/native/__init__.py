@@ -5,6 +5,9 @@ What is here, and why torch alone was not enough (measurements in docs/model_run
 * ``paged_decode.c`` — decode attention reading the paged KV cache in place (torch has no op that
   reads a paged cache, so the torch backend gathers K/V into contiguous buffers first), and the
   K/V slot writes;
+* ``prefill_attention.c`` — causal attention of a prefill chunk over the paged cache as small
+  register-blocked GEMMs (torch's SDPA over a chunk ran at a fraction of the FMA rate), each row's
+  numbers independent of how its prompt was chunked;
 * ``layer_ops.c`` — fused residual-add + RMSNorm, rotary embedding and SwiGLU: at decode batch
   sizes torch runs each as several tiny ops with an OpenMP fork each;
 * ``gemm.c`` — fp32 linear layers on weights packed into column panels, with the next panel
@@ -135,6 +138,7 @@ class NativeKernels:
 
     paged_decode: Any  # kvmesh_paged_decode_f32
     write_kv: Any  # kvmesh_write_kv_f32
+    prefill_attention: Any  # kvmesh_prefill_attention_f32
     add_rms_norm: Any  # kvmesh_add_rms_norm_f32
     rope: Any  # kvmesh_rope_f32
     silu_mul: Any  # kvmesh_silu_mul_f32
@@ -174,6 +178,13 @@ def load_kernels(portable: bool = False) -> NativeKernels | None:
             _PTR, _I64,  # out, out_row_stride
             _I64, _I64, _I64, _I64,  # num_heads, num_kv_heads, head_dim, block_size
             _I64, _F32,  # max_seq_len, scale
+        ]),
+        prefill_attention=_bind(lib, "kvmesh_prefill_attention_f32", ctypes.c_int, [
+            _PTR, _I64,  # q (the chunk's first row), q_row_stride
+            _PTR, _PTR, _I64,  # k_cache, v_cache, block_stride
+            _PTR, _I64, _I64,  # table (int32), num_q, seq_len
+            _PTR, _I64,  # out (the chunk's first row), out_row_stride
+            _I64, _I64, _I64, _I64, _F32,  # num_heads, num_kv_heads, head_dim, block_size, scale
         ]),
         write_kv=_bind(lib, "kvmesh_write_kv_f32", _I64, [
             _PTR, _I64, _PTR, _I64,  # key, key_row_stride, value, value_row_stride

@@ -1,0 +1,202 @@
+/*
+ * Causal attention of one prefill chunk over the paged cache (fp32), for the CPU.
+ *
+ * Why it exists: torch's SDPA over a chunk was ~40% of a bf16-mode prefill step on SmolLM2 (one
+ * flash-attention call per layer at ~40 GFLOP/s, after a gather of the chunk's K/V); this kernel
+ * runs the same FLOPs as small register-blocked GEMMs (docs/model_runner.md, "Prefill").
+ *
+ * What it computes: query token i of the chunk (num_q tokens, the last of a seq_len-token context)
+ * sees keys 0 .. seq_len - num_q + i, as SDPA with a bottom-right causal mask does.
+ *
+ * How: K and V of each KV head are gathered once from the paged cache, K transposed in 16-key
+ * tiles ([D][16]); then each work item is RT (query token, head) rows of one KV head: scores for
+ * 16 keys at a time (each transposed-K vector loaded once for RH rows), a softmax per row, and the
+ * weighted V sum per row (each V vector loaded once for the RT rows).
+ *
+ * Numerics: bitwise paged_decode.c's for the same row (its dot-product order, see score_rows; the
+ * same softmax over the row's own length in 16-key steps from key 0; the weighted sum over keys in
+ * order, masked past the row's length; the same exp): a row's bits depend only on its query, its
+ * keys and its length, not on the rows beside it, the chunk's split, the thread, or whether the
+ * position is computed as a prefill row or as a decode. So chunked prefill, prefix-cache hits and
+ * preemption's recompute give a cold run's bits (tests/kernels/test_native_prefill_attention.py).
+ *
+ * Returns 0; -1 for a shape it does not take (head_dim not a multiple of 16 or > 256, no AVX-512:
+ * the caller keeps SDPA); -2 when a buffer could not be allocated.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <omp.h>
+
+#include "exp_math.h"
+
+#define RT 8             /* rows (query token, head) per work item: 8 score accumulators */
+#define RH 4             /* of which scored together (4 x 4 partials + the halves in registers) */
+#define PF_MAX_DIM 256
+
+#if defined(__AVX512F__)
+/* Scores of RH rows (scaled queries qs, RH x head_dim) for the 16 keys of one transposed tile kb
+ * ([head_dim][16]) into a[0..RH): lane t = key t. The sum has paged_decode.c's order exactly: lane
+ * l of a d-chunk partial is q[l] k[l] then fused multiply-adds over l + 16, l + 32, ...; the 16
+ * partials combine as ((Q0 + Q1) + (Q2 + Q3)), Qc = (p[4c] + p[4c+2]) + (p[4c+1] + p[4c+3]) (its
+ * transpose_sum16), so a prefill row's scores are bitwise a decode's. */
+static inline __attribute__((always_inline)) void score_rows(const float *kb, const float *qs, int64_t head_dim,
+                                                             int nd, __m512 *a)
+{
+    __m512 half[RH];
+    for (int r = 0; r < RH; r++) half[r] = _mm512_setzero_ps();  /* set at c = 0 (the compiler cannot tell) */
+    for (int c = 0; c < 4; c++) {
+        __m512 p[4][RH];
+        for (int i = 0; i < 4; i++) {
+            const int64_t l = 4 * c + i;
+            const __m512 k0 = _mm512_loadu_ps(kb + l * 16);
+            for (int r = 0; r < RH; r++) p[i][r] = _mm512_mul_ps(_mm512_set1_ps(qs[r * head_dim + l]), k0);
+            for (int j = 1; j < nd; j++) {
+                const __m512 k = _mm512_loadu_ps(kb + (l + 16 * j) * 16);
+                for (int r = 0; r < RH; r++)
+                    p[i][r] = _mm512_fmadd_ps(_mm512_set1_ps(qs[r * head_dim + l + 16 * j]), k, p[i][r]);
+            }
+        }
+        for (int r = 0; r < RH; r++) {
+            const __m512 q = _mm512_add_ps(_mm512_add_ps(p[0][r], p[2][r]), _mm512_add_ps(p[1][r], p[3][r]));
+            if (c == 0 || c == 2) half[r] = q;  /* Q0, then Q2 */
+            else if (c == 1) a[r] = _mm512_add_ps(half[r], q);  /* Q0 + Q1 */
+            else a[r] = _mm512_add_ps(a[r], _mm512_add_ps(half[r], q));  /* + (Q2 + Q3) */
+        }
+    }
+}
+
+static void attend_tile(const float *kt, const float *vc, const float *q, int64_t q_row_stride, float *out,
+                        int64_t out_row_stride, int64_t group, int64_t kvh, int64_t ctx0,
+                        int64_t row0, int64_t rows_total, int64_t head_dim, float scale, float *qs, float *sc,
+                        int64_t sc_stride)
+{
+    const int nd = (int)(head_dim / 16);
+    int64_t len[RT], tok[RT], head[RT];
+    int64_t max_len = 0, min_len = INT64_MAX;
+    for (int r = 0; r < RT; r++) {
+        const int64_t row = row0 + r < rows_total ? row0 + r : rows_total - 1;  /* padding repeats the last */
+        tok[r] = row / group;
+        head[r] = kvh * group + row % group;
+        len[r] = ctx0 + tok[r] + 1;
+        if (len[r] > max_len) max_len = len[r];
+        if (len[r] < min_len) min_len = len[r];
+        const float *src = q + tok[r] * q_row_stride + head[r] * head_dim;
+        for (int64_t d = 0; d < head_dim; d++) qs[r * head_dim + d] = src[d] * scale;
+    }
+    /* 1. scores, 16 keys at a time */
+    float maxv[RT];
+    for (int r = 0; r < RT; r++) maxv[r] = -3.0e38f;
+    for (int64_t t0 = 0; t0 < max_len; t0 += 16) {
+        const float *kb = kt + (t0 / 16) * head_dim * 16;
+        __m512 a[RT];
+        for (int h = 0; h < RT; h += RH) score_rows(kb, qs + h * head_dim, head_dim, nd, a + h);
+        for (int r = 0; r < RT; r++) {
+            const int64_t n = len[r] - t0;
+            if (n <= 0) continue;
+            const __mmask16 live = n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1u);
+            _mm512_mask_storeu_ps(sc + r * sc_stride + t0, live, a[r]);
+            const float m = _mm512_mask_reduce_max_ps(live, a[r]);
+            if (m > maxv[r]) maxv[r] = m;
+        }
+    }
+    /* 2. softmax numerators in place, per row over its own length */
+    float inv_sum[RT];
+    for (int r = 0; r < RT; r++) {
+        float *sr = sc + r * sc_stride;
+        const __m512 m = _mm512_set1_ps(maxv[r]);
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t t = 0; t < len[r]; t += 16) {
+            const __mmask16 live = len[r] - t >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (len[r] - t)) - 1u);
+            const __m512 e = exp512_neg(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, sr + t), m));
+            _mm512_mask_storeu_ps(sr + t, live, e);
+            sum = _mm512_mask_add_ps(sum, live, sum, e);
+        }
+        inv_sum[r] = 1.0f / _mm512_reduce_add_ps(sum);
+    }
+    /* 3. weighted V, 16 dims at a time; keys in order, each row masked past its length */
+    for (int j = 0; j < nd; j++) {
+        __m512 acc[RT];
+        for (int r = 0; r < RT; r++) acc[r] = _mm512_setzero_ps();
+        /* keys every row sees, then the few (at most RT) that only the later rows see: the same
+         * fused multiply-adds in the same order for each row, only the mask differs */
+        int64_t t = 0;
+        for (; t < min_len; t++) {
+            const __m512 v = _mm512_loadu_ps(vc + t * head_dim + j * 16);
+            for (int r = 0; r < RT; r++) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(sc[r * sc_stride + t]), v, acc[r]);
+        }
+        for (; t < max_len; t++) {
+            const __m512 v = _mm512_loadu_ps(vc + t * head_dim + j * 16);
+            for (int r = 0; r < RT; r++)
+                if (t < len[r]) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(sc[r * sc_stride + t]), v, acc[r]);
+        }
+        for (int r = 0; r < RT; r++) {
+            if (row0 + r >= rows_total) continue;
+            _mm512_storeu_ps(out + tok[r] * out_row_stride + head[r] * head_dim + j * 16,
+                             _mm512_mul_ps(acc[r], _mm512_set1_ps(inv_sum[r])));
+        }
+    }
+}
+#endif
+
+int kvmesh_prefill_attention_f32(
+    const float *q, int64_t q_row_stride,  /* the chunk's first query row; [num_q, H, D] */
+    const float *k_cache, const float *v_cache, int64_t block_stride,
+    const int32_t *table, int64_t num_q, int64_t seq_len,
+    float *out, int64_t out_row_stride,
+    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale)
+{
+#if defined(__AVX512F__)
+    if (num_kv_heads <= 0 || num_heads % num_kv_heads || head_dim % 16 || head_dim > PF_MAX_DIM) return -1;
+    if (num_q <= 0 || seq_len < num_q) return num_q <= 0 ? 0 : -1;
+    const int64_t group = num_heads / num_kv_heads, token_stride = num_kv_heads * head_dim;
+    const int64_t tiles = (seq_len + 15) / 16, padded = tiles * 16;
+    /* per KV head: K transposed in 16-key tiles [tiles][D][16], V contiguous [seq_len][D] */
+    float *kt = (float *)calloc((size_t)(num_kv_heads * padded * head_dim), sizeof(float));
+    float *vc = (float *)malloc(sizeof(float) * (size_t)(num_kv_heads * padded * head_dim));
+    if (kt == NULL || vc == NULL) {
+        free(kt);
+        free(vc);
+        return -2;
+    }
+    for (int64_t t = 0; t < seq_len; t++) {
+        const int64_t off = (int64_t)table[t / block_size] * block_stride + (t % block_size) * token_stride;
+        for (int64_t h = 0; h < num_kv_heads; h++) {
+            const float *ks = k_cache + off + h * head_dim, *vs = v_cache + off + h * head_dim;
+            float *kd = kt + h * padded * head_dim + (t / 16) * head_dim * 16 + (t % 16);
+            for (int64_t d = 0; d < head_dim; d++) kd[d * 16] = ks[d];
+            memcpy(vc + (h * padded + t) * head_dim, vs, sizeof(float) * (size_t)head_dim);
+        }
+    }
+    const int64_t rows = num_q * group, per_head = (rows + RT - 1) / RT, items = num_kv_heads * per_head;
+    const int64_t sc_stride = padded, ctx0 = seq_len - num_q;
+    int failed = 0;
+    #pragma omp parallel if (items > 1)
+    {
+        float *qs = (float *)malloc(sizeof(float) * (size_t)(RT * head_dim));
+        float *sc = (float *)malloc(sizeof(float) * (size_t)(RT * sc_stride));
+        if (qs == NULL || sc == NULL) {
+            #pragma omp atomic write
+            failed = 1;
+        }
+        /* the longest tiles (last query rows) first, so threads end together */
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < items; item++) {
+            if (qs == NULL || sc == NULL) continue;
+            const int64_t h = item % num_kv_heads, tile = per_head - 1 - item / num_kv_heads;
+            attend_tile(kt + h * padded * head_dim, vc + h * padded * head_dim, q, q_row_stride, out,
+                        out_row_stride, group, h, ctx0, tile * RT, rows, head_dim, scale, qs, sc, sc_stride);
+        }
+        free(qs);
+        free(sc);
+    }
+    free(kt);
+    free(vc);
+    return failed ? -2 : 0;
+#else
+    (void)q; (void)q_row_stride; (void)k_cache; (void)v_cache; (void)block_stride; (void)table; (void)num_q;
+    (void)seq_len; (void)out; (void)out_row_stride; (void)num_heads; (void)num_kv_heads; (void)head_dim;
+    (void)block_size; (void)scale;
+    return -1;
+#endif
+}

@@ -1,0 +1,99 @@
+"""``native/prefill_attention.c``: prefill chunks' causal attention on the paged cache.
+
+Against the torch reference (SDPA with a bottom-right causal mask over the gathered chunk), and
+the property the kernel exists to keep: a row's bits do not depend on how its prompt was split
+into chunks, nor on the thread count. Cache contents random, blocks shuffled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from services.model_runner.attention.cpu_backend import CpuAttentionBackend
+from services.model_runner.attention.torch_backend import TorchAttentionBackend
+from services.model_runner.factory import cpu_flags
+
+from .test_paged_attention import make_batch
+
+pytestmark = pytest.mark.skipif(
+    "avx512f" not in cpu_flags(), reason="the prefill kernel is AVX-512 only (SDPA elsewhere)"
+)
+
+
+def _forward(backend: TorchAttentionBackend, batch: object) -> torch.Tensor:
+    b = batch  # a test_paged_attention.Batch
+    scale = b.query.shape[-1] ** -0.5  # type: ignore[attr-defined]
+    return backend.forward(b.query, b.k_cache, b.v_cache, b.meta, scale)  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("queries_per_kv", [1, 3, 4, 16])
+@pytest.mark.parametrize("head_dim", [64, 128, 32])
+@pytest.mark.parametrize("block_size", [1, 16, 32])
+def test_chunks_match_the_torch_reference(block_size: int, head_dim: int, queries_per_kv: int) -> None:
+    """Whole prompts and chunks after cached context (bottom-right mask), lengths straddling the
+    kernel's 16-key tiles and its 8-row work items, beside decodes in the same step."""
+    query_lens = [1, 37, 16, 1, 9, 100]
+    seq_lens = [20, 37, 49, 300, 130, 100]
+    batch = make_batch(query_lens, seq_lens, block_size=block_size, head_dim=head_dim, queries_per_kv=queries_per_kv,
+                       num_kv_heads=2, num_pad_tokens=3, seed=block_size + head_dim + queries_per_kv)  # fmt: skip
+    backend = CpuAttentionBackend()
+    plan = backend._plan_native(batch.meta, block_size)
+    assert [(c.start, c.end) for c in plan.chunks] == [(1, 38), (38, 54), (55, 64), (64, 164)]
+    n = batch.num_real_tokens
+    out = _forward(backend, batch)
+    expected = _forward(TorchAttentionBackend(), batch)
+    torch.testing.assert_close(out[:n], expected[:n], atol=2e-6, rtol=1e-5)
+
+
+def test_head_dim_it_does_not_take_goes_to_sdpa() -> None:
+    """head_dim 40 (not a multiple of 16): the kernel refuses it and the chunk takes SDPA, bitwise."""
+    batch = make_batch([1, 21], [9, 21], head_dim=40, queries_per_kv=3, num_kv_heads=2)
+    out = _forward(CpuAttentionBackend(), batch)
+    expected = _forward(TorchAttentionBackend(), batch)
+    assert torch.equal(out[1:22], expected[1:22])
+
+
+@pytest.mark.parametrize("split", [[70], [1, 69], [16, 17, 37], [33, 37], [7] * 10])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_a_row_is_the_same_however_the_prompt_is_chunked(split: list[int], threads: int) -> None:
+    """A 70-token prompt attended in one chunk or in consecutive chunks (each after the cached
+    rows before it), on 1 or 3 threads: every row bitwise the same."""
+    whole = make_batch([70], [70], block_size=16, head_dim=64, queries_per_kv=3, num_kv_heads=3, seed=5)
+    reference = _forward(CpuAttentionBackend(), whole)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        start = 0
+        for size in split:
+            part = make_batch([size], [start + size], block_size=16, head_dim=64, queries_per_kv=3,
+                              num_kv_heads=3, seed=5)  # fmt: skip
+            # the same cache and block table as the whole prompt, the chunk's own query rows
+            meta = dataclasses.replace(part.meta, block_tables=whole.meta.block_tables)
+            query = whole.query[start : start + size].contiguous()
+            out = CpuAttentionBackend().forward(query, whole.k_cache, whole.v_cache, meta, 64**-0.5)
+            assert torch.equal(out, reference[start : start + size]), (split, start)
+            start += size
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize(("queries_per_kv", "head_dim", "block_size"), [(3, 64, 16), (2, 128, 4), (16, 32, 16),
+                                                                         (1, 16, 1)])  # fmt: skip
+def test_a_prefill_row_is_bitwise_the_decode_of_its_position(queries_per_kv: int, head_dim: int,
+                                                             block_size: int) -> None:  # fmt: skip
+    """The same 45 query rows as one prefill chunk and as 45 decodes (row j seeing its own
+    prefix): bitwise equal, so a position computed once as a prefill row and once as a decode (a
+    cold run's decode, a preempted request's recompute) has the same bits."""
+    chunk = make_batch([45], [60], block_size=block_size, head_dim=head_dim, queries_per_kv=queries_per_kv,
+                       num_kv_heads=2, seed=head_dim)  # fmt: skip
+    as_chunk = _forward(CpuAttentionBackend(), chunk)
+    tables = chunk.meta.block_tables.repeat(45, 1)
+    meta = dataclasses.replace(
+        chunk.meta, query_start_loc=torch.arange(46, dtype=torch.int32),
+        seq_lens=torch.arange(16, 61, dtype=torch.int32), block_tables=tables, max_query_len=1,
+    )  # fmt: skip
+    as_decodes = CpuAttentionBackend().forward(chunk.query, chunk.k_cache, chunk.v_cache, meta, head_dim**-0.5)
+    assert torch.equal(as_chunk[:45], as_decodes[:45])
