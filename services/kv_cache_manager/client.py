@@ -25,13 +25,13 @@ from services.kv_cache_manager.manager import KVCacheManager
 from services.kv_cache_manager.types import (
     AllocationSpec,
     CachedBlocks,
-    EventStreamEnded,
     KVCacheStats,
     KVEventBatch,
     StepResult,
 )
 from shared.channels import open_channel
 from shared.errors import FailedPrecondition
+from shared.event_stream import EventStreamClient
 from shared.ownership import OWNER_METADATA
 from shared.pb.kvmesh.v1 import kv_cache_manager_pb2 as pb
 from shared.pb.kvmesh.v1 import kv_cache_manager_pb2_grpc as pb_grpc
@@ -178,60 +178,12 @@ class RemoteKVCache:
         self.channel.close()
 
 
-class KVEventStream:
-    """A subscriber's view of a kv-cache-manager: ``SubscribeEvents`` (one stream open at a time)
-    and the ``GetCachedBlocks`` snapshot, as the core's dataclasses; every wire failure is an
-    :class:`EventStreamEnded` (the router's ``EventSource``).
-
-    Args:
-        stub: the kv-cache-manager's stub (on the subscriber's own channel).
-        timeout: deadline of the snapshot call (the stream itself has none: it lives until cut).
-    """
+class KVEventStream(EventStreamClient[KVEventBatch, CachedBlocks]):
+    """A subscriber's view of a kv-cache-manager: ``SubscribeEvents`` and the ``GetCachedBlocks``
+    snapshot, as the core's dataclasses (the router's ``EventSource``)."""
 
     def __init__(self, stub: pb_grpc.KVCacheManagerStub, timeout: float) -> None:
-        self._stub = stub
-        self._timeout = timeout
-        self._call: grpc.CallIterator[pb.KVEventBatch] | None = None
-        self._cancelled = False
-
-    def subscribe(self) -> Iterator[KVEventBatch]:
-        """Opens SubscribeEvents and waits for its initial metadata (the manager sends it once registered)."""
-        try:
-            call = self._stub.SubscribeEvents(pb.SubscribeEventsRequest())
-        except ValueError as exc:  # the channel was closed under us (the replica was dropped)
-            raise EventStreamEnded("channel closed") from exc
-        self._call = call
-        if self._cancelled:
-            call.cancel()
-        call.initial_metadata()  # returns on failure too: the iteration below raises then
-        return self._batches(call)
-
-    @staticmethod
-    def _batches(call: grpc.CallIterator[pb.KVEventBatch]) -> Iterator[KVEventBatch]:
-        try:
-            for msg in call:
-                yield convert.batch_from_pb(msg)
-        except grpc.RpcError as exc:
-            raise EventStreamEnded(str(exc.code())) from exc
-
-    def snapshot(self) -> CachedBlocks | None:
-        """GetCachedBlocks; None from a kv-cache-manager that predates it (UNIMPLEMENTED)."""
-        try:
-            return convert.cached_blocks_from_pb(self._stub.GetCachedBlocks(pb.GetCachedBlocksRequest(),
-                                                                            timeout=self._timeout))
-        except grpc.RpcError as exc:
-            if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
-                return None
-            raise EventStreamEnded(f"snapshot: {exc.code()}") from exc
-        except ValueError as exc:  # the channel was closed under us (the replica was dropped)
-            raise EventStreamEnded("channel closed") from exc
-
-    def cancel(self) -> None:
-        """Cuts the open stream; after :meth:`close` (cancelled for good) new ones are cut at once too."""
-        if self._call is not None:
-            self._call.cancel()
-
-    def close(self) -> None:
-        """Cancels for good (the feed is stopping)."""
-        self._cancelled = True
-        self.cancel()
+        super().__init__(
+            lambda: stub.SubscribeEvents(pb.SubscribeEventsRequest()), convert.batch_from_pb,
+            lambda t: convert.cached_blocks_from_pb(stub.GetCachedBlocks(pb.GetCachedBlocksRequest(), timeout=t)),
+            timeout)

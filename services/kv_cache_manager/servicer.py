@@ -16,7 +16,8 @@ from services.kv_cache_manager.binding import ManagerBinding
 from services.kv_cache_manager.events import EventHub
 from services.kv_cache_manager.metrics import KVCacheMetrics
 from services.kv_cache_manager.types import CachedBlocks, KVCacheStats
-from shared.errors import InvalidArgument, ResourceExhausted
+from shared.errors import InvalidArgument
+from shared.event_stream import serve_events
 from shared.grpc_server import ServiceName
 from shared.hashing import BlockHash
 from shared.ownership import owner_from_metadata
@@ -26,7 +27,6 @@ from shared.pb.kvmesh.v1 import kv_cache_manager_pb2_grpc as pb_grpc
 SERVICE = ServiceName.of("kv-cache-manager", pb, "KVCacheManager")
 # Initial metadata sent once a SubscribeEvents stream is registered: a client that waits for
 # it (``call.initial_metadata()``) knows every later operation's events will reach it.
-SUBSCRIBED_METADATA = (("kvmesh-subscribed", "1"),)
 
 
 class KVCacheManagerServicer(pb_grpc.KVCacheManagerServicer):
@@ -157,21 +157,7 @@ class KVCacheManagerServicer(pb_grpc.KVCacheManagerServicer):
                         context: grpc.ServicerContext) -> Iterator[pb.KVEventBatch]:
         # NOTE: subscribing under the manager lock means no operation is half-published:
         # the subscriber sees every event of every operation that starts after this point.
-        with self._lock:
-            if self._hub.num_subscribers >= self._max_subscribers:
-                raise ResourceExhausted(f"at most {self._max_subscribers} event subscribers; retry later")
-            sub = self._hub.subscribe()
-        if not context.add_callback(sub.close):  # the client is already gone
-            sub.close()
-            return
-        context.send_initial_metadata(SUBSCRIBED_METADATA)
-        try:
-            for batch in sub:
-                yield convert.batch_to_pb(batch)
-        finally:
-            sub.close()
-        if sub.overflowed:
-            raise ResourceExhausted("event subscriber fell behind and was dropped; resubscribe")
+        yield from serve_events(self._hub, self._lock, self._max_subscribers, context, convert.batch_to_pb)
 
     def GetCachedBlocks(self, request: pb.GetCachedBlocksRequest,
                         context: grpc.ServicerContext) -> pb.GetCachedBlocksResponse:

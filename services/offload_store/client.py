@@ -15,7 +15,7 @@ stopping.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import grpc
@@ -24,7 +24,7 @@ from services.offload_store import convert
 from services.offload_store.config import OffloadConfig
 from services.offload_store.types import OffloadEventBatch, OffloadStats, StoredBlocks
 from shared.channels import open_channel
-from shared.event_hub import EventStreamEnded
+from shared.event_stream import EventStreamClient
 from shared.ownership import OWNER_METADATA
 from shared.pb.kvmesh.v1 import offload_store_pb2, offload_store_pb2_grpc
 from shared.telemetry import instrument_grpc_client
@@ -157,61 +157,15 @@ class RemoteOffload:
         self.channel.close()
 
 
-class OffloadEventStream:
-    """A subscriber's view of an offload-store: ``SubscribeEvents`` (one stream open at a time)
-    and the ``GetStoredBlocks`` snapshot, as the core's dataclasses; every wire failure is an
-    :class:`EventStreamEnded` (the router's ``EventSource``, like the kv-cache-manager's
-    ``KVEventStream``).
-
-    Args:
-        stub: the offload-store's stub (on the subscriber's own channel).
-        timeout: deadline of the snapshot call (the stream itself has none: it lives until cut).
-    """
+class OffloadEventStream(EventStreamClient[OffloadEventBatch, StoredBlocks]):
+    """A subscriber's view of an offload-store: ``SubscribeEvents`` and the ``GetStoredBlocks``
+    snapshot, as the core's dataclasses (the router's ``EventSource``, like the kv-cache-manager's
+    ``KVEventStream``)."""
 
     def __init__(self, stub: offload_store_pb2_grpc.OffloadStoreStub, timeout: float) -> None:
-        self._stub = stub
-        self._timeout = timeout
-        self._call: grpc.CallIterator[offload_store_pb2.OffloadEventBatch] | None = None
-        self._cancelled = False
-
-    def subscribe(self) -> Iterator[OffloadEventBatch]:
-        """Opens SubscribeEvents and waits for its initial metadata (the store sends it once registered)."""
-        try:
-            call = self._stub.SubscribeEvents(offload_store_pb2.SubscribeOffloadEventsRequest())
-        except ValueError as exc:  # the channel was closed under us (the replica was dropped)
-            raise EventStreamEnded("channel closed") from exc
-        self._call = call
-        if self._cancelled:
-            call.cancel()
-        call.initial_metadata()  # returns on failure too: the iteration below raises then
-        return self._batches(call)
-
-    @staticmethod
-    def _batches(call: grpc.CallIterator[offload_store_pb2.OffloadEventBatch]) -> Iterator[OffloadEventBatch]:
-        try:
-            for msg in call:
-                yield convert.event_batch_from_pb(msg)
-        except grpc.RpcError as exc:
-            raise EventStreamEnded(str(exc.code())) from exc
-
-    def snapshot(self) -> StoredBlocks | None:
-        """GetStoredBlocks; None from an offload-store that predates it (UNIMPLEMENTED)."""
-        try:
-            msg = self._stub.GetStoredBlocks(offload_store_pb2.GetStoredBlocksRequest(), timeout=self._timeout)
-        except grpc.RpcError as exc:
-            if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
-                return None
-            raise EventStreamEnded(f"snapshot: {exc.code()}") from exc
-        except ValueError as exc:  # the channel was closed under us
-            raise EventStreamEnded("channel closed") from exc
-        return convert.stored_blocks_from_pb(msg)
-
-    def cancel(self) -> None:
-        """Cuts the open stream; after :meth:`close` (cancelled for good) new ones are cut at once too."""
-        if self._call is not None:
-            self._call.cancel()
-
-    def close(self) -> None:
-        """Cancels for good (the feed is stopping)."""
-        self._cancelled = True
-        self.cancel()
+        super().__init__(
+            lambda: stub.SubscribeEvents(offload_store_pb2.SubscribeOffloadEventsRequest()),
+            convert.event_batch_from_pb,
+            lambda t: convert.stored_blocks_from_pb(stub.GetStoredBlocks(offload_store_pb2.GetStoredBlocksRequest(),
+                                                                         timeout=t)),
+            timeout)

@@ -24,7 +24,7 @@ from services.offload_store import convert
 from services.offload_store.metrics import OffloadMetrics
 from services.offload_store.store import OffloadStore
 from services.offload_store.types import OffloadStats
-from shared.errors import ResourceExhausted
+from shared.event_stream import serve_events
 from shared.grpc_server import ServiceName
 from shared.ownership import Lease, owner_from_metadata
 from shared.pb.kvmesh.v1 import offload_store_pb2 as pb
@@ -32,7 +32,6 @@ from shared.pb.kvmesh.v1 import offload_store_pb2_grpc
 
 SERVICE = ServiceName.of("offload-store", pb, "OffloadStore")
 # Initial metadata of a registered SubscribeEvents stream (the same as the kv-cache-manager's).
-SUBSCRIBED_METADATA = (("kvmesh-subscribed", "1"),)
 
 
 class OffloadStoreServicer(offload_store_pb2_grpc.OffloadStoreServicer):
@@ -120,22 +119,9 @@ class OffloadStoreServicer(offload_store_pb2_grpc.OffloadStoreServicer):
 
     def SubscribeEvents(self, request: pb.SubscribeOffloadEventsRequest,
                         context: Any) -> Iterator[pb.OffloadEventBatch]:
-        hub = self._core.hub
-        with self._lock:  # no operation is half-published: every later one reaches this stream
-            if hub.num_subscribers >= self._max_subscribers:
-                raise ResourceExhausted(f"at most {self._max_subscribers} event subscribers; retry later")
-            sub = hub.subscribe()
-        if not context.add_callback(sub.close):  # the client is already gone
-            sub.close()
-            return
-        context.send_initial_metadata(SUBSCRIBED_METADATA)
-        try:
-            for batch in sub:
-                yield convert.event_batch_to_pb(batch)
-        finally:
-            sub.close()
-        if sub.overflowed:
-            raise ResourceExhausted("event subscriber fell behind and was dropped; resubscribe")
+        # under the one lock: no operation is half-published, every later one reaches this stream
+        yield from serve_events(self._core.hub, self._lock, self._max_subscribers, context,
+                                convert.event_batch_to_pb)
 
     def GetStoredBlocks(self, request: pb.GetStoredBlocksRequest, context: Any) -> pb.GetStoredBlocksResponse:
         with self._lock:
