@@ -79,10 +79,13 @@ def test_a_prefix_evicted_into_dram_is_routed_to_its_holder(mesh: Mesh) -> None:
     for seed in (2, 3):  # 16 blocks of other prompts: every block of p is evicted, i.e. saved to DRAM
         generate(r0, prompt(seed))
     deadline = time.monotonic() + 10
-    while True:  # the events are asynchronous: until the router sees p in r0's DRAM, not its pool
+    # The events and the load probe are asynchronous: wait until the router sees p in r0's DRAM
+    # (not its pool) and both replicas idle (a stale KV-usage probe would add its own cost term).
+    while True:
         d = explain(mesh, [*p])
         scores = {s.id: s for s in d.scores}
-        if scores["r0"].matched_blocks == 0 and scores["r0"].dram_blocks == d.total_blocks:
+        idle = all(s.kv_usage == 0 and s.in_flight == 0 for s in d.scores)
+        if idle and scores["r0"].matched_blocks == 0 and scores["r0"].dram_blocks == d.total_blocks:
             break
         assert time.monotonic() < deadline, d
         time.sleep(0.05)
