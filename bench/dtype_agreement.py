@@ -44,6 +44,7 @@ if str(ROOT) not in sys.path:  # NOTE: run as a script, the repo root is not on 
 
 import torch  # noqa: E402
 
+from bench.peerbench.table import common_prefix  # noqa: E402
 from services.model_runner.config import RunnerConfig  # noqa: E402
 from services.model_runner.factory import build_runner, cpu_flags  # noqa: E402
 from services.model_runner.runner import ModelRunner  # noqa: E402
@@ -203,19 +204,10 @@ def greedy(runner: ModelRunner, prompts: list[list[int]], new_tokens: int, batch
     return seqs
 
 
-def _common(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def agreement(ref: list[Seq], other: list[Seq]) -> dict[str, Any]:
     """Sequences identical to ``ref``, mean common prefix, and the sampled token's logprob error
     over each sequence's common prefix (same context, same token on both sides)."""
-    prefixes = [_common(a.output, b.output) for a, b in zip(ref, other, strict=True)]
+    prefixes = [common_prefix(a.output, b.output) for a, b in zip(ref, other, strict=True)]
     errors = [abs(a.logprobs[i] - b.logprobs[i]) for a, b, n in zip(ref, other, prefixes, strict=True)
               for i in range(n)]  # fmt: skip
     return {"identical": sum(a.output == b.output for a, b in zip(ref, other, strict=True)), "of": len(ref),

@@ -48,6 +48,7 @@ if str(ROOT) not in sys.path:  # NOTE: run as a script, the repo root is not on 
 
 import torch  # noqa: E402
 
+from bench.peerbench.table import common_prefix  # noqa: E402
 from services.model_runner.config import RunnerConfig  # noqa: E402
 from services.model_runner.factory import build_runner  # noqa: E402
 from services.model_runner.kv_pool import bytes_per_block  # noqa: E402
@@ -316,19 +317,10 @@ def throughput(args: argparse.Namespace) -> dict[str, Any]:
     if model is not None:
         result["generate"] = {"tokens_per_s": statistics.median(r["generate_tokens_per_s"] for r in rounds)}
         result["speedup"] = statistics.median(r["speedup"] for r in rounds)
-        common = [_common_prefix(a, b) for a, b in zip(ours, theirs, strict=True)]
+        common = [common_prefix(a, b) for a, b in zip(ours, theirs, strict=True)]
         result["agreement"] = {"identical": sum(c == new_tokens for c in common), "of": batch,
                                "mean_common_prefix": statistics.mean(common)}  # fmt: skip
     return result
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def print_table(report: dict[str, Any]) -> None:

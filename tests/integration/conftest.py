@@ -104,7 +104,6 @@ def secure_suite(tiny_llama_dir: Path, certs: Certs, tmp_path_factory: pytest.Te
         "KVMESH_DEPLOYMENT_KEY": DEPLOYMENT_KEY,
         "KVMESH_RUNNER_BLOCK_SIZE": str(BLOCK),
         "KVMESH_RUNNER_KV_CACHE_MEMORY_BYTES": str(30 * 2048),  # 29 usable blocks (of fp32: 2048 bytes each)
-        "KVMESH_RUNNER_DTYPE": "float32",  # bf16 (AMX machines' auto) halves a block: 59 blocks, no eviction
         "KVMESH_RUNNER_WARMUP": "0",
         "KVMESH_OFFLOAD_DRAM_BYTES": str(1 << 20),
     }

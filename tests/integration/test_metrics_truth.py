@@ -5,10 +5,8 @@ over gRPC, then every service's real ``/metrics`` scraped and checked for values
 from __future__ import annotations
 
 import os
-import random
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -21,28 +19,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from services.scheduler.client import KVMeshClient
+from tests.integration.ports import free_port_range
 
 SERVICES = ("scheduler", "kv-cache-manager", "model-runner", "offload-store")  # metrics port = base + index
 N_REQUESTS, MAX_TOKENS = 3, 12
-
-
-def _free_base() -> int:
-    """A port N with N..N+3 free on loopback (the suite gives each service its own)."""
-    for _ in range(50):
-        base = random.randrange(20000, 60000)
-        socks = []
-        try:
-            for i in range(len(SERVICES)):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", base + i))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no four consecutive free ports")
 
 
 class _Up:
@@ -92,7 +72,7 @@ def _value(samples: list[tuple[str, dict[str, str], float]], name: str) -> float
 @pytest.fixture(scope="module")
 def loaded(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory
            ) -> Iterator[tuple[int, dict[str, list[tuple[str, dict[str, str], float]]]]]:
-    base = _free_base()
+    base = free_port_range(len(SERVICES))
     up = _Up(tiny_llama_dir, tmp_path_factory.mktemp("metrics-up"), base)
     try:
         prompts = [[5 + i, 17, 33, 48, 90, 120, 7, 64, 200, 31, 11] for i in range(N_REQUESTS)]

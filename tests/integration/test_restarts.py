@@ -54,7 +54,6 @@ def suite(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
     env = {
         "KVMESH_RUNNER_BLOCK_SIZE": str(BLOCK),
         "KVMESH_RUNNER_KV_CACHE_MEMORY_BYTES": str(NUM_BLOCKS * 2048),
-        "KVMESH_RUNNER_DTYPE": "float32",  # 2048 bytes a block; bf16 (AMX machines' auto) would double the pool
         "KVMESH_RUNNER_WARMUP": "0",
         "KVMESH_OFFLOAD_DRAM_BYTES": str(256 * 2048),
         "KVMESH_SCHED_OWNER_LEASE_SECONDS": "2",  # a SIGKILLed scheduler's successor waits <= 2 s

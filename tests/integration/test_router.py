@@ -62,9 +62,6 @@ def mesh(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
     keys_file.write_text("".join(f"{k} {t}\n" for t, k in KEYS.items()))
     env = {"KVMESH_DEPLOYMENT_KEY": KEY, "KVMESH_AUTH_KEYS_FILE": str(keys_file),
            "KVMESH_RUNNER_BLOCK_SIZE": str(BS), "KVMESH_RUNNER_KV_CACHE_MEMORY_BYTES": str(65 * 2048),
-           # float32 as test_suite.py: the 64-block pool below is sized for it (bf16, AMX machines'
-           # default, would double it), and it is the mode where the cache never changes greedy tokens.
-           "KVMESH_RUNNER_DTYPE": "float32",
            "KVMESH_RUNNER_WARMUP": "0", "KVMESH_ROUTER_HEALTH_INTERVAL_SECONDS": "0.2",
            "KVMESH_ROUTER_READY_TIMEOUT_SECONDS": "30"}
     with Mesh(MeshConfig(model_dir=str(tiny_llama_dir), replicas=2, port=0, with_offload=False,

@@ -36,7 +36,7 @@ def mesh(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
     keys_file.write_text("".join(f"{k} {t}\n" for t, k in KEYS.items()))
     env = {"KVMESH_DEPLOYMENT_KEY": KEY, "KVMESH_AUTH_KEYS_FILE": str(keys_file),
            "KVMESH_RUNNER_BLOCK_SIZE": str(BS), "KVMESH_RUNNER_KV_CACHE_MEMORY_BYTES": str(17 * 2048),
-           "KVMESH_RUNNER_DTYPE": "float32", "KVMESH_RUNNER_WARMUP": "0",
+           "KVMESH_RUNNER_WARMUP": "0",
            "KVMESH_OFFLOAD_DRAM_BYTES": str(1 << 20),
            "KVMESH_ROUTER_HEALTH_INTERVAL_SECONDS": "0.2", "KVMESH_ROUTER_READY_TIMEOUT_SECONDS": "30"}
     with Mesh(MeshConfig(model_dir=str(tiny_llama_dir), replicas=2, port=0, with_offload=True,

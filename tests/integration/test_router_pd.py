@@ -10,7 +10,6 @@ replica's offload-store and then its scheduler away.
 
 from __future__ import annotations
 
-import socket
 import time
 import urllib.request
 import uuid
@@ -27,6 +26,7 @@ from services.scheduler.client import KVMeshClient
 from services.suite import METRICS_PORT_OFFSETS, Suite, SuiteConfig
 from shared.launcher import ServiceProcess
 from shared.pb.kvmesh.v1 import router_pb2_grpc, scheduler_pb2
+from tests.integration.ports import free_port_range
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]  # two suites and a router: nine processes
 
@@ -35,29 +35,6 @@ KEY = "pd-test-deployment-key"
 KEYS = {"team-a": "sk-pd-team-a-00000001", "team-b": "sk-pd-team-b-00000001"}
 AUTH = (("authorization", f"Bearer {KEYS['team-a']}"),)  # the Router API is behind the same keys
 THRESHOLD = 16  # tokens: a 48-token prompt is split, an 8-token one is not
-
-
-def _free_port_range(n: int = 4) -> int:
-    """A port N with N..N+n-1 free on loopback (the suite gives each service its own metrics port)."""
-    for _ in range(50):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            base = int(probe.getsockname()[1])
-        if base + n >= 65536:
-            continue
-        socks = []
-        try:
-            for port in range(base, base + n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no consecutive free ports")
 
 
 @dataclass
@@ -99,10 +76,10 @@ def pd(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory, redis_url
     prefix = f"kvmesh-test:pd:{uuid.uuid4().hex[:12]}:"
     env = {"KVMESH_DEPLOYMENT_KEY": KEY, "KVMESH_AUTH_KEYS_FILE": str(keys_file),
            "KVMESH_RUNNER_BLOCK_SIZE": str(BS), "KVMESH_RUNNER_KV_CACHE_MEMORY_BYTES": str(65 * 2048),
-           "KVMESH_RUNNER_WARMUP": "0", "KVMESH_RUNNER_DTYPE": "float32",
+           "KVMESH_RUNNER_WARMUP": "0",
            "KVMESH_OFFLOAD_DRAM_BYTES": str(1 << 20), "KVMESH_OFFLOAD_REMOTE_URL": redis_url,
            "KVMESH_OFFLOAD_REMOTE_KEY_PREFIX": prefix}
-    ports = [_free_port_range(), _free_port_range(), _free_port_range(1)]
+    ports = [free_port_range(), free_port_range(), free_port_range(1)]
     suites: list[Suite] = []
     router: ServiceProcess | None = None
     try:

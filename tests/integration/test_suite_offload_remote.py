@@ -5,7 +5,6 @@ remote tier; the offload-store's ``/metrics`` reports it."""
 
 from __future__ import annotations
 
-import socket
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from services.scheduler.client import KVMeshClient
 from services.suite import Suite, SuiteConfig
 from shared.pb.kvmesh.v1 import offload_store_pb2, offload_store_pb2_grpc
+from tests.integration.ports import free_port_range
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]  # two suites: eight processes
 OFFLOAD_METRICS_OFFSET = 3  # services/suite.py METRICS_PORT_OFFSETS
@@ -25,29 +25,6 @@ OFFLOAD_METRICS_OFFSET = 3  # services/suite.py METRICS_PORT_OFFSETS
 
 def _prompt(seed: int, n: int) -> list[int]:
     return torch.randint(3, 370, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def _free_port_range(n: int = 4) -> int:
-    """A port N with N..N+n-1 free on loopback (the suite gives each service its own)."""
-    for _ in range(50):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            base = int(probe.getsockname()[1])
-        if base + n >= 65536:
-            continue
-        socks = []
-        try:
-            for port in range(base, base + n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no consecutive free ports")
 
 
 def _metric(port: int, name: str) -> float:
@@ -72,7 +49,7 @@ def replicas(tiny_llama_dir: Path, tmp_path: Path, redis_url: str, remote_prefix
         "KVMESH_OFFLOAD_REMOTE_URL": redis_url,
         "KVMESH_OFFLOAD_REMOTE_KEY_PREFIX": remote_prefix,
     }
-    metrics_b = _free_port_range()
+    metrics_b = free_port_range()
     a = Suite(SuiteConfig(model_dir=str(tiny_llama_dir), scheduler_port=0, log_dir=str(tmp_path / "a"),
                           extra_env=env))
     try:
