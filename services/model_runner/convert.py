@@ -29,6 +29,7 @@ def model_info_to_proto(mi: ModelInfo) -> model_runner_pb2.ModelInfo:
         attention_backend=mi.attention_backend, bytes_per_block=mi.bytes_per_block, device=mi.device,
         bos_token_id=mi.bos_token_id, dtype_reason=mi.dtype_reason,
         attention_backend_reason=mi.attention_backend_reason, pool_id=mi.pool_id,
+        kv_group_windows=[window or 0 for window in mi.kv_group_windows],
     )
 
 
@@ -41,6 +42,7 @@ def model_info_from_proto(msg: model_runner_pb2.ModelInfo) -> ModelInfo:
         num_kv_heads=msg.num_kv_heads, head_dim=msg.head_dim, dtype=msg.dtype, kv_cache_dtype=msg.kv_cache_dtype,
         attention_backend=msg.attention_backend, bytes_per_block=msg.bytes_per_block, device=msg.device,
         dtype_reason=msg.dtype_reason, attention_backend_reason=msg.attention_backend_reason, pool_id=msg.pool_id,
+        kv_group_windows=tuple(window or None for window in msg.kv_group_windows) or (None,),
     )
 
 

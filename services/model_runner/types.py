@@ -87,3 +87,6 @@ class ModelInfo:
     dtype_reason: str = ""  # why this dtype (``factory.select_dtype``)
     attention_backend_reason: str = ""  # why this backend (``factory.select_backend``)
     pool_id: str = ""  # the pool's incarnation (its handle's generation, new at every start)
+    # per KV cache group its sliding window, None = full attention (``shared/kv_layout.py``);
+    # block ids travel group-major: every group's table, one after another, all of one length
+    kv_group_windows: tuple[int | None, ...] = (None,)

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from shared.errors import FailedPrecondition
+from shared.kv_layout import KVGroup, kv_groups
 
 # Architecture name -> (qkv projections carry a bias by design, model_type).
 SUPPORTED_ARCHITECTURES: dict[str, tuple[bool, str]] = {
@@ -64,6 +65,9 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     sliding_window: int | None = None  # None = full attention at every length
+    # per layer: its sliding window in tokens, None = full attention (empty: every layer uses
+    # ``sliding_window``); see :attr:`layer_windows`
+    layer_types_windows: tuple[int | None, ...] = ()
     torch_dtype: str = "float32"  # the checkpoint's declared dtype (informational)
 
     def __post_init__(self) -> None:
@@ -74,6 +78,23 @@ class ModelConfig:
             )
         if self.head_dim % 2 != 0:
             raise UnsupportedModelError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+
+    @property
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Each layer's sliding window (None = full attention), as transformers decides it.
+
+        ``layer_types`` in config.json (transformers >= 4.56 writes it for Qwen2/Qwen3, Gemma-style
+        models list their alternation there) names each layer ``sliding_attention`` or
+        ``full_attention``; without it (Mistral) every layer uses ``sliding_window``.
+        """
+        if self.layer_types_windows:
+            return self.layer_types_windows
+        return (self.sliding_window,) * self.num_layers
+
+    @property
+    def kv_groups(self) -> tuple[KVGroup, ...]:
+        """The KV cache groups of this model's layers (``shared/kv_layout.py``)."""
+        return kv_groups(self.layer_windows)
 
     @property
     def max_model_len(self) -> int:
@@ -116,6 +137,19 @@ class ModelConfig:
         sliding_window = hf.get("sliding_window")
         if arch == "Qwen2ForCausalLM" and not hf.get("use_sliding_window", False):
             sliding_window = None
+        num_layers = int(hf["num_hidden_layers"])
+        layer_types = hf.get("layer_types")
+        windows: tuple[int | None, ...] = ()
+        if layer_types:
+            if len(layer_types) != num_layers:
+                raise UnsupportedModelError(f"layer_types lists {len(layer_types)} layers, the model has {num_layers}")
+            unknown = set(layer_types) - {"full_attention", "sliding_attention"}
+            if unknown:
+                raise UnsupportedModelError(f"layer_types {sorted(unknown)} are not supported")
+            windows = tuple(
+                None if kind == "full_attention" or sliding_window is None else int(sliding_window)
+                for kind in layer_types
+            )
         eos_ids = tuple(dict.fromkeys(int(e) for e in _as_list(hf.get("eos_token_id"))))
         bos = hf.get("bos_token_id")
         return cls(
@@ -123,7 +157,7 @@ class ModelConfig:
             vocab_size=int(hf["vocab_size"]),
             hidden_size=int(hf["hidden_size"]),
             intermediate_size=int(hf["intermediate_size"]),
-            num_layers=int(hf["num_hidden_layers"]),
+            num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
             head_dim=int(head_dim),
@@ -137,6 +171,7 @@ class ModelConfig:
             bos_token_id=None if bos is None else int(bos),
             eos_token_ids=eos_ids,
             sliding_window=None if sliding_window is None else int(sliding_window),
+            layer_types_windows=windows,
             torch_dtype=str(hf.get("dtype") or hf.get("torch_dtype") or "float32"),
         )
 

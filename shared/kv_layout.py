@@ -1,0 +1,96 @@
+"""How a model's KV cache is laid out: the KV-size formula and the KV cache groups.
+
+One owner for both facts, because three services need them: the model-runner sizes its pool with
+them, the kv-cache-manager keeps one block table per group, and the scheduler forwards the tables.
+
+**KV bytes per token** (the seminar's formula)::
+
+    GQA / MHA / MQA:  2 (K and V) x layers x kv_heads x head_dim x bytes per element
+    MLA:              (latent_dim + rope_dim) x layers x bytes per element
+
+**KV cache groups** (vLLM's hybrid KV cache manager): layers that attend alike share one block
+table. A model whose layers all use full attention has one group of every layer, exactly the
+classic layout. A model that mixes full and sliding-window layers (Qwen2/Qwen3 with
+``use_sliding_window``, Gemma-style alternation) gets groups of equally many layers, each group all
+full or all of one window, so that one block id means the same number of bytes in every group and
+all groups draw from one pool::
+
+    layer windows: [None, 16, None, 16]      (None = full attention)
+    groups:        full (layers 0, 2) | window 16 (layers 1, 3)      2 layers per group
+
+    pool tensor:   [layers_per_group, 2, num_blocks, block_size, kv_heads, head_dim]
+    layer 2 is the 2nd layer of group 0: it reads pool[1] through group 0's block table
+
+A window group's blocks that slid out of every query's window go back to the pool, which is where
+the memory is saved; the full groups keep every block.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+__all__ = ["KVGroup", "gqa_kv_bytes_per_token", "kv_groups", "layers_per_group", "mla_kv_bytes_per_token"]
+
+
+def gqa_kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, bytes_per_element: float) -> float:
+    """``2 x layers x kv_heads x head_dim x bytes``: K and V of one token across the whole model.
+
+    ``bytes_per_element`` is a float so that packed formats count honestly (INT4 is 0.5 plus its
+    scales, which the caller adds per element).
+    """
+    return 2 * num_layers * num_kv_heads * head_dim * bytes_per_element
+
+
+def mla_kv_bytes_per_token(num_layers: int, latent_dim: int, rope_dim: int, bytes_per_element: float) -> float:
+    """``(latent_dim + rope_dim) x layers x bytes``: MLA caches one compressed latent and one shared
+    rotary key per token and layer instead of per-head K and V."""
+    return (latent_dim + rope_dim) * num_layers * bytes_per_element
+
+
+@dataclass(frozen=True)
+class KVGroup:
+    """Layers that share one block table.
+
+    Attributes:
+        window: the sliding window in tokens of every layer in the group (a query at position
+            ``p`` sees keys ``p - window + 1 .. p``, as transformers' ``sliding_window``); None =
+            full attention.
+        layers: the model's layer indices, ascending; ``layers[j]`` lives in slot ``j`` of the
+            pool's layer dimension.
+    """
+
+    window: int | None
+    layers: tuple[int, ...]
+
+
+def kv_groups(layer_windows: Sequence[int | None]) -> tuple[KVGroup, ...]:
+    """Partitions layers into KV cache groups of equal size (see the module docstring).
+
+    The group size is the smallest number of layers sharing one window value, so every kind of
+    attention fills whole groups where the counts divide, and the last group of a kind holds fewer
+    layers (its unused slots are padding) where they do not. Full-attention groups come first,
+    then window groups by ascending window.
+
+    Raises:
+        ValueError: no layers, or a window below 1.
+    """
+    if not layer_windows:
+        raise ValueError("a model needs at least one layer")
+    by_window: dict[int | None, list[int]] = {}
+    for layer, window in enumerate(layer_windows):
+        if window is not None and window < 1:
+            raise ValueError(f"layer {layer}: sliding window {window} must be >= 1 (None = full attention)")
+        by_window.setdefault(window, []).append(layer)
+    size = min(len(layers) for layers in by_window.values())
+    order = sorted(by_window, key=lambda w: (w is not None, w or 0))
+    return tuple(
+        KVGroup(window, tuple(by_window[window][start : start + size]))
+        for window in order
+        for start in range(0, len(by_window[window]), size)
+    )
+
+
+def layers_per_group(groups: Sequence[KVGroup]) -> int:
+    """Slots in the pool's layer dimension: the largest group's size."""
+    return max(len(group.layers) for group in groups)
