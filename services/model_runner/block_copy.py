@@ -44,15 +44,18 @@ def copy_blocks(
         The bytes copied (``len(block_ids) * pool.bytes_per_block``).
 
     Raises:
-        InvalidArgument: mismatched lengths, an id or row out of range, or a staging tensor
-            whose blocks are not the pool's shape and dtype; nothing was copied.
+        InvalidArgument: mismatched lengths, an id or row out of range, a staging file outside
+            the pool's shm folder, or a staging tensor whose blocks are not the pool's shape and
+            dtype; nothing was copied.
     """
     ids, rows = list(block_ids), list(rows)
     if len(ids) != len(rows):
         raise InvalidArgument("staging_rows: must have one row per block id")
     if any(not 0 < b < pool.num_blocks for b in ids):
         raise InvalidArgument(f"block_ids: must lie in [1, {pool.num_blocks})")
-    tensor = attach(staging)
+    # NOTE: the handle arrives over RPC: confined to the pool's own shm folder, it cannot point the
+    # runner's writes (CopyBlocksOut) or reads (CopyBlocksIn) at any other file on the node.
+    tensor = attach(staging, pool.shm_dir)
     if tuple(tensor.shape[1:]) != (pool.shape[0], 2, *pool.shape[3:]) or tensor.dtype != pool.tensor.dtype:
         raise InvalidArgument("staging: shape or dtype does not match the pool's blocks")
     if any(not 0 <= r < tensor.shape[0] for r in rows):

@@ -100,6 +100,7 @@ class KVPool:
         """
         self.dtype = dtype
         self.device = torch.device(device)
+        self.shm_dir = shm_dir  # also the only folder a staging file of CopyBlocks may name
         self.block_size = block_size
         self.bytes_per_block = bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype)
         self.num_blocks = memory_bytes // self.bytes_per_block
@@ -191,15 +192,16 @@ class KVPool:
         self.close()
 
 
-def attach(handle: SharedTensorHandle) -> torch.Tensor:
+def attach(handle: SharedTensorHandle, allowed_dir: str | None = None) -> torch.Tensor:
     """Maps the tensor a handle names, zero copy, in this process, in its dtype and shape.
 
     The mapping is ``shared.tensor_handle.map_handle``'s (the offload-store maps pools with it
     too), so its errors are the same: NotFound for a closed or re-created pool's file,
     FailedPrecondition for a size the handle does not say, InvalidArgument for a malformed handle.
     A KVPool's file name carries its generation, so a stale handle names a file that is gone.
+    ``allowed_dir``: the only folder an ``shm_file`` handle may name (set for handles from RPCs).
     """
-    return map_handle(handle).view(dtype_from_name(handle.dtype)).view(handle.shape)
+    return map_handle(handle, allowed_dir).view(dtype_from_name(handle.dtype)).view(handle.shape)
 
 
 def _unlink(path: Path | None, lock_fd: int = -1) -> None:

@@ -110,3 +110,18 @@ def test_a_staging_tensor_of_another_geometry_is_refused(pool: KVPool, tmp_path:
     with pytest.raises(InvalidArgument, match="staging: shape or dtype does not match the pool's blocks"):
         copy_blocks(pool, handle, [2], [0], into_pool=True)
     assert torch.equal(pool.tensor, before)
+
+
+def test_staging_outside_the_pools_folder_is_refused_and_untouched(pool: KVPool, tmp_path: Path) -> None:
+    """A handle arrives over RPC: it must not point the runner's writes (or reads) at any file."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    staging, handle = _staging(elsewhere, 2)
+    staging.fill_(3.0)
+    before = pool.tensor.clone()
+    lock = CountingLock()
+    for into_pool in (False, True):
+        with pytest.raises(InvalidArgument, match="not in the allowed directory"):
+            copy_blocks(pool, handle, [2], [0], into_pool=into_pool, lock=lock)
+    assert torch.equal(pool.tensor, before) and torch.equal(staging, torch.full_like(staging, 3.0))
+    assert lock.entered == 0
