@@ -213,7 +213,7 @@ def engines_table(report: Report) -> list[str]:
         status = "ok" if r.get("ok") else f"failed: {r.get('error', 'no result')}"
         counted = f"{'worker' if r.get('rss_counts_worker', True) else 'server'}, {r.get('processes', '?')} proc."
         ratio = (_fmt_ratio(r["rss_peak_mib"] / base["rss_peak_mib"])
-                 if r.get("rss_peak_mib") and base.get("rss_peak_mib") else "-")
+                 if r.get("ok") and r.get("rss_peak_mib") and base.get("rss_peak_mib") else "-")
         lines.append(f"| {report.labels[n]} | {r.get('startup_s', 0.0):.1f} | {counted} | {_mib(r, 'rss_idle_mib')} "
                      f"| {_mib(r, 'rss_peak_mib')} | {_mib(r, 'pss_idle_mib')} | {_mib(r, 'pss_peak_mib')} | {ratio} "
                      f"| {versions} | {status} |")

