@@ -11,7 +11,8 @@ Everything runs in one process, one after the other, so the figures share the ma
    decode together, ``--repeats`` timed steps after two warm-up steps. The roofline of a step is
    ``max(bytes / bandwidth, flops / peak)`` with
    ``bytes = all weights + K/V of the batch at its context`` and
-   ``flops = 2 * params * B + 4 * B * context * layers * heads * head_dim`` (QK^T and PV).
+   ``flops = 2 * linear weights * B + 4 * B * context * layers * heads * head_dim`` (QK^T and PV);
+   the arithmetic is ``bench/peerbench/roofline.py``'s (``bench/roofline.py`` adds bf16 and GEMM peaks).
 3. Throughput: the same ``B`` prompts (real text, different lengths), greedy, ``--new-tokens``
    each, through the runner (one prefill step, then decode steps) and through transformers'
    ``generate()`` (static cache, batched, left padding, fp32, same threads), alternately for
@@ -48,12 +49,13 @@ if str(ROOT) not in sys.path:  # NOTE: run as a script, the repo root is not on 
 
 import torch  # noqa: E402
 
+from bench.peerbench.roofline import DecoderShape, decode_step_cost  # noqa: E402
+from bench.peerbench.roofline import roofline as step_roofline  # noqa: E402
 from bench.peerbench.table import common_prefix  # noqa: E402
 from services.model_runner.config import RunnerConfig  # noqa: E402
 from services.model_runner.factory import build_runner  # noqa: E402
 from services.model_runner.kv_pool import bytes_per_block  # noqa: E402
 from services.model_runner.model.config import ModelConfig  # noqa: E402
-from services.model_runner.model.transformer import CausalLM  # noqa: E402
 from services.model_runner.runner import ModelRunner  # noqa: E402
 from services.model_runner.types import CachedRequestData, NewRequestData, StepInput  # noqa: E402
 
@@ -192,23 +194,15 @@ def _build(args: argparse.Namespace, **fields: Any) -> ModelRunner:
                                      block_size=BLOCK_SIZE, **fields))  # fmt: skip
 
 
-def param_count(cfg: ModelConfig) -> int:
-    """Parameters of the fp32 model (counted on the meta device: a quantized runner frees its fp32 weights)."""
-    with torch.device("meta"):
-        return sum(p.numel() for p in CausalLM(cfg).parameters())
-
-
-def roofline(
-    cfg: ModelConfig, params: int, batch: int, context: float, machine_figs: dict[str, float]
-) -> dict[str, float]:
-    """The lower bound of one fp32 decode step: reading weights + K/V, or the FLOPs, whichever is slower."""
-    kv_bytes = batch * context * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 4
-    weight_bytes = params * 4
-    flops = 2 * params * batch + 4 * batch * context * cfg.num_layers * cfg.num_heads * cfg.head_dim
-    memory_s = (weight_bytes + kv_bytes) / (machine_figs["copy_gb_s"] * 1e9)
-    compute_s = flops / (machine_figs["matmul_gflop_s"] * 1e9)
-    return {"bytes": weight_bytes + kv_bytes, "flops": flops, "memory_s": memory_s, "compute_s": compute_s,
-            "bound_s": max(memory_s, compute_s)}  # fmt: skip
+def roofline(cfg: ModelConfig, batch: int, context: float, machine_figs: dict[str, float]) -> dict[str, float]:
+    """The lower bound of one fp32 decode step: reading weights + K/V, or the FLOPs, whichever is slower
+    (the arithmetic is ``bench/peerbench/roofline.py``'s)."""
+    shape = DecoderShape(cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads,
+                         cfg.head_dim, cfg.vocab_size)
+    cost = decode_step_cost(shape, batch, context, "float32", "float32")
+    bound = step_roofline(cost, machine_figs["copy_gb_s"], machine_figs["matmul_gflop_s"])
+    return {"bytes": cost.total_bytes, "flops": cost.flops, "memory_s": bound.memory_s, "compute_s": bound.compute_s,
+            "bound_s": bound.bound_s}  # fmt: skip
 
 
 def decode_steps(args: argparse.Namespace, machine_figs: dict[str, float]) -> list[dict[str, Any]]:
@@ -219,7 +213,6 @@ def decode_steps(args: argparse.Namespace, machine_figs: dict[str, float]) -> li
     per_block = bytes_per_block(cfg.num_layers, BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim, torch.float32)
     blocks = max_batch * (-(-(max_ctx + headroom) // BLOCK_SIZE)) + 2
     runner = _build(args, kv_cache_memory_bytes=blocks * per_block, max_model_len=max_ctx + headroom)
-    params = param_count(cfg)
     driver = Driver(runner)
     gen = torch.Generator().manual_seed(0)
     rows = []
@@ -236,7 +229,7 @@ def decode_steps(args: argparse.Namespace, machine_figs: dict[str, float]) -> li
                 part = seqs[:batch]
                 context = statistics.mean(s.computed + 1 for s in part)
                 med, samples = median_seconds(partial(driver.decode, part), args.repeats, warmup=2)
-                bound = roofline(cfg, params, batch, context, machine_figs)
+                bound = roofline(cfg, batch, context, machine_figs)
                 row = {"context": ctx, "mean_context": context, "batch": batch, "step_s": med,
                        "step_min_s": min(samples), "step_max_s": max(samples), "samples_s": samples,
                        "tokens_per_s": batch / med, **bound, "ratio": med / bound["bound_s"]}  # fmt: skip

@@ -11,6 +11,7 @@ import argparse
 import json
 import os
 import shlex
+import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -25,6 +26,7 @@ from bench.peerbench.workloads import build_prompts, select
 from bench.serve.machine import load_average, machine_info
 
 LLAMA_SDIST = "llama_cpp_python-0.3.36"
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def parse(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -48,6 +50,8 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--engine-timeout", type=float, default=2400.0, help="seconds one engine may take in all")
     p.add_argument("--note", action="append", default=[], help="a line for the report (repeatable)")
     p.add_argument("--out", default="bench/results/peers", help="writes OUT.json and OUT.md")
+    p.add_argument("--no-roofline", action="store_true",
+                   help="skip bench/roofline.py (run first, on the idle machine: bandwidth, GEMM peaks, decode step)")
     p.add_argument("--report-only", action="store_true",
                    help="run nothing: report the results an earlier run left in the work folder")
     p.add_argument("--write-docs", default="", help="replace the generated section of this markdown file")
@@ -60,6 +64,27 @@ def _model_dir(ns: argparse.Namespace) -> Path:
     from services.model_runner.prepare import default_cache_dir, prepare_default_model
 
     return prepare_default_model(default_cache_dir())
+
+
+def _roofline(ns: argparse.Namespace, model_dir: Path, work: Path) -> str:
+    """Runs ``bench/roofline.py`` (this interpreter, the same threads) into the work folder; its markdown
+    (also an earlier run's, with ``--report-only``), or "" when it did not run."""
+    out = work / "roofline"
+    if not ns.report_only:
+        cmd = [sys.executable, str(ROOT / "bench" / "roofline.py"), "--model", str(model_dir),
+               "--threads", str(ns.threads), "--out", str(out)] + (["--quick"] if ns.quick else [])
+        _say("starting the roofline: " + shlex.join(cmd))
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        try:
+            done = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, timeout=ns.engine_timeout)
+        except subprocess.TimeoutExpired:
+            _say("the roofline timed out")
+            return ""
+        if done.returncode != 0:
+            _say(f"the roofline exited with {done.returncode}")
+            return ""
+    md = out.with_suffix(".md")
+    return md.read_text() if md.is_file() else ""
 
 
 def _say(message: str) -> None:
@@ -80,7 +105,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     prompts = [build_prompts(w, vocab, repeats, ns.seed, i) for i, w in enumerate(workloads)]
     pythons = {"vllm": str(Path(ns.vllm_venv or peers / "vllm") / "bin" / "python"),
                "llamacpp": str(Path(ns.llamacpp_venv or peers / "llamacpp") / "bin" / "python"),
-               "kvmesh": sys.executable}
+               "kvmesh": sys.executable, "openai": sys.executable}
     work = Path(ns.work_dir or peers / "work")
     ggufs: dict[str, str] = {}
     if any(s.kind == "llamacpp" for s in specs) and not ns.report_only:
@@ -97,6 +122,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     cfg = RunConfig(model_dir=model_dir, work_dir=work, pythons=pythons, threads=ns.threads,
                     engine_timeout_s=ns.engine_timeout, vllm_enforce_eager=not ns.vllm_compile,
                     ggufs=tuple(ggufs.items()))
+    roofline_md = "" if ns.no_roofline else _roofline(ns, model_dir, work)
     if ns.report_only:
         results = {s.name: load_result(s, work) for s in specs}
     else:
@@ -107,7 +133,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "vllm_enforce_eager": cfg.vllm_enforce_eager}
     report = build_report(workloads, [s.name for s in specs], {s.name: s.label for s in specs}, results,
                           eng.reference(results), eng.BASELINE, eng.FP32_BASELINE, meta)
-    text = render(report, eng.DEFAULT_KVMESH, eng.EXACT_KVMESH, eng.LLAMA)
+    text = render(report, eng.DEFAULT_KVMESH, eng.EXACT_KVMESH, eng.LLAMA, eng.HTTP_PAIRS, roofline_md)
     print(text)
     out = Path(ns.out)
     out.parent.mkdir(parents=True, exist_ok=True)

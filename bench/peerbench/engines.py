@@ -6,6 +6,15 @@ the runner picks on this machine; the row shows what it resolved). vLLM runs in 
 own default dtype (the baseline of the ratios, as a user would run it). llama.cpp runs an F32 GGUF
 converted from the same HF folder (with f32 KV, so it is an fp32 row end to end) and the Q4_1 GGUF
 the model ships as (llama.cpp's defaults: f16 KV).
+
+The HTTP rows put both servers behind one client: ``vllm serve`` (vLLM's OpenAI-compatible server,
+same folder, same dtype) and kvmesh's gateway (``kvmesh up`` with its HTTP front door), each
+driven by the driver of ``kvmesh bench serve --backend openai`` (``worker_openai.py``).
+
+Memory: an engine that runs in its worker's process (vLLM offline, whose engine core is a child;
+llama.cpp; kvmesh in-process) counts the worker's whole process tree; a server the worker starts
+and only drives (``count_worker=False``: the kvmesh suite, both HTTP servers) counts the server's
+processes, not the worker's own client and driver.
 """
 
 from __future__ import annotations
@@ -24,8 +33,9 @@ class EngineSpec:
 
     name: str
     label: str
-    kind: str  # "vllm", "llamacpp" or "kvmesh": which worker and venv
+    kind: str  # "vllm", "llamacpp", "kvmesh" or "openai": which worker (and which venv runs it)
     settings: Mapping[str, Any] = field(default_factory=dict)
+    count_worker: bool = True  # memory: the worker's process counts (False: only the server it starts)
 
     @property
     def worker(self) -> Path:
@@ -39,13 +49,21 @@ ENGINES = (
     EngineSpec("llamacpp-f32", "llama.cpp F32", "llamacpp", {"gguf": "f32", "kv_type": "f32"}),
     EngineSpec("llamacpp-q4_1", "llama.cpp Q4_1", "llamacpp", {"gguf": "q4_1", "kv_type": "f16"}),
     EngineSpec("kvmesh-suite-fp32", "kvmesh suite fp32+cpu", "kvmesh",
-               {"mode": "suite", "dtype": "float32", "attention_backend": "cpu"}),
+               {"mode": "suite", "dtype": "float32", "attention_backend": "cpu"}, count_worker=False),
     EngineSpec("kvmesh-suite-auto", "kvmesh suite auto", "kvmesh",
-               {"mode": "suite", "dtype": "auto", "attention_backend": "auto"}),
+               {"mode": "suite", "dtype": "auto", "attention_backend": "auto"}, count_worker=False),
     EngineSpec("kvmesh-inproc-fp32", "kvmesh in-process fp32+cpu", "kvmesh",
                {"mode": "inprocess", "dtype": "float32", "attention_backend": "cpu"}),
     EngineSpec("kvmesh-inproc-auto", "kvmesh in-process auto", "kvmesh",
                {"mode": "inprocess", "dtype": "auto", "attention_backend": "auto"}),
+    EngineSpec("vllm-serve-fp32", "vllm serve fp32 (HTTP)", "openai", {"server": "vllm", "dtype": "float32"},
+               count_worker=False),
+    EngineSpec("vllm-serve-default", "vllm serve default dtype (HTTP)", "openai", {"server": "vllm", "dtype": "auto"},
+               count_worker=False),
+    EngineSpec("kvmesh-http-fp32", "kvmesh gateway fp32+cpu (HTTP)", "openai",
+               {"server": "kvmesh", "dtype": "float32", "attention_backend": "cpu"}, count_worker=False),
+    EngineSpec("kvmesh-http-auto", "kvmesh gateway auto (HTTP)", "openai",
+               {"server": "kvmesh", "dtype": "auto", "attention_backend": "auto"}, count_worker=False),
 )
 BY_NAME = {e.name: e for e in ENGINES}
 BASELINE = "vllm-default"  # ratios: against vLLM as a user runs it
@@ -54,6 +72,7 @@ REFERENCES = ("kvmesh-suite-fp32", "kvmesh-inproc-fp32")  # identity: kvmesh's e
 DEFAULT_KVMESH = "kvmesh-suite-auto"  # the issue's "default kvmesh suite"
 EXACT_KVMESH = "kvmesh-suite-fp32"
 LLAMA = ("llamacpp-f32", "llamacpp-q4_1")
+HTTP_PAIRS = (("kvmesh-http-auto", "vllm-serve-default"), ("kvmesh-http-fp32", "vllm-serve-fp32"))  # same client
 
 
 def select(names: str) -> tuple[EngineSpec, ...]:

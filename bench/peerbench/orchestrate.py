@@ -47,7 +47,7 @@ def _env(spec: EngineSpec, cfg: RunConfig) -> dict[str, str]:
         env["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.vllm_kv_space_gib)
     else:
         env["OMP_NUM_THREADS"] = str(cfg.threads)
-    if spec.kind == "kvmesh":
+    if spec.kind in ("kvmesh", "openai"):
         env["PYTHONPATH"] = str(ROOT)
     return env
 
@@ -59,10 +59,14 @@ def job_for(spec: EngineSpec, cfg: RunConfig, prompts: Sequence[WorkloadPrompts]
         settings["gguf"] = dict(cfg.ggufs)[settings["gguf"]]
     if spec.kind == "vllm":
         settings["enforce_eager"] = cfg.vllm_enforce_eager
-    if spec.kind == "kvmesh":
+    if spec.kind == "kvmesh" or settings.get("server") == "kvmesh":
         settings["kv_cache_memory_bytes"] = cfg.kv_cache_memory_bytes
+    if settings.get("server") == "vllm":  # NOTE: the driver runs in kvmesh's venv, the server in vLLM's
+        settings.update(vllm_python=cfg.pythons.get("vllm", ""), enforce_eager=cfg.vllm_enforce_eager,
+                        kv_space_gib=cfg.vllm_kv_space_gib)
     return {
         "engine": spec.name,
+        "count_worker": spec.count_worker,
         "model_dir": str(cfg.model_dir),
         "threads": cfg.threads,
         "settings": settings,

@@ -192,17 +192,44 @@ def workload_table(report: Report, w: Workload) -> list[str]:
     return lines
 
 
+def _mib(r: Mapping[str, Any], key: str) -> str:
+    return f"{r[key]:.0f}" if key in r else "-"
+
+
 def engines_table(report: Report) -> list[str]:
-    """Start-up, memory, versions and failures of every engine."""
-    lines = ["| engine | start-up s | RSS idle MiB | RSS peak MiB | versions | status |",
-             "|---|---:|---:|---:|---|---|"]
+    """Start-up, memory (RSS and PSS sums over the counted processes), versions and failures of every engine.
+
+    ``counted``: ``server`` (the processes of a server the worker started and drives: kvmesh's suite,
+    ``vllm serve``) or ``worker`` (the worker's whole tree, the engine living in it: vLLM offline with
+    its engine core, llama.cpp, kvmesh in-process); the count is of processes at idle.
+    """
+    base = report.results.get(report.baseline, {})
+    lines = ["| engine | start-up s | counted | RSS idle MiB | RSS peak MiB | PSS idle MiB | PSS peak MiB "
+             f"| RSS peak ÷ {report.baseline} | versions | status |",
+             "|---|---:|---|---:|---:|---:|---:|---:|---|---|"]
     for n in report.order:
         r = report.results.get(n, {})
         versions = ", ".join(f"{k} {v}" for k, v in r.get("versions", {}).items())
         status = "ok" if r.get("ok") else f"failed: {r.get('error', 'no result')}"
-        lines.append(f"| {report.labels[n]} | {r.get('startup_s', 0.0):.1f} | {r.get('rss_idle_mib', 0.0):.0f} "
-                     f"| {r.get('rss_peak_mib', 0.0):.0f} | {versions} | {status} |")
+        counted = f"{'worker' if r.get('rss_counts_worker', True) else 'server'}, {r.get('processes', '?')} proc."
+        ratio = (_fmt_ratio(r["rss_peak_mib"] / base["rss_peak_mib"])
+                 if r.get("ok") and r.get("rss_peak_mib") and base.get("rss_peak_mib") else "-")
+        lines.append(f"| {report.labels[n]} | {r.get('startup_s', 0.0):.1f} | {counted} | {_mib(r, 'rss_idle_mib')} "
+                     f"| {_mib(r, 'rss_peak_mib')} | {_mib(r, 'pss_idle_mib')} | {_mib(r, 'pss_peak_mib')} | {ratio} "
+                     f"| {versions} | {status} |")
     return lines
+
+
+def http_lines(report: Report, pairs: Sequence[tuple[str, str]]) -> list[str]:
+    """kvmesh's gateway against ``vllm serve``, the same client and workload: speed ratios per workload."""
+    out = []
+    for mine, theirs in pairs:
+        for w in report.workloads:
+            r = report.ratio(mine, w.name, theirs)
+            if r is not None:
+                out.append(f"- {report.labels.get(mine, mine)} vs {report.labels.get(theirs, theirs)}, "
+                           f"{w.title}: {r:.2f}x")
+    return out
 
 
 def target_lines(report: Report, default: str, exact: str, llama_engines: Sequence[str]) -> list[str]:

@@ -18,6 +18,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -38,59 +39,111 @@ class Engine(Protocol):
         ...
 
 
-def _children(pid: int) -> list[int]:
+def _children(pid: int, proc: str = "/proc") -> list[int]:
     out: list[int] = []
     try:
-        tasks = os.listdir(f"/proc/{pid}/task")
+        tasks = os.listdir(f"{proc}/{pid}/task")
     except OSError:
         return out
     for tid in tasks:
         try:
-            with open(f"/proc/{pid}/task/{tid}/children") as f:
+            with open(f"{proc}/{pid}/task/{tid}/children") as f:
                 out.extend(int(c) for c in f.read().split())
         except OSError:
             continue
     return out
 
 
-def _rss_kib(pid: int) -> int:
+def _status_kib(pid: int, field: str, proc: str = "/proc", name: str = "status") -> int:
     try:
-        with open(f"/proc/{pid}/status") as f:
+        with open(f"{proc}/{pid}/{name}") as f:
             for line in f:
-                if line.startswith("VmRSS:"):
+                if line.startswith(field):
                     return int(line.split()[1])
-    except OSError:
+    except (OSError, ValueError, IndexError):
         pass
     return 0
 
 
-def tree_rss_mib(root: int) -> float:
-    """Resident memory of ``root`` and all its descendants (vLLM's engine core, kvmesh's services)."""
-    seen: set[int] = set()
+def tree_pids(root: int, proc: str = "/proc") -> list[int]:
+    """``root`` and all its descendants (from ``/proc/PID/task/TID/children``), each once, in visiting order."""
+    seen: list[int] = []
     todo = [root]
-    total = 0
     while todo:
         pid = todo.pop()
         if pid in seen:
             continue
-        seen.add(pid)
-        total += _rss_kib(pid)
-        todo.extend(_children(pid))
-    return total / 1024
+        seen.append(pid)
+        todo.extend(_children(pid, proc))
+    return seen
+
+
+@dataclass(frozen=True)
+class TreeMemory:
+    """Memory of a process tree: the sum of each process's RSS, and of its PSS.
+
+    RSS counts a page shared by N processes (torch's libraries, a shared KV pool) N times; PSS
+    counts 1/N of it in each, so the PSS sum is what the tree really holds. Both are reported:
+    RSS is what ``ps`` and other benchmarks show, PSS is the honest sum.
+    """
+
+    processes: int
+    rss_kib: int
+    pss_kib: int
+
+    @property
+    def rss_mib(self) -> float:
+        """RSS sum in MiB."""
+        return self.rss_kib / 1024
+
+    @property
+    def pss_mib(self) -> float:
+        """PSS sum in MiB."""
+        return self.pss_kib / 1024
+
+
+def tree_memory(root: int, include_root: bool = True, proc: str = "/proc") -> TreeMemory:
+    """The memory of ``root``'s process tree; without ``root`` itself when ``include_root`` is false
+    (a worker that only drives a server it started counts the server's processes, not its own)."""
+    pids = [p for p in tree_pids(root, proc) if os.path.exists(f"{proc}/{p}/status")]  # NOTE: gone ones don't count
+    if not include_root:
+        pids = [p for p in pids if p != root]
+    rss = sum(_status_kib(p, "VmRSS:", proc) for p in pids)
+    pss = sum(_status_kib(p, "Pss:", proc, "smaps_rollup") for p in pids)
+    return TreeMemory(len(pids), rss, pss)
+
+
+def tree_rss_mib(root: int) -> float:
+    """Resident memory of ``root`` and all its descendants (vLLM's engine core, kvmesh's services)."""
+    return tree_memory(root).rss_mib
 
 
 class RssSampler:
-    """The peak of :func:`tree_rss_mib` of this process, sampled every ``interval`` seconds."""
+    """The peak of :func:`tree_memory` of this process's tree, sampled every ``interval`` seconds.
 
-    def __init__(self, interval: float = 0.25) -> None:
+    ``include_self``: whether this process counts (false for a worker whose engine is a server in
+    child processes: its own client and driver are not the engine's memory).
+    """
+
+    def __init__(self, interval: float = 0.25, include_self: bool = True) -> None:
         self.interval = interval
+        self.include_self = include_self
         self.peak = 0.0
+        self.peak_pss = 0.0
+        self.peak_processes = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
 
+    def now(self) -> TreeMemory:
+        """The tree's memory at this moment."""
+        return tree_memory(os.getpid(), self.include_self)
+
     def _loop(self) -> None:
         while not self._stop.is_set():
-            self.peak = max(self.peak, tree_rss_mib(os.getpid()))
+            m = self.now()
+            if m.rss_mib > self.peak:
+                self.peak, self.peak_processes = m.rss_mib, m.processes
+            self.peak_pss = max(self.peak_pss, m.pss_mib)
             self._stop.wait(self.interval)
 
     def start(self) -> RssSampler:
@@ -99,7 +152,7 @@ class RssSampler:
         return self
 
     def stop(self) -> float:
-        """Stops and returns the peak (MiB)."""
+        """Stops and returns the peak RSS sum (MiB)."""
         self._stop.set()
         self._thread.join()
         return self.peak
@@ -132,14 +185,15 @@ def serve_job(job: dict[str, Any], result_path: str, opener: Callable[[dict[str,
     name = job["engine"]
     result: dict[str, Any] = {"engine": name, "ok": False, "versions": versions, "python": platform.python_version(),
                               "workloads": {}}
-    sampler = RssSampler().start()
+    sampler = RssSampler(include_self=bool(job.get("count_worker", True))).start()
     engine: Engine | None = None
     try:
         t0 = time.perf_counter()
         engine = opener(job)
         result["startup_s"] = time.perf_counter() - t0
         result["resolved"] = engine.resolved()
-        result["rss_idle_mib"] = tree_rss_mib(os.getpid())
+        idle = sampler.now()
+        result["rss_idle_mib"], result["pss_idle_mib"], result["processes"] = idle.rss_mib, idle.pss_mib, idle.processes
         _say(name, f"ready in {result['startup_s']:.1f} s: {result['resolved']}")
         for w in job["workloads"]:
             out_len = int(w["output_len"])
@@ -169,6 +223,8 @@ def serve_job(job: dict[str, Any], result_path: str, opener: Callable[[dict[str,
             except Exception as exc:  # NOTE: closing must not hide the figures already measured
                 _say(name, f"close failed: {exc}")
         result["rss_peak_mib"] = sampler.stop()
+        result["pss_peak_mib"], result["peak_processes"] = sampler.peak_pss, sampler.peak_processes
+        result["rss_counts_worker"] = sampler.include_self
         _write(result_path, result)
     return 0 if result["ok"] else 1
 

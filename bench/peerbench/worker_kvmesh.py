@@ -31,23 +31,24 @@ from bench.peerbench import wire  # noqa: E402
 STARTUP_TIMEOUT_S = 600.0  # a loaded 2-core machine can take minutes to load and warm the runner
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port: int = s.getsockname()[1]
         return port
 
 
-class _Up:
-    """``kvmesh up --no-offload --http-port -1`` as a child process, with the runner's settings in its env."""
+class SuiteProcess:
+    """``kvmesh up --no-offload`` as a child process, with the runner's settings in its env; the HTTP
+    gateway on ``http_port`` (``-1``: none)."""
 
-    def __init__(self, model_dir: str, env: dict[str, str], log_path: Path) -> None:
+    def __init__(self, model_dir: str, env: dict[str, str], log_path: Path, http_port: int = -1) -> None:
         from services.scheduler.client import KVMeshClient
 
-        self.port = _free_port()
+        self.port = free_port()
         self.log = open(log_path, "w")  # noqa: SIM115 (closed in stop())
         cmd = [sys.executable, "-m", "services.cli", "up", "--model", model_dir, "--port", str(self.port),
-               "--http-port", "-1", "--no-offload"]
+               "--http-port", str(http_port), "--no-offload"]
         child_env = {**os.environ, "PYTHONPATH": str(ROOT), **env}
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=child_env, stdout=self.log, stderr=subprocess.STDOUT)
         self.address = f"127.0.0.1:{self.port}"
@@ -76,6 +77,25 @@ class _Up:
         self.log.close()
 
 
+def drive_tokens(system: Any, prompts: Sequence[Sequence[int]], output_len: int) -> list[list[int]]:
+    """Every prompt offered at once through a ``DrivenSystem``'s driver; each prompt's tokens, in prompt order."""
+    from bench.serve.systems import conversations
+
+    run = system.drive(conversations(prompts, output_len))
+    failed = [r for r in run.records if not r.success]
+    if failed:
+        raise RuntimeError(f"{len(failed)} requests failed, e.g. {failed[0].error}")
+    by_id = {r.conversation_id: list(r.output_token_ids) for r in run.records}
+    return [by_id[i] for i in range(len(prompts))]
+
+
+def runner_env(settings: dict[str, Any], threads: int) -> dict[str, str]:
+    """The model-runner's settings for ``kvmesh up``, as environment variables."""
+    return {"KVMESH_RUNNER_DTYPE": settings["dtype"], "KVMESH_RUNNER_ATTENTION_BACKEND": settings["attention_backend"],
+            "KVMESH_RUNNER_NUM_THREADS": str(threads),
+            "KVMESH_RUNNER_KV_CACHE_MEMORY_BYTES": str(settings["kv_cache_memory_bytes"])}
+
+
 class KvmeshEngine:
     """The suite (over gRPC) or the in-process engine, driven by the serve driver."""
 
@@ -87,10 +107,8 @@ class KvmeshEngine:
         self.mode = s["mode"]
         threads = int(job["threads"])
         if self.mode == "suite":
-            env = {"KVMESH_RUNNER_DTYPE": s["dtype"], "KVMESH_RUNNER_ATTENTION_BACKEND": s["attention_backend"],
-                   "KVMESH_RUNNER_NUM_THREADS": str(threads),
-                   "KVMESH_RUNNER_KV_CACHE_MEMORY_BYTES": str(s["kv_cache_memory_bytes"])}
-            self.up = _Up(job["model_dir"], env, Path(job["log_dir"]) / f"{job['engine']}-suite.log")
+            log = Path(job["log_dir"]) / f"{job['engine']}-suite.log"
+            self.up = SuiteProcess(job["model_dir"], runner_env(s, threads), log)
             info = self.up.info
             self._resolved = {"dtype": info.dtype, "backend": info.attention_backend,
                               "dtype_reason": info.dtype_reason, "backend_reason": info.attention_backend_reason}
@@ -117,14 +135,7 @@ class KvmeshEngine:
 
     def generate(self, prompts: Sequence[Sequence[int]], output_len: int) -> list[list[int]]:
         """Every prompt offered at once; tokens in prompt order."""
-        from bench.serve.systems import conversations
-
-        run = self.system.drive(conversations(prompts, output_len))
-        failed = [r for r in run.records if not r.success]
-        if failed:
-            raise RuntimeError(f"{len(failed)} requests failed, e.g. {failed[0].error}")
-        by_id = {r.conversation_id: list(r.output_token_ids) for r in run.records}
-        return [by_id[i] for i in range(len(prompts))]
+        return drive_tokens(self.system, prompts, output_len)
 
     def resolved(self) -> dict[str, str]:
         """What the runner reports it chose."""
