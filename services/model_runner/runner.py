@@ -79,16 +79,16 @@ class ModelRunner:
             gemm_dtype: ``bfloat16`` for bf16 mode on the native kernels (fp32 weights as
                 loaded, packed to bf16; see :func:`prepare_model`), else ``float32``.
         """
+        planes, heads, dim = model.config.kv_cache_geometry
+        if (pool.shape[1], *pool.shape[4:]) != (planes, heads, dim):
+            raise FailedPrecondition(
+                f"the KV pool {list(pool.shape)} is not laid out for this model's {model.config.kv_layout} KV "
+                f"([layers, {planes}, blocks, block_size, {heads}, {dim}])")
         # NOTE: a backend on the native kernels ("cpu") brings the native norms, rotary, SwiGLU
         # and GEMMs with it: the model is prepared for the kernels the backend runs on.
         prepare_model(model, quantization, pack_tied_head, kernels=backend.native_kernels, gemm_dtype=gemm_dtype)
         self.model = model
         self.config: ModelConfig = model.config
-        planes, heads, dim = self.config.kv_cache_geometry
-        if (pool.shape[1], *pool.shape[4:]) != (planes, heads, dim):
-            raise FailedPrecondition(
-                f"the KV pool {list(pool.shape)} is not laid out for this model's {self.config.kv_layout} KV "
-                f"([layers, {planes}, blocks, block_size, {heads}, {dim}])")
         self.pool = pool
         self.backend = backend
         self.model_id = model_id

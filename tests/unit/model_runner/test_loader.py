@@ -134,7 +134,7 @@ def test_ignores_rotary_inv_freq_and_a_redundant_tied_head(checkpoint: Callable[
 def test_unsupported_architecture(checkpoint: Callable[[str], Path], tmp_path: Path) -> None:
     folder = _copy(checkpoint("llama"), tmp_path)
     _edit_config(folder, architectures=["GPT2LMHeadModel"], model_type="gpt2")
-    with pytest.raises(UnsupportedModelError, match=r"GPT2LMHeadModel.*supported: LlamaForCausalLM"):
+    with pytest.raises(UnsupportedModelError, match=r"GPT2LMHeadModel.*supported: DeepseekV3ForCausalLM, LlamaForCausalLM"):
         load_model(folder)
 
 
