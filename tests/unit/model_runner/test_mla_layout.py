@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from services.model_runner import convert
+from services.model_runner.attention.torch_mla import TorchMLABackend
 from services.model_runner.config import RunnerConfig
 from services.model_runner.factory import build_runner, select_backend, select_dtype
 from services.model_runner.kv_pool import KVPool
@@ -110,12 +111,13 @@ def test_build_runner_defaults_serve_mla(ds_folder: Path, hf_model: Any, referen
 
 
 def test_a_pool_of_the_other_layout_is_refused(ds_folder: Path, tmp_path: Path) -> None:
-    model, config = load_model(ds_folder)
-    with KVPool(num_layers=3, num_kv_heads=4, head_dim=8, block_size=4, memory_bytes=1 << 16,
-                dtype=torch.float32, shm_dir=str(tmp_path)) as pool:  # fmt: skip
-        with pytest.raises(FailedPrecondition, match=r"not laid out for this model's mla KV \(\[layers, 1, blocks, "
-                                                      r"block_size, 1, 40\]\)"):
-            ModelRunner(model, pool, None, model_id="x")  # type: ignore[arg-type]
+    model, _ = load_model(ds_folder)
+    refused = r"not laid out for this model's mla KV \(\[layers, 1, blocks, block_size, 1, 40\]\)"
+    with (KVPool(num_layers=3, num_kv_heads=4, head_dim=8, block_size=4, memory_bytes=1 << 16,
+                 dtype=torch.float32, shm_dir=str(tmp_path)) as pool,
+          pytest.raises(FailedPrecondition, match=refused)):  # fmt: skip
+        ModelRunner(model, pool, TorchMLABackend(), model_id="x")
+    assert model.prepared is None  # refused before the model was touched
     with pytest.raises(InvalidArgument, match="planes must be 1"):
         KVPool(num_layers=1, num_kv_heads=1, head_dim=8, block_size=4, memory_bytes=1 << 16, dtype=torch.float32,
                shm_dir=str(tmp_path), planes=3)
@@ -132,3 +134,16 @@ def test_unsupported_deepseek_configs_are_refused(ds_folder: Path, change: dict[
     hf = {**json.loads((ds_folder / "config.json").read_text()), **change}
     with pytest.raises(UnsupportedModelError, match=message):
         ModelConfig.from_hf_dict(hf)
+
+
+def test_an_fp8_latent_pool_is_calibrated_and_a_quarter_of_fp32(ds_folder: Path, make_runner: Any) -> None:
+    """fp8 stores the latent plane scaled by the layer's K scale, calibrated from the latent's max."""
+    runner = make_runner(ds_folder, kv_cache_dtype="fp8_e4m3")
+    assert runner.model_info().kv_bytes_per_token == mla_kv_bytes_per_token(LAYERS, LATENT, ROPE, 1) == 120
+    assert runner.pool.bytes_per_block == 4 * 120
+    amax = runner.calibrate_kv_scales()  # [layers, 2]: the latent's max in both columns
+    assert bool((amax > 0).all()) and torch.equal(amax[:, 0], amax[:, 1])
+    assert torch.equal(runner.pool.scales, amax / 448.0)
+    out = runner.execute(StepInput(0, new_requests=(NewRequestData("r", (5, 6, 7, 8, 9), 5, (1, 2), 0, 5),)))
+    assert len(out.sampled) == 1
+    assert runner.pool.tensor[:, 0, 1:3].view(torch.uint8).any()  # the latents were written
