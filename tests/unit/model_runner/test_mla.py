@@ -17,7 +17,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from services.model_runner.attention.torch_backend import TorchAttentionBackend
 from services.model_runner.model.config import ModelConfig
-from services.model_runner.model.yarn import yarn_inv_freq
+from services.model_runner.model.yarn import mla_softmax_scale, yarn_inv_freq
 from services.model_runner.types import NewRequestData, StepInput
 from shared.errors import FailedPrecondition
 from tests.unit.model_runner.mla_checkpoints import CACHE_DIM, VARIANTS, build_deepseek
@@ -113,8 +113,6 @@ def test_yarn_tables_and_scale_are_transformers(deepseek: Any, hf_model: Any) ->
     inv_freq, factor = yarn_inv_freq(config.rope, 8)
     expected_freq, expected_factor = ROPE_INIT_FUNCTIONS["yarn"](reference.config, torch.device("cpu"))
     assert torch.equal(inv_freq, expected_freq) and factor == expected_factor and factor != 1.0
-    from services.model_runner.model.yarn import mla_softmax_scale
-
     scale = mla_softmax_scale(config.rope, config.mla.qk_head_dim)
     assert scale == reference.model.layers[0].self_attn.scaling != 24**-0.5
 

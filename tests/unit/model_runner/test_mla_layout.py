@@ -12,6 +12,9 @@ from typing import Any
 
 import pytest
 import torch
+from transformers import DeepseekV3Config
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import yarn_apply_mscale
 
 from services.model_runner import convert
 from services.model_runner.attention.torch_mla import TorchMLABackend
@@ -20,6 +23,7 @@ from services.model_runner.factory import build_runner, select_backend, select_d
 from services.model_runner.kv_pool import KVPool
 from services.model_runner.loader import load_model
 from services.model_runner.model.config import ModelConfig, UnsupportedModelError
+from services.model_runner.model.yarn import mla_softmax_scale, yarn_inv_freq
 from services.model_runner.runner import ModelRunner
 from services.model_runner.types import CachedRequestData, NewRequestData, StepInput
 from shared.errors import FailedPrecondition, InvalidArgument
@@ -147,3 +151,37 @@ def test_an_fp8_latent_pool_is_calibrated_and_a_quarter_of_fp32(ds_folder: Path,
     out = runner.execute(StepInput(0, new_requests=(NewRequestData("r", (5, 6, 7, 8, 9), 5, (1, 2), 0, 5),)))
     assert len(out.sampled) == 1
     assert runner.pool.tensor[:, 0, 1:3].view(torch.uint8).any()  # the latents were written
+
+
+# DeepSeek-V3's own config.json from the Hub (legacy rope_scaling, no head_dim), less its
+# auto_map and fp8 quantization_config
+HUB_V3: dict[str, Any] = {
+    "architectures": ["DeepseekV3ForCausalLM"], "attention_bias": False, "bos_token_id": 0, "eos_token_id": 1,
+    "first_k_dense_replace": 3, "hidden_act": "silu", "hidden_size": 7168, "intermediate_size": 18432,
+    "kv_lora_rank": 512, "max_position_embeddings": 163840, "model_type": "deepseek_v3", "moe_intermediate_size": 2048,
+    "n_group": 8, "n_routed_experts": 256, "n_shared_experts": 1, "norm_topk_prob": True, "num_attention_heads": 128,
+    "num_experts_per_tok": 8, "num_hidden_layers": 61, "num_key_value_heads": 128, "num_nextn_predict_layers": 1,
+    "q_lora_rank": 1536, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "rms_norm_eps": 1e-06,
+    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                     "original_max_position_embeddings": 4096, "type": "yarn"},
+    "rope_theta": 10000, "routed_scaling_factor": 2.5, "scoring_func": "sigmoid", "tie_word_embeddings": False,
+    "topk_group": 4, "topk_method": "noaux_tc", "torch_dtype": "bfloat16", "v_head_dim": 128, "vocab_size": 129280,
+}  # fmt: skip
+
+
+def test_deepseek_v3s_hub_config_parses_to_its_numbers() -> None:
+    """The real model's config: 576 cached elements per token and layer, 70,272 bf16 bytes per
+    token, YaRN tables and softmax scale equal to transformers' for the same config."""
+    config = ModelConfig.from_hf_dict(HUB_V3)
+    assert config.mla is not None and config.moe is not None
+    assert (config.head_dim, config.mla.cache_dim, config.mla.qk_head_dim) == (64, 576, 192)
+    assert config.kv_cache_geometry == (1, 1, 576) and config.kv_bytes_per_token(2) == 70_272
+    assert (config.moe.n_routed_experts, config.moe.n_group, config.moe.first_k_dense_replace) == (256, 8, 3)
+    assert (config.rope.rope_type, config.rope.factor, config.rope.original_max_position_embeddings) == (
+        "yarn", 40.0, 4096)
+    reference = DeepseekV3Config(**HUB_V3)
+    inv_freq, factor = yarn_inv_freq(config.rope, 64)
+    expected_freq, expected_factor = ROPE_INIT_FUNCTIONS["yarn"](reference, None)
+    assert torch.equal(inv_freq, expected_freq) and factor == expected_factor
+    scale = mla_softmax_scale(config.rope, 192)
+    assert scale == yarn_apply_mscale(reference.rope_parameters, 192**-0.5) and scale > 192**-0.5
