@@ -18,7 +18,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from services.model_runner.attention.torch_backend import TorchAttentionBackend
 from services.model_runner.model.config import ModelConfig
 from services.model_runner.model.yarn import mla_softmax_scale, yarn_inv_freq
-from services.model_runner.types import NewRequestData, StepInput
+from services.model_runner.types import CachedRequestData, NewRequestData, StepInput
 from shared.errors import FailedPrecondition
 from tests.unit.model_runner.mla_checkpoints import CACHE_DIM, VARIANTS, build_deepseek
 
@@ -126,3 +126,31 @@ def test_a_backend_without_mla_is_refused_and_nothing_changes(deepseek: Any, mak
         runner.execute(StepInput(0, new_requests=(new,)))
     assert runner.request_ids == frozenset()
     assert torch.equal(runner.pool.tensor, before)
+
+
+@pytest.mark.parametrize("resume_from_cache", [True, False])
+def test_preempted_and_resumed_request_matches_generate(resume_from_cache: bool, deepseek: Any, hf_model: Any,
+                                                        make_runner: Any, reference_greedy: Any) -> None:
+    """Preemption as the scheduler does it: the request is finished and sent again as new with its
+    outputs appended, either over its own cached latent blocks (12 tokens, outputs included) or
+    recomputed into fresh blocks; the continuation equals generate()'s."""
+    folder = deepseek("ds_qlora")
+    runner = make_runner(folder, num_blocks=16)
+    prompt = _prompt(30, 10)
+    sampled = [runner.execute(StepInput(0, new_requests=(NewRequestData("r", tuple(prompt), 10, (1, 2, 3), 0, 10),)))
+               .sampled[0].token_id]  # fmt: skip
+    for i in range(1, 4):
+        step = StepInput(i, cached_requests=(CachedRequestData("r", (4,) if i == 3 else (), 9 + i, 1),))
+        sampled.append(runner.execute(step).sampled[0].token_id)
+    tokens = (*prompt, *sampled)  # 14 known tokens, 13 of them computed
+    if resume_from_cache:
+        again = NewRequestData("r", tokens, 10, (1, 2, 3, 4), 12, 2)
+    else:
+        again = NewRequestData("r", tokens, 10, (5, 6, 7, 8), 0, 14)
+    step = StepInput(4, new_requests=(again,), finished_request_ids=("r",))
+    sampled.append(runner.execute(step).sampled[0].token_id)
+    extra = (again.block_ids[-1] + 1,)  # position 16 opens a fifth block
+    for i in range(5, 8):
+        step = StepInput(i, cached_requests=(CachedRequestData("r", extra if i == 7 else (), 9 + i, 1),))
+        sampled.append(runner.execute(step).sampled[0].token_id)
+    assert sampled == reference_greedy(hf_model(folder), prompt, 8)
