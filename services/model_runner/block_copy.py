@@ -2,8 +2,8 @@
 
 The offload store swaps blocks through a staging tensor of rows, one block per row::
 
-    staging: [n, num_layers, 2, block_size, kv_heads, head_dim]   (row r = one block)
-    pool:    [num_layers, 2, num_blocks, block_size, kv_heads, head_dim]
+    staging: [n, num_layers, planes, block_size, kv_heads, head_dim]   (row r = one block)
+    pool:    [num_layers, planes, num_blocks, block_size, kv_heads, head_dim]   (planes: 2, 1 for MLA)
 
 Everything is checked before anything is copied, so a bad request changes nothing. It is the
 ``CopyBlocksOut`` / ``CopyBlocksIn`` RPCs' work, kept out of the servicer (which only converts).
@@ -56,7 +56,7 @@ def copy_blocks(
     # NOTE: the handle arrives over RPC: confined to the pool's own shm folder, it cannot point the
     # runner's writes (CopyBlocksOut) or reads (CopyBlocksIn) at any other file on the node.
     tensor = attach(staging, pool.shm_dir)
-    if tuple(tensor.shape[1:]) != (pool.shape[0], 2, *pool.shape[3:]) or tensor.dtype != pool.tensor.dtype:
+    if tuple(tensor.shape[1:]) != (*pool.shape[:2], *pool.shape[3:]) or tensor.dtype != pool.tensor.dtype:
         raise InvalidArgument("staging: shape or dtype does not match the pool's blocks")
     if any(not 0 <= r < tensor.shape[0] for r in rows):
         raise InvalidArgument(f"staging_rows: must lie in [0, {tensor.shape[0]})")

@@ -22,6 +22,7 @@ from services.model_runner.loader import load_model, parse_dtype
 from services.model_runner.model.config import ModelConfig
 from services.model_runner.native import load_kernels
 from services.model_runner.runner import ModelRunner
+from shared.errors import FailedPrecondition
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +55,7 @@ def cpu_flags() -> frozenset[str]:
 
 
 def select_dtype(requested: str, device_type: str, flags: Iterable[str], quantization: str = "none",
-                 bf16_kernels: bool = False) -> Choice:
+                 bf16_kernels: bool = False, mla: bool = False) -> Choice:
     """``dtype=auto``: bf16 on a CPU with bf16 hardware *and* batch-invariant bf16 kernels built
     here (``bf16_kernels``), fp32 elsewhere.
 
@@ -64,10 +65,14 @@ def select_dtype(requested: str, device_type: str, flags: Iterable[str], quantiz
     kernels with a fixed reduction order per row (``native/gemm_bf16.c``) make bf16 safe as a
     default. fp32 on a CPU without AMX-BF16 / AVX512-BF16 (bf16 would run as converted fp32:
     slower than fp32, and less exact), on CUDA (bf16 there has not been measured against the
-    suite's tests) and under ``quantization`` (its packed weights start from fp32).
+    suite's tests) and under ``quantization`` (its packed weights start from fp32). An MLA model
+    (``mla``) gets fp32: it runs on the torch backend only, whose bf16 GEMMs are not batch invariant.
     """
     if requested != "auto":
         return Choice(requested, "set explicitly")
+    if mla:
+        return Choice("float32", "auto: MLA runs on the torch backend only, whose bf16 GEMMs are not batch "
+                                 "invariant (the cache could change the answer): float32")
     if device_type != "cpu":
         return Choice("float32", f"auto on {device_type}: float32 (the reference dtype)")
     if quantization != "none":
@@ -85,12 +90,22 @@ def select_dtype(requested: str, device_type: str, flags: Iterable[str], quantiz
 
 def select_backend(
     requested: str, device_type: str, dtype: str, native_built: bool, num_heads: int, num_kv_heads: int,
-    head_dim: int, bf16_kernels: bool = False,
+    head_dim: int, bf16_kernels: bool = False, mla: bool = False,
 ) -> Choice:
     """``attention_backend=auto``: Triton on CUDA; on the CPU the native kernels (``cpu``) where
     they run this model exactly as tested (fp32, or bf16 where their bf16 GEMM is built:
     ``bf16_kernels``; built here, a head layout their decode kernel takes), else the torch
-    reference."""
+    reference. An MLA model (``mla``) runs on torch only, on any device.
+
+    Raises:
+        FailedPrecondition: ``triton`` or ``cpu`` requested for an MLA model.
+    """
+    if mla:
+        if requested not in ("auto", "torch"):
+            raise FailedPrecondition(f"attention_backend={requested} does not implement MLA (DeepSeek's latent KV); "
+                                     "use torch or auto (docs/mla.md)")
+        return Choice("torch", "set explicitly" if requested == "torch" else
+                      "auto: MLA (latent KV) runs on the torch backend only")
     if requested != "auto":
         if requested == "cpu" and not native_built:
             return Choice("cpu", "set explicitly; the native kernels are not in use (not built here, or not "
@@ -129,9 +144,16 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def make_backend(name: str, device: torch.device, batch_invariant: bool = False) -> AttentionBackend:
+def make_backend(name: str, device: torch.device, batch_invariant: bool = False, mla: bool = False) -> AttentionBackend:
     """``auto``: the Triton kernels on CUDA, the torch reference on CPU (``build_runner`` resolves
-    ``auto`` with :func:`select_backend` before it gets here); ``batch_invariant`` for ``cpu``."""
+    ``auto`` with :func:`select_backend` before it gets here); ``batch_invariant`` for ``cpu``;
+    ``mla``: the torch backend with MLA's latent attention (``attention/torch_mla.py``)."""
+    if mla:
+        if name not in ("auto", "torch"):
+            raise FailedPrecondition(f"attention_backend={name} does not implement MLA; use torch")
+        from services.model_runner.attention.torch_mla import TorchMLABackend
+
+        return TorchMLABackend()
     if name == "auto":
         name = "triton" if device.type == "cuda" else "torch"
     if name == "triton":
@@ -161,7 +183,9 @@ def build_runner(config: RunnerConfig, flags: Iterable[str] | None = None) -> Mo
     cpu = cpu_flags() if flags is None else frozenset(flags)
     mcfg0 = ModelConfig.from_dir(config.model_dir)
     bf16_kernels = _bf16_kernels(config, device, cpu, mcfg0)
-    dtype_choice = select_dtype(config.dtype, device.type, cpu, config.quantization, bf16_kernels=bf16_kernels)
+    mla = mcfg0.kv_layout == "mla"
+    dtype_choice = select_dtype(config.dtype, device.type, cpu, config.quantization, bf16_kernels=bf16_kernels,
+                                mla=mla)
     backend_choice = _select_backend(config.attention_backend, device, dtype_choice.value, mcfg0, bf16_kernels)
     # bf16 mode on the native kernels: fp32 weights as loaded, packed to bf16 by prepare_model
     native_bf16 = dtype_choice.value == "bfloat16" and bf16_kernels and backend_choice.value == "cpu"
@@ -174,13 +198,14 @@ def build_runner(config: RunnerConfig, flags: Iterable[str] | None = None) -> Mo
                          f"{dtype_choice.value}, attention backend {backend_choice.value} ({backend_choice.reason})")
     log.info("dtype %s (%s); attention backend %s (%s)%s", dtype_choice.value, dtype_choice.reason,
              backend_choice.value, backend_choice.reason, "; batch invariant" if config.batch_invariant else "")
+    planes, heads, dim = mcfg.kv_cache_geometry
     pool = KVPool(
-        num_layers=mcfg.num_layers, num_kv_heads=mcfg.num_kv_heads, head_dim=mcfg.head_dim,
+        num_layers=mcfg.num_layers, num_kv_heads=heads, head_dim=dim, planes=planes,
         block_size=config.block_size, memory_bytes=config.kv_cache_memory_bytes,
         dtype=kv_dtype_for(config.kv_cache_dtype, dtype), device=device,
     )
     core = ModelRunner(
-        model, pool, make_backend(backend_choice.value, device, config.batch_invariant),
+        model, pool, make_backend(backend_choice.value, device, config.batch_invariant, mla=mla),
         model_id=config.model_id or Path(config.model_dir).name,
         max_model_len=config.max_model_len or None, quantization=config.quantization,
         pack_tied_head=config.pack_tied_head, dtype_reason=dtype_choice.reason,
@@ -196,10 +221,11 @@ def build_runner(config: RunnerConfig, flags: Iterable[str] | None = None) -> Mo
 def _select_backend(requested: str, device: torch.device, dtype: str, mcfg: ModelConfig,
                     bf16_kernels: bool) -> Choice:
     # NOTE: the kernels are built (or found built) only when the choice depends on them.
-    needs_build = device.type == "cpu" and (dtype == "float32" or bf16_kernels) and requested in ("auto", "cpu")
+    needs_build = (device.type == "cpu" and (dtype == "float32" or bf16_kernels) and requested in ("auto", "cpu")
+                   and mcfg.kv_layout != "mla")
     native_built = needs_build and load_kernels() is not None
     return select_backend(requested, device.type, dtype, native_built, mcfg.num_heads, mcfg.num_kv_heads,
-                          mcfg.head_dim, bf16_kernels=bf16_kernels)
+                          mcfg.head_dim, bf16_kernels=bf16_kernels, mla=mcfg.kv_layout == "mla")
 
 
 def _bf16_kernels(config: RunnerConfig, device: torch.device, flags: frozenset[str], mcfg: ModelConfig) -> bool:
@@ -207,6 +233,8 @@ def _bf16_kernels(config: RunnerConfig, device: torch.device, flags: frozenset[s
     native backend allowed, no quantization, a head layout the decode kernel takes, and the bf16
     GEMM built (the kernels are built only when all the rest holds)."""
     if device.type != "cpu" or config.quantization != "none" or config.attention_backend not in ("auto", "cpu"):
+        return False
+    if mcfg.kv_layout == "mla":  # the native kernels do not run MLA
         return False
     if not flags & set(BF16_FLAGS) or not native_takes(mcfg.num_heads, mcfg.num_kv_heads, mcfg.head_dim):
         return False

@@ -3,6 +3,7 @@
 Layout (see ``attention/base.py``)::
 
     [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]     block 0 = null block
+    [num_layers, 1, num_blocks, block_size, 1, latent + rope]            MLA (docs/mla.md)
 
 The number of blocks follows from a byte budget. On the CPU the tensor is a ``/dev/shm`` file
 mapped with ``torch.from_file(shared=True)``, so the offload-store can map the same pages
@@ -70,9 +71,10 @@ def kv_dtype_for(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
     return _KV_DTYPES[kv_cache_dtype]
 
 
-def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-    """Bytes of one block id across all layers, K and V."""
-    return num_layers * 2 * block_size * num_kv_heads * head_dim * dtype.itemsize
+def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                    planes: int = 2) -> int:
+    """Bytes of one block id across all layers: ``planes`` (K and V; 1 for MLA's latent) of each."""
+    return num_layers * planes * block_size * num_kv_heads * head_dim * dtype.itemsize
 
 
 class KVPool:
@@ -90,10 +92,14 @@ class KVPool:
         device: torch.device | str = "cpu",
         shm_dir: str = "/dev/shm",
         name: str = "kvmesh-kv",
+        planes: int = 2,
     ):
         """Allocates ``memory_bytes // bytes_per_block`` blocks (at least 2: block 0 is null).
 
         Args:
+            planes: 2 (K and V), or 1 for MLA, whose one plane per token and layer holds the
+                latent and the rotary key (``num_kv_heads`` 1, ``head_dim`` latent + rope;
+                ``ModelConfig.kv_cache_geometry``).
             dtype: element type of the cache (``torch.float8_e4m3fn`` for fp8).
             shm_dir: memory-backed folder for the CPU mapping.
             name: file name prefix (the generation is appended).
@@ -102,14 +108,16 @@ class KVPool:
         self.device = torch.device(device)
         self.shm_dir = shm_dir  # also the only folder a staging file of CopyBlocks may name
         self.block_size = block_size
-        self.bytes_per_block = bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype)
+        if planes not in (1, 2):
+            raise InvalidArgument(f"planes must be 1 (MLA) or 2 (K and V), got {planes}")
+        self.bytes_per_block = bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype, planes)
         self.num_blocks = memory_bytes // self.bytes_per_block
         if self.num_blocks < 2:
             raise InvalidArgument(
                 f"a KV budget of {memory_bytes} bytes holds {self.num_blocks} blocks of "
                 f"{self.bytes_per_block} bytes; at least 2 are needed (block 0 is the null block)"
             )
-        self.shape = (num_layers, 2, self.num_blocks, block_size, num_kv_heads, head_dim)
+        self.shape = (num_layers, planes, self.num_blocks, block_size, num_kv_heads, head_dim)
         self.nbytes = self.num_blocks * self.bytes_per_block
         self.generation = uuid.uuid4().hex
         self.scales = torch.ones(num_layers, 2, dtype=torch.float32)  # [L, (k, v)]

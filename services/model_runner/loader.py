@@ -18,6 +18,7 @@ import torch
 from safetensors import safe_open
 
 from services.model_runner.model.config import ModelConfig
+from services.model_runner.model.deepseek import DeepseekModel
 from services.model_runner.model.layers import Linear
 from services.model_runner.model.transformer import CausalLM
 from shared.errors import FailedPrecondition
@@ -32,10 +33,11 @@ DTYPES: dict[str, torch.dtype] = {
     "bf16": torch.bfloat16,
 }
 
-# Our merged module -> the HF modules stacked in it, in row order.
+# Our merged module -> the HF modules stacked in it (its siblings), in row order; by the module's
+# own name, so every MLP merges alike (a layer's, each MoE expert's, the shared experts').
 _MERGED = {
-    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
 }
 # Tensors some checkpoints carry that the model recomputes or does not need.
 _IGNORED = re.compile(r"(rotary_emb\.inv_freq|\.rotary_emb\.)")
@@ -74,10 +76,12 @@ def load_model(
     config = ModelConfig.from_dir(folder)
     torch_dtype = parse_dtype(dtype) if isinstance(dtype, str) else dtype
     with torch.device(device):
-        model = CausalLM(config)
-    # NOTE: cast parameters only; the rope tables stay float32 and are cast per step.
+        model = CausalLM(config, DeepseekModel(config) if config.mla is not None else None)
+    # NOTE: cast parameters only; the rope tables stay float32 and are cast per step. Parameters
+    # marked keep_fp32 (the MoE router's) stay float32, as transformers keeps them.
     for param in model.parameters():
-        param.data = param.data.to(torch_dtype)
+        if not getattr(param, "keep_fp32", False):
+            param.data = param.data.to(torch_dtype)
     load_weights(model, safetensors_files(folder))
     return model.eval(), config
 
@@ -138,10 +142,8 @@ def hf_weight_map(model: CausalLM) -> dict[str, torch.Tensor]:
         module_name, kind = name.rsplit(".", 1)
         module = modules[module_name]
         prefix, _, local = module_name.rpartition(".")
-        prefix, _, parent = prefix.rpartition(".")
-        merged_key = f"{parent}.{local}"
-        if isinstance(module, Linear) and merged_key in _MERGED:
-            for shard, hf_module in enumerate(_MERGED[merged_key]):
+        if isinstance(module, Linear) and local in _MERGED:
+            for shard, hf_module in enumerate(_MERGED[local]):
                 start, rows = module.shard_offset(shard)
                 targets[f"{prefix}.{hf_module}.{kind}"] = param.data[start : start + rows]
         else:

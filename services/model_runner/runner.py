@@ -24,7 +24,7 @@ from services.model_runner.model.transformer import CausalLM
 from services.model_runner.model.transforms import prepare_model
 from services.model_runner.sampler import RequestSamplingState, sample
 from services.model_runner.types import ModelInfo, NewRequestData, SampledToken, StepInput, StepOutput
-from shared.errors import InvalidArgument
+from shared.errors import FailedPrecondition, InvalidArgument
 from shared.sampling_params import SamplingParams
 
 
@@ -79,6 +79,11 @@ class ModelRunner:
             gemm_dtype: ``bfloat16`` for bf16 mode on the native kernels (fp32 weights as
                 loaded, packed to bf16; see :func:`prepare_model`), else ``float32``.
         """
+        planes, heads, dim = model.config.kv_cache_geometry
+        if (pool.shape[1], *pool.shape[4:]) != (planes, heads, dim):
+            raise FailedPrecondition(
+                f"the KV pool {list(pool.shape)} is not laid out for this model's {model.config.kv_layout} KV "
+                f"([layers, {planes}, blocks, block_size, {heads}, {dim}])")
         # NOTE: a backend on the native kernels ("cpu") brings the native norms, rotary, SwiGLU
         # and GEMMs with it: the model is prepared for the kernels the backend runs on.
         prepare_model(model, quantization, pack_tied_head, kernels=backend.native_kernels, gemm_dtype=gemm_dtype)
@@ -214,8 +219,8 @@ class ModelRunner:
             num_blocks=self.pool.num_blocks,
             block_size=self.pool.block_size,
             num_layers=cfg.num_layers,
-            num_kv_heads=cfg.num_kv_heads,
-            head_dim=cfg.head_dim,
+            num_kv_heads=cfg.kv_cache_geometry[1],
+            head_dim=cfg.kv_cache_geometry[2],
             dtype=self.model.compute_dtype or str(self.model.model.norm.weight.dtype).removeprefix("torch."),
             kv_cache_dtype=self.pool.kv_cache_dtype,
             attention_backend=self.backend.name,
@@ -224,6 +229,8 @@ class ModelRunner:
             dtype_reason=self._reasons[0],
             attention_backend_reason=self._reasons[1],
             pool_id=self.pool.generation,
+            kv_layout=cfg.kv_layout,
+            kv_bytes_per_token=float(cfg.kv_bytes_per_token(self.pool.tensor.element_size())),
         )
 
     def warmup(self, num_tokens: int = 64, num_decodes: int = 4) -> float:
@@ -275,9 +282,8 @@ class ModelRunner:
         cfg, bs = self.config, self.pool.block_size
         num_blocks = -(-len(token_ids) // bs) + 1
         dtype = self.model.model.norm.weight.dtype
-        scratch = torch.zeros(
-            cfg.num_layers, 2, num_blocks, bs, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, device=self.device
-        )
+        planes, heads, dim = cfg.kv_cache_geometry
+        scratch = torch.zeros(cfg.num_layers, planes, num_blocks, bs, heads, dim, dtype=dtype, device=self.device)
         geometry = PoolGeometry(num_blocks, bs, cfg.vocab_size, self.max_model_len)
         req = ScheduledRequest("calibration", list(token_ids), list(range(1, num_blocks)), 0, len(token_ids))
         batch = prepare_inputs([req], geometry, self.device)

@@ -90,3 +90,7 @@ class ModelInfo:
     # per KV cache group its sliding window, None = full attention (``shared/kv_layout.py``);
     # block ids travel group-major: every group's table, one after another, all of one length
     kv_group_windows: tuple[int | None, ...] = (None,)
+    # the KV layout: "gqa" (K and V per KV head; num_kv_heads x head_dim per plane) or "mla" (one
+    # plane of latent + rotary key: num_kv_heads 1, head_dim = kv_lora_rank + qk_rope_head_dim)
+    kv_layout: str = "gqa"
+    kv_bytes_per_token: float = 0.0  # across all layers, shared/kv_layout.py's formula

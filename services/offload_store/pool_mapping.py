@@ -11,6 +11,9 @@ into the last dimension::
                          │
                          └─ raw[:, :, block_id] is one block: K and V of every layer
 
+An MLA pool (docs/mla.md) has one plane where K and V have two, ``[layers, 1, blocks, block_size,
+1, latent + rope]``; its blocks are cut the same way, and its block shape says so.
+
 NOTE: mapping as bytes also sidesteps dtype support gaps (``torch.from_file`` and fp8): an fp8 pool
 is a uint8 file to us, and the dtype name only decides which stored blocks it may receive.
 """
@@ -75,15 +78,16 @@ def map_pool(handle: PoolHandle, allowed_dir: str) -> MappedPool:
             in a process without CUDA.
     """
     shape = tuple(int(d) for d in handle.shape)
-    if len(shape) != _POOL_RANK or shape[1] != 2 or min(shape) <= 0:
+    if len(shape) != _POOL_RANK or shape[1] not in (1, 2) or min(shape) <= 0:
         raise InvalidArgument(
-            f"pool shape must be [layers, 2, num_blocks, block_size, kv_heads, head_dim], got {list(shape)}"
+            f"pool shape must be [layers, 2 (K, V; 1 for MLA), num_blocks, block_size, kv_heads, head_dim], "
+            f"got {list(shape)}"
         )
     flat = map_handle(handle, allowed_dir)
     dtype = dtype_from_name(handle.dtype)
     itemsize = dtype.itemsize
-    layers, _, num_blocks, block_size, heads, head_dim = shape
-    raw = flat.view(layers, 2, num_blocks, block_size, heads, head_dim * itemsize)
-    block_shape = (layers, 2, block_size, heads, head_dim)
+    layers, planes, num_blocks, block_size, heads, head_dim = shape
+    raw = flat.view(layers, planes, num_blocks, block_size, heads, head_dim * itemsize)
+    block_shape = (layers, planes, block_size, heads, head_dim)
     fmt = BlockFormat(dtype_name(dtype), block_shape, math.prod(block_shape) * itemsize)
     return MappedPool(handle=handle, raw=raw, block_format=fmt)

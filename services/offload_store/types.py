@@ -15,7 +15,8 @@ from shared.hashing import BlockHash
 class BlockFormat:
     """What one stored block's bytes mean: the pool dtype and the block's shape in elements.
 
-    ``shape`` is ``[num_layers, 2, block_size, num_kv_heads, head_dim]``. Two pools with the same
+    ``shape`` is ``[num_layers, 2, block_size, num_kv_heads, head_dim]`` (``[num_layers, 1,
+    block_size, 1, latent + rope]`` for an MLA pool, docs/mla.md). Two pools with the same
     format can exchange blocks byte for byte; a block of another format is never loaded (an fp16
     block has the same size as a bf16 one, so the size alone does not decide).
     """

@@ -69,17 +69,21 @@ class TorchAttentionBackend:
         v_scale: float = 1.0,
     ) -> None:
         """Stores K/V at their slots; rows whose slot is -1 (padding) are not written."""
+        keep, slots = self._write_rows(slot_mapping)
+        if keep is not None:
+            key, value = key[keep], value[keep]
+        store(k_cache, key, slots, k_scale)
+        store(v_cache, value, slots, v_scale)
+
+    def _write_rows(self, slot_mapping: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """``(rows to keep or None for all, their slots)``; computed once per step, like the plan."""
         writes = self._writes
-        if writes is None or writes[0] is not slot_mapping:  # once per step, like the plan
+        if writes is None or writes[0] is not slot_mapping:
             valid = slot_mapping >= 0
             everything = bool(valid.all())
             writes = (slot_mapping, None if everything else valid, slot_mapping if everything else slot_mapping[valid])
             self._writes = writes
-        _, keep, slots = writes
-        if keep is not None:
-            key, value = key[keep], value[keep]
-        _store(k_cache, key, slots, k_scale)
-        _store(v_cache, value, slots, v_scale)
+        return writes[1], writes[2]
 
     def forward(
         self,
@@ -124,7 +128,7 @@ class TorchAttentionBackend:
         for chunk in chunks:
             k = self._gather(k_cache, chunk.block_ids, chunk.seq_len, query.dtype, k_scale, 0)[0]  # [S, KV, D]
             v = self._gather(v_cache, chunk.block_ids, chunk.seq_len, query.dtype, v_scale, 1)[0]  # [S, KV, D]
-            out[chunk.start : chunk.end] = _causal_chunk(query[chunk.start : chunk.end], k, v, softmax_scale)
+            out[chunk.start : chunk.end] = causal_chunk(query[chunk.start : chunk.end], k, v, softmax_scale)
 
     def _plan_for(self, meta: AttentionMetadata, k_cache: torch.Tensor) -> _Plan:
         cached = self._plan
@@ -253,8 +257,9 @@ def make_chunks(meta: AttentionMetadata, starts: list[int], seq_lens: list[int],
     ]
 
 
-def _causal_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float) -> torch.Tensor:
-    """``q`` ``[Q, H, D]`` are the last ``Q`` positions of ``k``/``v`` ``[S, KV, D]``; returns ``[Q, H, D]``."""
+def causal_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float) -> torch.Tensor:
+    """``q`` ``[Q, H, D]`` are the last ``Q`` positions of ``k``/``v`` ``[S, KV, D]`` (``v`` may be
+    ``[S, KV, Dv]``, as in MLA); returns ``[Q, H, Dv]``."""
     num_q, seq_len = q.shape[0], k.shape[0]
     mask = None
     if num_q != seq_len:
@@ -274,7 +279,7 @@ def _causal_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_sca
     return o[0].transpose(0, 1)
 
 
-def _store(cache: torch.Tensor, x: torch.Tensor, slots: torch.Tensor, scale: float) -> None:
+def store(cache: torch.Tensor, x: torch.Tensor, slots: torch.Tensor, scale: float) -> None:
     """``cache`` viewed as ``[num_slots, KV, D]``; ``x`` ``[T', KV, D]`` goes to rows ``slots``."""
     flat = cache.view(-1, *cache.shape[2:])  # [num_blocks * block_size, KV, D]
     if cache.dtype == FP8_DTYPE:

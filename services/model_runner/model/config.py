@@ -14,17 +14,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from services.model_runner.model.mla_config import MLAConfig, MoEConfig, YarnParams, deepseek_parts, yarn_params
 from shared.errors import FailedPrecondition
-from shared.kv_layout import KVGroup, kv_groups
+from shared.kv_layout import KVGroup, gqa_kv_bytes_per_token, kv_groups, mla_kv_bytes_per_token
 
 # Architecture name -> (qkv projections carry a bias by design, model_type).
 SUPPORTED_ARCHITECTURES: dict[str, tuple[bool, str]] = {
     "LlamaForCausalLM": (False, "llama"),
     "MistralForCausalLM": (False, "mistral"),
     "Qwen2ForCausalLM": (True, "qwen2"),
+    "DeepseekV3ForCausalLM": (False, "deepseek_v3"),  # MLA + MoE: ``mla_config.py``, ``deepseek.py``
 }
+MLA_ARCHITECTURES = frozenset({"DeepseekV3ForCausalLM"})
 _BY_MODEL_TYPE = {model_type: arch for arch, (_, model_type) in SUPPORTED_ARCHITECTURES.items()}
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+MLA_ROPE_TYPES = ("default", "yarn")  # DeepSeek-V3 checkpoints use YaRN
 
 
 class UnsupportedModelError(FailedPrecondition):
@@ -41,6 +45,7 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    yarn: YarnParams | None = None  # rope_type "yarn" only (MLA models)
 
 
 @dataclass(frozen=True)
@@ -69,6 +74,10 @@ class ModelConfig:
     # ``sliding_window``); see :attr:`layer_windows`
     layer_types_windows: tuple[int | None, ...] = ()
     torch_dtype: str = "float32"  # the checkpoint's declared dtype (informational)
+    # DeepSeek-V3: multi-head latent attention and the MoE block (None for the Llama family);
+    # ``head_dim`` is then the rotary width (qk_rope_head_dim), as in transformers' config
+    mla: MLAConfig | None = None
+    moe: MoEConfig | None = None
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads != 0:
@@ -95,6 +104,26 @@ class ModelConfig:
     def kv_groups(self) -> tuple[KVGroup, ...]:
         """The KV cache groups of this model's layers (``shared/kv_layout.py``)."""
         return kv_groups(self.layer_windows)
+
+    @property
+    def kv_layout(self) -> str:
+        """``"mla"`` (one latent + rotary key per token and layer) or ``"gqa"`` (K and V per KV head)."""
+        return "mla" if self.mla is not None else "gqa"
+
+    @property
+    def kv_cache_geometry(self) -> tuple[int, int, int]:
+        """``(planes, heads, dim)`` of the pool tensor ``[layers, planes, blocks, block_size, heads, dim]``:
+        ``(2, kv_heads, head_dim)`` for K and V, ``(1, 1, kv_lora_rank + qk_rope_head_dim)`` for MLA."""
+        if self.mla is not None:
+            return 1, 1, self.mla.cache_dim
+        return 2, self.num_kv_heads, self.head_dim
+
+    def kv_bytes_per_token(self, bytes_per_element: float) -> float:
+        """KV bytes one token takes across all layers (``shared/kv_layout.py``'s formula)."""
+        if self.mla is not None:
+            return mla_kv_bytes_per_token(self.num_layers, self.mla.kv_lora_rank, self.mla.qk_rope_head_dim,
+                                          bytes_per_element)
+        return gqa_kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, bytes_per_element)
 
     @property
     def max_model_len(self) -> int:
@@ -150,6 +179,13 @@ class ModelConfig:
                 None if kind == "full_attention" or sliding_window is None else int(sliding_window)
                 for kind in layer_types
             )
+        mla = moe = None
+        if arch in MLA_ARCHITECTURES:
+            try:
+                mla, moe = deepseek_parts(hf)
+            except ValueError as exc:
+                raise UnsupportedModelError(str(exc)) from None
+            head_dim = mla.qk_rope_head_dim  # the rotary width (Hub configs predating transformers 5 omit head_dim)
         eos_ids = tuple(dict.fromkeys(int(e) for e in _as_list(hf.get("eos_token_id"))))
         bos = hf.get("bos_token_id")
         return cls(
@@ -162,7 +198,7 @@ class ModelConfig:
             num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
             head_dim=int(head_dim),
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            rope=_rope(hf, int(hf.get("max_position_embeddings", 2048))),
+            rope=_rope(hf, int(hf.get("max_position_embeddings", 2048)), mla=mla is not None),
             max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             qkv_bias=implied_qkv_bias or attention_bias,
@@ -173,6 +209,8 @@ class ModelConfig:
             sliding_window=None if sliding_window is None else int(sliding_window),
             layer_types_windows=windows,
             torch_dtype=str(hf.get("dtype") or hf.get("torch_dtype") or "float32"),
+            mla=mla,
+            moe=moe,
         )
 
 
@@ -194,22 +232,27 @@ def _architecture(hf: Mapping[str, Any]) -> str:
     raise UnsupportedModelError(f"unsupported architecture {found!r}; supported: {supported}")
 
 
-def _rope(hf: Mapping[str, Any], max_position_embeddings: int) -> RopeConfig:
+def _rope(hf: Mapping[str, Any], max_position_embeddings: int, mla: bool = False) -> RopeConfig:
     params = dict(hf.get("rope_parameters") or {})
     legacy = hf.get("rope_scaling") or {}
     params = {**legacy, **params}
     theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
     rope_type = str(params.get("rope_type", params.get("type", "default")))
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise UnsupportedModelError(f"rope_type {rope_type!r} is not supported; supported: {SUPPORTED_ROPE_TYPES}")
+    supported = MLA_ROPE_TYPES if mla else SUPPORTED_ROPE_TYPES
+    if rope_type not in supported:
+        raise UnsupportedModelError(f"rope_type {rope_type!r} is not supported; supported: {supported}")
     if params.get("partial_rotary_factor", 1.0) != 1.0:
         raise UnsupportedModelError("partial_rotary_factor != 1 is not supported")
     defaults = RopeConfig()
+    factor = params.get("factor")
+    if factor is None and rope_type == "yarn":  # transformers: the ratio of the two lengths
+        factor = max_position_embeddings / int(params["original_max_position_embeddings"])
     return RopeConfig(
         theta=theta,
         rope_type=rope_type,
-        factor=float(params.get("factor", defaults.factor)),
+        factor=float(defaults.factor if factor is None else factor),
         low_freq_factor=float(params.get("low_freq_factor", defaults.low_freq_factor)),
         high_freq_factor=float(params.get("high_freq_factor", defaults.high_freq_factor)),
         original_max_position_embeddings=int(params.get("original_max_position_embeddings", max_position_embeddings)),
+        yarn=yarn_params(params) if rope_type == "yarn" else None,
     )

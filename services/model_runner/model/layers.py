@@ -126,16 +126,22 @@ class RotaryEmbedding(nn.Module):
     :func:`apply_rotary` needs no negation per layer.
     """
 
-    def __init__(self, rope: RopeConfig, head_dim: int, max_positions: int):
+    def __init__(self, rope: RopeConfig, head_dim: int, max_positions: int, inv_freq: torch.Tensor | None = None,
+                 attention_factor: float = 1.0):
+        """``inv_freq`` / ``attention_factor``: frequencies and a cos/sin multiplier computed
+        elsewhere (YaRN, ``yarn.py``); default: :func:`rope_inv_freq`'s, unscaled."""
         super().__init__()
-        inv_freq = rope_inv_freq(rope, head_dim)  # [D/2]
+        inv_freq = rope_inv_freq(rope, head_dim) if inv_freq is None else inv_freq  # [D/2]
         freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]  # [P, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
         sign = torch.cat((-torch.ones(head_dim // 2), torch.ones(head_dim // 2)))  # [D]
+        cos, sin = emb.cos(), emb.sin()
+        if attention_factor != 1.0:
+            cos, sin = cos * attention_factor, sin * attention_factor
         self.cos: torch.Tensor
         self.sin: torch.Tensor
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin() * sign, persistent=False)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin * sign, persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """``(cos, signed sin)``, each ``[T, 1, D]`` in ``dtype`` (broadcast over heads)."""
@@ -211,9 +217,9 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))`` with gate and up merged."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, intermediate_size: int | None = None):
         super().__init__()
-        size = config.intermediate_size
+        size = config.intermediate_size if intermediate_size is None else intermediate_size
         self.intermediate_size = size
         self.gate_up_proj = Linear(config.hidden_size, 2 * size, bias=config.mlp_bias, shard_sizes=(size, size))
         self.down_proj = Linear(size, config.hidden_size, bias=config.mlp_bias)

@@ -81,10 +81,14 @@ class DecoderModel(nn.Module):
 class CausalLM(nn.Module):
     """Decoder plus the vocabulary projection; ``lm_head`` is None when tied to the embedding."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, decoder: DecoderModel | None = None):
+        """``decoder``: the stack, when not the Llama family's (``deepseek.DeepseekModel`` for an
+        MLA config; the loader picks it: this module cannot import that one, which builds on it)."""
         super().__init__()
+        if decoder is None and config.mla is not None:
+            raise ValueError(f"{config.architecture} needs its own decoder (deepseek.DeepseekModel)")
         self.config = config
-        self.model = DecoderModel(config)
+        self.model = DecoderModel(config) if decoder is None else decoder
         self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size, bias=False)
         self.packed_head: PackedWeight | None = None  # a tied head's packed copy (``transforms.prepare_model``)
         self.prepared: str | None = None  # the quantization ``prepare_model`` packed the weights for

@@ -120,16 +120,19 @@ def make_runner(tmp_path: Path) -> Any:
     ) -> ModelRunner:
         model, config = load_model(folder)
         dtype = kv_dtype_for(kv_cache_dtype, torch.float32)
-        per_block = bytes_per_block(config.num_layers, BLOCK_SIZE, config.num_kv_heads, config.head_dim, dtype)
+        planes, heads, dim = config.kv_cache_geometry  # (2, KV heads, head_dim); MLA: (1, 1, latent + rope)
+        per_block = bytes_per_block(config.num_layers, BLOCK_SIZE, heads, dim, dtype, planes)
         pool = KVPool(
             num_layers=config.num_layers,
-            num_kv_heads=config.num_kv_heads,
-            head_dim=config.head_dim,
+            num_kv_heads=heads,
+            head_dim=dim,
             block_size=BLOCK_SIZE,
             memory_bytes=num_blocks * per_block,
             dtype=dtype,
+            planes=planes,
         )
-        runner = ModelRunner(model, pool, make_backend(backend, torch.device("cpu")), model_id=folder.name,
+        mla = config.kv_layout == "mla"
+        runner = ModelRunner(model, pool, make_backend(backend, torch.device("cpu"), mla=mla), model_id=folder.name,
                                  quantization=quantization, gemm_dtype=gemm_dtype)
         runners.append(runner)
         return runner

@@ -125,3 +125,22 @@ def test_staging_outside_the_pools_folder_is_refused_and_untouched(pool: KVPool,
             copy_blocks(pool, handle, [2], [0], into_pool=into_pool, lock=lock)
     assert torch.equal(pool.tensor, before) and torch.equal(staging, torch.full_like(staging, 3.0))
     assert lock.entered == 0
+
+
+def test_an_mla_pool_copies_its_one_plane(tmp_path: Path) -> None:
+    """An MLA pool (``planes=1``: one latent row per token and layer) copies blocks of
+    ``[layers, 1, block_size, 1, latent + rope]``; a K/V-shaped staging row is refused."""
+    row = (LAYERS, 1, BLOCK, 1, 12)
+    per_block = bytes_per_block(LAYERS, BLOCK, 1, 12, torch.float32, planes=1)
+    assert per_block == LAYERS * BLOCK * 12 * 4
+    with KVPool(num_layers=LAYERS, num_kv_heads=1, head_dim=12, block_size=BLOCK, memory_bytes=NUM_BLOCKS * per_block,
+                dtype=torch.float32, shm_dir=str(tmp_path), planes=1) as mla:  # fmt: skip
+        mla.tensor[:, :, 4] = torch.arange(math.prod(row), dtype=torch.float32).view(row)
+        staging, handle = _staging(tmp_path, 2, row=row)
+        assert copy_blocks(mla, handle, [4], [1], into_pool=False) == per_block
+        assert torch.equal(staging[1], mla.tensor[:, :, 4])
+        assert copy_blocks(mla, handle, [6], [1], into_pool=True) == per_block
+        assert torch.equal(mla.tensor[:, :, 6], mla.tensor[:, :, 4])
+        _, kv_shaped = _staging(tmp_path, 2, row=(LAYERS, 2, BLOCK, 1, 6))
+        with pytest.raises(InvalidArgument, match="shape or dtype does not match"):
+            copy_blocks(mla, kv_shaped, [4], [0], into_pool=False)

@@ -10,6 +10,7 @@ import pytest
 import torch
 from offload_testlib import SHM_DIR, PoolFactory
 
+from services.model_runner.kv_pool import KVPool
 from services.offload_store.pool_mapping import PoolHandle, map_pool
 from shared.errors import FailedPrecondition, InvalidArgument, NotFound
 from shared.tensor_handle import KIND_CUDA_IPC
@@ -66,6 +67,17 @@ def test_shape_must_be_a_pool(make_pool: PoolFactory, shape: tuple[int, ...]) ->
     pool = make_pool("float32")
     with pytest.raises(InvalidArgument, match="pool shape must be"):
         map_pool(dataclasses.replace(pool.handle, shape=shape), SHM_DIR)
+
+
+def test_an_mla_pool_has_one_plane(tmp_path: Path) -> None:
+    """An MLA runner's pool (``[layers, 1, blocks, block_size, 1, latent + rope]``) maps; a block is
+    its one plane of every layer, and the block format says so."""
+    with KVPool(num_layers=3, num_kv_heads=1, head_dim=40, block_size=4, memory_bytes=6 * 1920,
+                dtype=torch.float32, shm_dir=SHM_DIR, name="kvmesh-kv-mla-test", planes=1) as pool:  # fmt: skip
+        pool.tensor[:, 0, 2] = torch.arange(3 * 4 * 40, dtype=torch.float32).view(3, 4, 1, 40)
+        mapped = map_pool(pool.handle(), SHM_DIR)
+        assert mapped.block_format.shape == (3, 1, 4, 1, 40) and mapped.block_format.nbytes == 1920
+        assert torch.equal(mapped.block(2).contiguous().view(torch.float32).view(3, 4, 1, 40), pool.tensor[:, 0, 2])
 
 
 def test_file_outside_the_pool_dir_is_refused(make_pool: PoolFactory, tmp_path: Path) -> None:

@@ -64,6 +64,8 @@ class ModelInfo(_message.Message):
     DTYPE_REASON_FIELD_NUMBER: _builtins.int
     ATTENTION_BACKEND_REASON_FIELD_NUMBER: _builtins.int
     KV_GROUP_WINDOWS_FIELD_NUMBER: _builtins.int
+    KV_LAYOUT_FIELD_NUMBER: _builtins.int
+    KV_BYTES_PER_TOKEN_FIELD_NUMBER: _builtins.int
     model_id: _builtins.str
     """Model identity (folder name or configured id); enters the prefix-hash seed."""
     architecture: _builtins.str
@@ -102,6 +104,15 @@ class ModelInfo(_message.Message):
     """Why this dtype, e.g. "auto: the CPU computes bf16 in hardware (amx_bf16)" or "set explicitly"."""
     attention_backend_reason: _builtins.str
     """Why this attention backend, e.g. "auto: the native CPU kernels (built here, float32)"."""
+    kv_layout: _builtins.str
+    """The KV layout: "gqa" (K and V per KV head: the pool is [layers, 2, blocks, block_size,
+    num_kv_heads, head_dim]) or "mla" (DeepSeek's latent: one plane per token and layer of
+    kv_lora_rank + qk_rope_head_dim elements, [layers, 1, blocks, block_size, 1, head_dim]).
+    """
+    kv_bytes_per_token: _builtins.float
+    """KV bytes of one token across all layers (shared/kv_layout.py's formula), e.g. MLA's
+    (latent + rope) x layers x bytes vs GQA's 2 x layers x kv_heads x head_dim x bytes.
+    """
     @_builtins.property
     def eos_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """End-of-sequence token ids."""
@@ -137,10 +148,12 @@ class ModelInfo(_message.Message):
         dtype_reason: _builtins.str = ...,
         attention_backend_reason: _builtins.str = ...,
         kv_group_windows: _abc.Iterable[_builtins.int] | None = ...,
+        kv_layout: _builtins.str = ...,
+        kv_bytes_per_token: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["architecture", b"architecture", "attention_backend", b"attention_backend", "attention_backend_reason", b"attention_backend_reason", "block_size", b"block_size", "bos_token_id", b"bos_token_id", "bytes_per_block", b"bytes_per_block", "device", b"device", "dtype", b"dtype", "dtype_reason", b"dtype_reason", "eos_token_ids", b"eos_token_ids", "head_dim", b"head_dim", "kv_cache_dtype", b"kv_cache_dtype", "kv_group_windows", b"kv_group_windows", "max_model_len", b"max_model_len", "model_id", b"model_id", "num_blocks", b"num_blocks", "num_kv_heads", b"num_kv_heads", "num_layers", b"num_layers", "pool_id", b"pool_id", "vocab_size", b"vocab_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["architecture", b"architecture", "attention_backend", b"attention_backend", "attention_backend_reason", b"attention_backend_reason", "block_size", b"block_size", "bos_token_id", b"bos_token_id", "bytes_per_block", b"bytes_per_block", "device", b"device", "dtype", b"dtype", "dtype_reason", b"dtype_reason", "eos_token_ids", b"eos_token_ids", "head_dim", b"head_dim", "kv_bytes_per_token", b"kv_bytes_per_token", "kv_cache_dtype", b"kv_cache_dtype", "kv_group_windows", b"kv_group_windows", "kv_layout", b"kv_layout", "max_model_len", b"max_model_len", "model_id", b"model_id", "num_blocks", b"num_blocks", "num_kv_heads", b"num_kv_heads", "num_layers", b"num_layers", "pool_id", b"pool_id", "vocab_size", b"vocab_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
