@@ -139,3 +139,21 @@ def test_triton_window(window: int, block_size: int, tile_n: int) -> None:
     torch.testing.assert_close(out[:n], expected[:n], atol=1e-4, rtol=1e-4)
     for with_nan in (False, True):
         assert torch.equal(run(_poisoned(batch, with_nan))[:n], out[:n]), with_nan
+
+
+def test_fp8_cache_window_in_the_torch_path() -> None:
+    """An fp8 cache (dequantized on gather; the native kernels take fp32 only) under a window."""
+    batch = _windowed(make_batch(QUERY_LENS, SEQ_LENS, block_size=4, head_dim=32, num_kv_heads=2,
+                                 cache_dtype=torch.float8_e4m3fn, seed=11), 16)  # fmt: skip
+    n = batch.num_real_tokens
+    scale = batch.query.shape[-1] ** -0.5
+    backend = TorchAttentionBackend()
+    out = backend.forward(batch.query, batch.k_cache, batch.v_cache, batch.meta, scale, batch.k_scale, batch.v_scale)
+    m = batch.meta
+    expected = paged_attention_ref(batch.query, batch.k_cache, batch.v_cache, m.query_start_loc, m.seq_lens,
+                                   m.block_tables, scale, batch.k_scale, batch.v_scale, window=16)  # fmt: skip
+    torch.testing.assert_close(out[:n], expected[:n], atol=1e-5, rtol=1e-5)
+    zeroed = _poisoned(batch, with_nan=False)
+    again = backend.forward(zeroed.query, zeroed.k_cache, zeroed.v_cache, zeroed.meta, scale, batch.k_scale,
+                            batch.v_scale)  # fmt: skip
+    assert torch.equal(again[:n], out[:n])
