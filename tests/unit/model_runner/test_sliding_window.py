@@ -279,3 +279,19 @@ def test_group_major_ids_are_validated_and_a_bad_step_changes_nothing(
     assert [t.request_id for t in out.sampled] == ["a"]
     assert runner._requests["a"].block_ids == [*full, 9, 0, *window[1:], 30]  # each group's run appended
     assert runner._requests["a"].token_ids == [*prompt, token, out.sampled[0].token_id]
+
+
+@pytest.mark.parametrize("name", ["mistral", "qwen2_alternating"])
+def test_native_default_mode_is_bitwise_however_the_prompt_is_chunked(
+    name: str, window_checkpoint: Any, make_runner: Any, all_logits: Any, hf_model: Any
+) -> None:
+    """The ``cpu`` backend under a window: a 200-token prompt in one pass or in chunks (one of a
+    single token: a decode row) gives bitwise the same logits, close to transformers'."""
+    folder = window_checkpoint(name)
+    runner = make_runner(folder, num_blocks=200, backend="cpu")
+    tokens = _prompt(5, 200)
+    one_pass = all_logits(runner, tokens)
+    assert torch.equal(all_logits(runner, tokens, chunks=[64, 1, 70, 65]), one_pass)
+    with torch.inference_mode():
+        expected = hf_model(folder)(torch.tensor([tokens])).logits[0]
+    torch.testing.assert_close(one_pass, expected, atol=1e-4, rtol=0)
