@@ -23,6 +23,7 @@ from services.model_runner.model.config import ModelConfig
 from services.model_runner.native import load_kernels
 from services.model_runner.runner import ModelRunner
 from shared.errors import FailedPrecondition
+from shared.kv_layout import layers_per_group
 
 log = logging.getLogger(__name__)
 
@@ -200,7 +201,8 @@ def build_runner(config: RunnerConfig, flags: Iterable[str] | None = None) -> Mo
              backend_choice.value, backend_choice.reason, "; batch invariant" if config.batch_invariant else "")
     planes, heads, dim = mcfg.kv_cache_geometry
     pool = KVPool(
-        num_layers=mcfg.num_layers, num_kv_heads=heads, head_dim=dim, planes=planes,
+        num_layers=mcfg.num_layers, layer_slots=layers_per_group(mcfg.kv_groups), num_kv_heads=heads,
+        head_dim=dim, planes=planes,
         block_size=config.block_size, memory_bytes=config.kv_cache_memory_bytes,
         dtype=kv_dtype_for(config.kv_cache_dtype, dtype), device=device,
     )

@@ -1,9 +1,15 @@
 """The KV pool: one tensor holding every layer's paged K/V, shareable with other processes.
 
-Layout (see ``attention/base.py``)::
+Layout (see ``attention/base.py`` and ``shared/kv_layout.py``)::
 
-    [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]     block 0 = null block
-    [num_layers, 1, num_blocks, block_size, 1, latent + rope]            MLA (docs/mla.md)
+    [layers_per_group, 2, num_blocks, block_size, num_kv_heads, head_dim]     block 0 = null block
+    [num_layers, 1, num_blocks, block_size, 1, latent + rope]                 MLA (docs/mla.md)
+
+A model whose layers all use full attention has one KV cache group of every layer, so the first
+dimension is simply its layer count; a hybrid model (full and sliding-window layers) has several
+groups of equally many layers, and layer ``l`` lives in slot ``j`` of its group
+(``ModelConfig.kv_groups``): a block id then belongs to one group at a time, and one block id is
+the same number of bytes in every group (docs/kv_layout.md).
 
 The number of blocks follows from a byte budget. On the CPU the tensor is a ``/dev/shm`` file
 mapped with ``torch.from_file(shared=True)``, so the offload-store can map the same pages
@@ -38,6 +44,7 @@ from pathlib import Path
 import torch
 
 from shared.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+from shared.kv_layout import gqa_kv_bytes_per_token, mla_kv_bytes_per_token
 from shared.tensor_handle import (
     SharedTensorHandle,
     dtype_from_name,
@@ -71,10 +78,14 @@ def kv_dtype_for(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
     return _KV_DTYPES[kv_cache_dtype]
 
 
-def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+def bytes_per_block(layer_slots: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                     planes: int = 2) -> int:
-    """Bytes of one block id across all layers: ``planes`` (K and V; 1 for MLA's latent) of each."""
-    return num_layers * planes * block_size * num_kv_heads * head_dim * dtype.itemsize
+    """Bytes of one block id: ``block_size`` tokens of the KV-size formula (``shared/kv_layout.py``)
+    over the pool's ``layer_slots`` (``layers_per_group``: every layer for an all-full-attention
+    model); ``planes`` 2 is K and V, 1 is MLA's latent + rotary key (``head_dim`` = their sum)."""
+    if planes == 1:
+        return int(block_size * mla_kv_bytes_per_token(layer_slots, num_kv_heads * head_dim, 0, dtype.itemsize))
+    return int(block_size * gqa_kv_bytes_per_token(layer_slots, num_kv_heads, head_dim, dtype.itemsize))
 
 
 class KVPool:
@@ -93,10 +104,14 @@ class KVPool:
         shm_dir: str = "/dev/shm",
         name: str = "kvmesh-kv",
         planes: int = 2,
+        layer_slots: int | None = None,
     ):
         """Allocates ``memory_bytes // bytes_per_block`` blocks (at least 2: block 0 is null).
 
         Args:
+            num_layers: the model's layers (one pair of fp8 scales each).
+            layer_slots: the pool's first dimension, ``layers_per_group(ModelConfig.kv_groups)``;
+                default ``num_layers`` (one group of every layer).
             planes: 2 (K and V), or 1 for MLA, whose one plane per token and layer holds the
                 latent and the rotary key (``num_kv_heads`` 1, ``head_dim`` latent + rope;
                 ``ModelConfig.kv_cache_geometry``).
@@ -110,14 +125,15 @@ class KVPool:
         self.block_size = block_size
         if planes not in (1, 2):
             raise InvalidArgument(f"planes must be 1 (MLA) or 2 (K and V), got {planes}")
-        self.bytes_per_block = bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype, planes)
+        slots = num_layers if layer_slots is None else layer_slots
+        self.bytes_per_block = bytes_per_block(slots, block_size, num_kv_heads, head_dim, dtype, planes)
         self.num_blocks = memory_bytes // self.bytes_per_block
         if self.num_blocks < 2:
             raise InvalidArgument(
                 f"a KV budget of {memory_bytes} bytes holds {self.num_blocks} blocks of "
                 f"{self.bytes_per_block} bytes; at least 2 are needed (block 0 is the null block)"
             )
-        self.shape = (num_layers, planes, self.num_blocks, block_size, num_kv_heads, head_dim)
+        self.shape = (slots, planes, self.num_blocks, block_size, num_kv_heads, head_dim)
         self.nbytes = self.num_blocks * self.bytes_per_block
         self.generation = uuid.uuid4().hex
         self.scales = torch.ones(num_layers, 2, dtype=torch.float32)  # [L, (k, v)]

@@ -2,27 +2,36 @@
 
 KV pool layout (one tensor per runner)::
 
-    pool: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
-                       │      │          │
-                       │      │          └─ token offset inside the block
-                       │      └─ block id (0 = null block, never holds real tokens)
-                       └─ 0 = K, 1 = V
+    pool: [layers_per_group, 2, num_blocks, block_size, num_kv_heads, head_dim]
+             │               │      │          │
+             │               │      │          └─ token offset inside the block
+             │               │      └─ block id (0 = null block, never holds real tokens)
+             │               └─ 0 = K, 1 = V
+             └─ the layer's slot in its KV cache group (``ModelConfig.kv_groups``)
 
     slot = block_id * block_size + offset      (slot -1 = padding: skip the write)
 
 A step's tokens are flattened into one varlen batch: sequence ``i`` owns query rows
 ``query_start_loc[i]:query_start_loc[i+1]`` and attends to its first ``seq_lens[i]`` cached tokens
-(the new tokens included, written into the cache before attention), causally.
+(the new tokens included, written into the cache before attention), causally. Each KV cache group
+has metadata of its own (its block tables and slots; the query ranges and lengths are shared); a
+window group's ``window`` limits each query at position ``p`` to keys ``p - window < j <= p``
+(transformers' ``sliding_window_overlay``). Its block tables may hold the null block or blocks
+since reused by another request at positions before a query's window, so a backend must never
+read K/V there: not just mask them, skip them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Generic, Protocol, TypeVar
 
 import torch
 
 from services.model_runner.native import NativeKernels
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -36,6 +45,8 @@ class AttentionMetadata:
         block_tables: ``[num_seqs, max_blocks_per_seq]`` int32, padded with 0 (the null block).
         max_query_len: longest query in the batch.
         max_seq_len: longest context in the batch.
+        window: the sliding window of the layers that use this metadata (their KV cache group);
+            None = full attention.
     """
 
     slot_mapping: torch.Tensor
@@ -44,6 +55,7 @@ class AttentionMetadata:
     block_tables: torch.Tensor
     max_query_len: int
     max_seq_len: int
+    window: int | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -89,3 +101,33 @@ class AttentionBackend(Protocol):
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim], query's dtype
         """Causal varlen attention of each sequence's new tokens over its cached context."""
         ...
+
+
+def first_visible_key(position: int, window: int | None) -> int:
+    """The first key a query at ``position`` sees: 0, or with a window ``position - window + 1``
+    (transformers' ``sliding_window_overlay``: keys ``p - window < j <= p``)."""
+    return 0 if window is None else max(0, position - window + 1)
+
+
+STEP_CACHE = 8  # step metadata remembered per backend: one per KV cache group of the current step
+
+
+class MetaCache(Generic[T]):
+    """What a step's metadata derives to, per metadata object (one per KV cache group), built once.
+
+    A step's metadata is never mutated, so identity is the key; the last :data:`STEP_CACHE`
+    entries are kept, enough for every group of a step (layers of different groups interleave).
+    """
+
+    def __init__(self) -> None:
+        self._entries: list[tuple[object, T]] = []
+
+    def get(self, key: object, build: Callable[[], T]) -> T:
+        for seen, value in self._entries:
+            if seen is key:
+                return value
+        value = build()
+        self._entries.append((key, value))
+        if len(self._entries) > STEP_CACHE:
+            self._entries.pop(0)
+        return value

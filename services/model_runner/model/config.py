@@ -23,6 +23,7 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[bool, str]] = {
     "LlamaForCausalLM": (False, "llama"),
     "MistralForCausalLM": (False, "mistral"),
     "Qwen2ForCausalLM": (True, "qwen2"),
+    "Qwen3ForCausalLM": (False, "qwen3"),
     "DeepseekV3ForCausalLM": (False, "deepseek_v3"),  # MLA + MoE: ``mla_config.py``, ``deepseek.py``
 }
 MLA_ARCHITECTURES = frozenset({"DeepseekV3ForCausalLM"})
@@ -67,6 +68,7 @@ class ModelConfig:
     qkv_bias: bool = False
     o_bias: bool = False
     mlp_bias: bool = False
+    qk_norm: bool = False  # Qwen3: an RMSNorm over each query and key head before rotary
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     sliding_window: int | None = None  # None = full attention at every length
@@ -127,13 +129,8 @@ class ModelConfig:
 
     @property
     def max_model_len(self) -> int:
-        """Longest sequence served exactly.
-
-        NOTE: sliding-window attention is not implemented, so a model with a window is capped at
-        the window: below it, full and windowed attention are the same computation.
-        """
-        if self.sliding_window is not None:
-            return min(self.max_position_embeddings, self.sliding_window)
+        """Longest sequence served: ``max_position_embeddings`` (every attention path honours each
+        layer's window, so a window does not cap it; docs/kv_layout.md)."""
         return self.max_position_embeddings
 
     @classmethod
@@ -164,7 +161,7 @@ class ModelConfig:
         head_dim = hf.get("head_dim") or int(hf["hidden_size"]) // num_heads
         attention_bias = bool(hf.get("attention_bias", False))
         sliding_window = hf.get("sliding_window")
-        if arch == "Qwen2ForCausalLM" and not hf.get("use_sliding_window", False):
+        if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not hf.get("use_sliding_window", False):
             sliding_window = None
         num_layers = int(hf["num_hidden_layers"])
         layer_types = hf.get("layer_types")
@@ -204,6 +201,7 @@ class ModelConfig:
             qkv_bias=implied_qkv_bias or attention_bias,
             o_bias=attention_bias,
             mlp_bias=bool(hf.get("mlp_bias", False)),
+            qk_norm=arch == "Qwen3ForCausalLM",
             bos_token_id=None if bos is None else int(bos),
             eos_token_ids=eos_ids,
             sliding_window=None if sliding_window is None else int(sliding_window),
