@@ -177,7 +177,7 @@ def build_runner(config: RunnerConfig, flags: Iterable[str] | None = None) -> Mo
     pool = KVPool(
         num_layers=mcfg.num_layers, num_kv_heads=mcfg.num_kv_heads, head_dim=mcfg.head_dim,
         block_size=config.block_size, memory_bytes=config.kv_cache_memory_bytes,
-        dtype=kv_dtype_for(config.kv_cache_dtype, dtype), device=device,
+        dtype=kv_dtype_for(config.kv_cache_dtype, dtype), device=device, hadamard=config.kv_cache_hadamard,
     )
     core = ModelRunner(
         model, pool, make_backend(backend_choice.value, device, config.batch_invariant),

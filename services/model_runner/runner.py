@@ -199,7 +199,8 @@ class ModelRunner:
         return _Request(tokens, list(new.block_ids), new.num_computed_tokens, sampling)
 
     def _context(self, meta: AttentionMetadata) -> ForwardContext:
-        return ForwardContext(self.pool.tensor, self.pool.layer_scales(), meta, self.backend)
+        return ForwardContext(self.pool.tensor, self.pool.layer_scales(), meta, self.backend,
+                              kv_rotation=self.pool.rotation)
 
     def model_info(self) -> ModelInfo:
         """Model and pool geometry, for the scheduler and the kv-cache-manager to size themselves."""

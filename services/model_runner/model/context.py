@@ -25,6 +25,8 @@ class ForwardContext:
         backend: writes K/V and computes paged attention.
         kv_amax: ``[num_layers, 2]`` float32 running max of ``|K|`` / ``|V|``, updated in place when
             given (fp8 calibration); None in normal serving.
+        kv_rotation: ``[G, G]`` Hadamard matrix when the INT4 cache stores K/V rotated (the
+            attention layers then rotate Q, K, V and the output, ``attention/int4.py``); else None.
     """
 
     kv_cache: torch.Tensor
@@ -32,3 +34,4 @@ class ForwardContext:
     meta: AttentionMetadata
     backend: AttentionBackend
     kv_amax: torch.Tensor | None = None
+    kv_rotation: torch.Tensor | None = None
