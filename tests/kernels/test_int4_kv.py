@@ -98,7 +98,9 @@ def _batch(query_lens: list[int], seq_lens: list[int], head_dim: int, seed: int 
     return query, k_cache, v_cache, meta
 
 
-def _reference(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+def _reference(
+    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
+) -> torch.Tensor:
     return paged_attention_ref(query, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
                                query.shape[-1] ** -0.5)  # fmt: skip
 

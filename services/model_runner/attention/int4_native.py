@@ -17,10 +17,17 @@ from services.model_runner.native import NativeKernels, is_cpu_fp32
 class RowPlan(Protocol):
     """What :func:`forward` reads of ``cpu_backend.NativeDecodePlan`` (one entry per query row)."""
 
-    rows: torch.Tensor  # [n] int32
-    seq_lens: torch.Tensor  # [n] int32, keys each row sees
-    tables: torch.Tensor  # [n, W] int32
-    max_len: int
+    @property
+    def rows(self) -> torch.Tensor: ...  # [n] int32
+
+    @property
+    def seq_lens(self) -> torch.Tensor: ...  # [n] int32, keys each row sees
+
+    @property
+    def tables(self) -> torch.Tensor: ...  # [n, W] int32
+
+    @property
+    def max_len(self) -> int: ...
 
 
 def rows_contiguous(x: torch.Tensor) -> bool:

@@ -130,13 +130,13 @@ def test_prefix_hits_give_a_cold_runs_tokens(
     warm = make_runner(folder, num_blocks=96, kv_cache_dtype="int4", backend=backend, hadamard=rotate)
     assert warm.model_info().kv_cache_dtype == "int4"
     sched = mini_scheduler(warm, chunk=6)
-    sched.add(sim_request("donor", PROMPT + [11, 12, 13], max_new_tokens=8))
-    sched.add(sim_request("while", PROMPT + [21, 22], max_new_tokens=6, arrival_step=5, prefix_from="donor"))
+    sched.add(sim_request("donor", [*PROMPT, 11, 12, 13], max_new_tokens=8))
+    sched.add(sim_request("while", [*PROMPT, 21, 22], max_new_tokens=6, arrival_step=5, prefix_from="donor"))
     sched.add(sim_request("after", [*PROMPT[:8], 5], max_new_tokens=6, arrival_step=14, prefix_from="donor"))
     hot = sched.run()
     firsts = {r.request_id: r for s in sched.steps for r in s.new_requests}
     assert firsts["while"].num_computed_tokens == 12 and firsts["after"].num_computed_tokens == 8
-    for rid, prompt in (("while", PROMPT + [21, 22]), ("after", [*PROMPT[:8], 5])):
+    for rid, prompt in (("while", [*PROMPT, 21, 22]), ("after", [*PROMPT[:8], 5])):
         cold_sched = mini_scheduler(make_runner(folder, kv_cache_dtype="int4", backend=backend, hadamard=rotate))
         cold_sched.add(sim_request(rid, prompt, max_new_tokens=6))
         assert cold_sched.run()[rid] == hot[rid], rid
