@@ -75,11 +75,11 @@ def all_logits(runner: ModelRunner, tokens: list[int]) -> torch.Tensor:
         return runner.model.compute_logits(runner.model(batch.input_ids, batch.positions, ctx)).float()
 
 
-def logit_error(ref: ModelRunner, other: ModelRunner, seqs: list[Seq]) -> dict[str, Any]:
+def logit_error(ref_logits: list[torch.Tensor], other: ModelRunner, seqs: list[Seq]) -> dict[str, Any]:
     errors: list[float] = []
     agree = total = 0
-    for seq in seqs:
-        a, b = all_logits(ref, seq.tokens), all_logits(other, seq.tokens)
+    for a, seq in zip(ref_logits, seqs, strict=True):
+        b = all_logits(other, seq.tokens)
         top = a.argmax(-1)
         errors += (a.gather(1, top[:, None]) - b.gather(1, top[:, None])).abs().squeeze(1).tolist()
         agree += int((b.argmax(-1) == top).sum())
@@ -122,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--budget-mib", type=int, default=512)
+    parser.add_argument("--modes", default=",".join(MODES), help="compared with fp32 (always run)")
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--out", default="")
     args = parser.parse_args(argv)
@@ -140,16 +141,20 @@ def main(argv: list[str] | None = None) -> int:
             prompts = [tok(p)["input_ids"] for p in PROMPTS[: args.prompts]]
         report: dict[str, Any] = {"args": vars(args), "geometry": geometry(model_dir, args.budget_mib << 20)}
         blocks = len(prompts) * -(-(max(map(len, prompts)) + args.new_tokens) // BLOCK_SIZE) + 8
-        runners = {m: build(model_dir, m, args.backend, blocks) for m in MODES}
-        try:
-            outputs = {m: greedy(r, prompts, args.new_tokens, True) for m, r in runners.items()}
-            ref = outputs["fp32"]
-            report["agreement_with_fp32"] = {
-                m: {**agreement(ref, outputs[m]), **logit_error(runners["fp32"], r, ref)}
-                for m, r in runners.items() if m != "fp32"}  # fmt: skip
-        finally:
-            for r in runners.values():
-                r.pool.close()
+        report["agreement_with_fp32"] = {}
+        ref: list[Seq] = []
+        ref_logits: list[torch.Tensor] = []
+        for mode in [m for m in MODES if m in args.modes.split(",") or m == "fp32"]:
+            runner = build(model_dir, mode, args.backend, blocks)  # one at a time: SmolLM2 is 0.5 GB in fp32
+            try:
+                seqs = greedy(runner, prompts, args.new_tokens, True)
+                if mode == "fp32":
+                    ref, ref_logits = seqs, [all_logits(runner, s.tokens) for s in seqs]
+                    continue
+                report["agreement_with_fp32"][mode] = {**agreement(ref, seqs), **logit_error(ref_logits, runner, ref)}
+                print(f"  {mode}: done", flush=True)
+            finally:
+                runner.pool.close()
     for m, g in report["geometry"].items():
         a = report["agreement_with_fp32"].get(m)
         line = f"{m:14s} {g['bytes_per_token']:8.0f} B/token {g['blocks']:6d} blocks in {args.budget_mib} MiB"
