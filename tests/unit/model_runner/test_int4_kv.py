@@ -140,3 +140,20 @@ def test_prefix_hits_give_a_cold_runs_tokens(
         cold_sched = mini_scheduler(make_runner(folder, kv_cache_dtype="int4", backend=backend, hadamard=rotate))
         cold_sched.add(sim_request(rid, prompt, max_new_tokens=6))
         assert cold_sched.run()[rid] == hot[rid], rid
+
+
+def test_build_runner_serves_int4_with_hadamard(checkpoint: Any) -> None:
+    """What the service builds from ``KVMESH_RUNNER_KV_CACHE_DTYPE=int4`` + ``_KV_CACHE_HADAMARD=1``."""
+    from services.model_runner.factory import build_runner
+
+    folder = checkpoint("llama")
+    budget = 40 * bytes_per_block(3, 4, 2, 16, torch.uint8)
+    runner = build_runner(RunnerConfig(model_dir=str(folder), device="cpu", dtype="float32", attention_backend="cpu",
+                                       block_size=4, kv_cache_memory_bytes=budget, kv_cache_dtype="int4",
+                                       kv_cache_hadamard=True))  # fmt: skip
+    try:
+        info = runner.model_info()
+        assert (info.kv_cache_dtype, info.num_blocks, info.bytes_per_block) == ("int4", 40, 3 * 2 * 4 * 2 * 10)
+        assert runner.pool.rotation is not None and runner.pool.rotation.shape == (16, 16)
+    finally:
+        runner.pool.close()
