@@ -9,10 +9,12 @@ the tolerance of the fp32 paths (``test_native_cpu.py``, ``test_paged_attention.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import pytest
 import torch
 
+from services.model_runner.attention import int4_native
 from services.model_runner.attention.base import AttentionMetadata
 from services.model_runner.attention.cpu_backend import CpuAttentionBackend
 from services.model_runner.attention.int4 import dequantize_int4, quantize_int4
@@ -160,3 +162,34 @@ def test_write_paths_store_what_the_readers_read() -> None:
     assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
     rows = caches[0][0].view(-1, 2, int4_row_bytes(32))[SLOTS[SLOTS >= 0]]
     assert torch.equal(dequantize_int4(rows), dequantize_int4(quantize_int4(key[SLOTS >= 0])))
+
+
+@dataclass(frozen=True)
+class _Rows:
+    """A per-row plan as ``int4_native.forward`` reads it."""
+
+    rows: torch.Tensor
+    seq_lens: torch.Tensor
+    tables: torch.Tensor
+    max_len: int
+
+
+@pytest.mark.parametrize("window", [0, 1, 5, 64])
+def test_native_attention_honours_a_sliding_window(window: int) -> None:
+    """Row at position p sees keys p - window < j <= p (0 = all): against dense attention over the
+    dequantized keys, on a 13-token sequence of 4 blocks of 4."""
+    query, k_cache, v_cache, meta = _batch([13], [13], 32, seed=5)
+    kernels = load_kernels()
+    assert kernels is not None
+    lens = torch.arange(1, 14, dtype=torch.int32)
+    plan = _Rows(torch.arange(13, dtype=torch.int32), lens, meta.block_tables.repeat(13, 1).contiguous(), 13)
+    out = int4_native.forward(kernels, plan, query, k_cache, v_cache, 32**-0.5, window)
+    assert out is not None
+    blocks = meta.block_tables[0, :4].long()
+    k = dequantize_int4(k_cache[blocks].flatten(0, 1)[:13]).repeat_interleave(2, dim=1)  # [13, H, D]
+    v = dequantize_int4(v_cache[blocks].flatten(0, 1)[:13]).repeat_interleave(2, dim=1)
+    keys, pos = torch.arange(13)[None, :], torch.arange(13)[:, None]
+    visible = (keys <= pos) & ((keys > pos - window) if window else True)
+    scores = torch.einsum("qhd,khd->hqk", query, k) * 32**-0.5
+    expected = torch.einsum("hqk,khd->qhd", scores.masked_fill(~visible, float("-inf")).softmax(-1), v)
+    torch.testing.assert_close(out, expected, atol=ATOL, rtol=RTOL)

@@ -63,10 +63,12 @@ def forward(
     k_cache: torch.Tensor,  # [num_blocks, block_size, KV, row_bytes] uint8
     v_cache: torch.Tensor,
     softmax_scale: float,
+    window: int = 0,
 ) -> torch.Tensor | None:  # [T, H, D]; None: not taken (the caller uses the torch reference)
     """Causal attention of every query row over the INT4 cache, each row as the decode of its position.
 
-    Rows outside the plan (batch padding) are zero.
+    Rows outside the plan (batch padding) are zero. ``window`` > 0: a sliding-window layer's rows see
+    only their last ``window`` keys (``AttentionMetadata.window``'s rule).
 
     Raises:
         RuntimeError: the kernel could not allocate its buffers.
@@ -84,7 +86,7 @@ def forward(
         query.data_ptr(), query.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0),
         plan.tables.data_ptr(), plan.tables.stride(0), plan.seq_lens.data_ptr(), plan.rows.data_ptr(), n,
         out.data_ptr(), out.stride(0), query.shape[1], k_cache.shape[2], query.shape[2], k_cache.shape[1],
-        plan.max_len, softmax_scale,
+        plan.max_len, softmax_scale, window,
     )  # fmt: skip
     if status == -1:
         return None

@@ -232,6 +232,6 @@ def load_kernels(portable: bool = False) -> NativeKernels | None:
             _PTR, _PTR, _I64,  # seq_lens (each row's keys), rows, num_rows
             _PTR, _I64,  # out, out_row_stride
             _I64, _I64, _I64, _I64,  # num_heads, num_kv_heads, head_dim, block_size
-            _I64, _F32,  # max_seq_len, scale
+            _I64, _F32, _I64,  # max_seq_len, scale, window (0 = full attention)
         ]),
     )  # fmt: skip

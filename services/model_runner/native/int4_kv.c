@@ -98,17 +98,18 @@ static inline const uint8_t *int4_token_row(const uint8_t *cache, const int32_t 
     return cache + (int64_t)table[t / block_size] * block_stride + (t % block_size) * token_stride + kv_offset;
 }
 
-/* One (query row, KV head): the group's heads attend to the row's first len keys. */
+/* One (query row, KV head): the group's heads attend to keys first .. len - 1 of the row. */
 static void attend_int4(const float *qs, float *os, const uint8_t *k_cache, const uint8_t *v_cache,
-                        int64_t block_stride, const int32_t *table, int64_t len, int64_t group, int64_t head_dim,
-                        int64_t token_stride, int64_t block_size, int64_t kv_offset, float scale, float *scores)
+                        int64_t block_stride, const int32_t *table, int64_t first, int64_t len, int64_t group,
+                        int64_t head_dim, int64_t token_stride, int64_t block_size, int64_t kv_offset, float scale,
+                        float *scores)
 {
     float qv[INT4_MAX_GROUP][INT4_MAX_HEAD_DIM], row[INT4_MAX_HEAD_DIM];
     for (int64_t g = 0; g < group; g++)
         for (int64_t d = 0; d < head_dim; d++) qv[g][d] = qs[g * head_dim + d] * scale;
     float maxv[INT4_MAX_GROUP];
     for (int64_t g = 0; g < group; g++) maxv[g] = -3.0e38f;
-    for (int64_t t = 0; t < len; t++) {
+    for (int64_t t = first; t < len; t++) {
         dequantize_row(int4_token_row(k_cache, table, t, block_size, block_stride, token_stride, kv_offset), row,
                        head_dim);
         for (int64_t g = 0; g < group; g++) {
@@ -125,7 +126,7 @@ static void attend_int4(const float *qs, float *os, const uint8_t *k_cache, cons
         const float m = maxv[g];
         float sum = 0.0f;
         #pragma omp simd reduction(+:sum)
-        for (int64_t t = 0; t < len; t++) {
+        for (int64_t t = first; t < len; t++) {
             const float e = exp_neg(sg[t] - m);
             sg[t] = e;
             sum += e;
@@ -135,7 +136,7 @@ static void attend_int4(const float *qs, float *os, const uint8_t *k_cache, cons
     float acc[INT4_MAX_GROUP][INT4_MAX_HEAD_DIM];
     for (int64_t g = 0; g < group; g++)
         for (int64_t d = 0; d < head_dim; d++) acc[g][d] = 0.0f;
-    for (int64_t t = 0; t < len; t++) {
+    for (int64_t t = first; t < len; t++) {
         dequantize_row(int4_token_row(v_cache, table, t, block_size, block_stride, token_stride, kv_offset), row,
                        head_dim);
         for (int64_t g = 0; g < group; g++) {
@@ -150,15 +151,17 @@ static void attend_int4(const float *qs, float *os, const uint8_t *k_cache, cons
 
 /* Paged attention over an INT4 cache. Row i (query row rows[i], block table tables[i]) sees its
  * first seq_lens[i] keys; a prefill chunk passes one row per position with its causal length.
+ * window > 0 (a sliding-window layer): only the last `window` of them (keys p - window < j <= p of
+ * the row at position p = seq_lens[i] - 1; blocks before that are never read).
  * block_stride is in bytes (one block: block_size * num_kv_heads * row bytes).
  * Returns 0, -1 for an unsupported shape, -2 when a score buffer could not be allocated. */
 int kvmesh_paged_attention_int4(
     const float *q, int64_t q_row_stride, const uint8_t *k_cache, const uint8_t *v_cache, int64_t block_stride,
     const int32_t *tables, int64_t table_stride, const int32_t *seq_lens, const int32_t *rows, int64_t num_rows,
     float *out, int64_t out_row_stride, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-    int64_t block_size, int64_t max_seq_len, float scale)
+    int64_t block_size, int64_t max_seq_len, float scale, int64_t window)
 {
-    if (num_kv_heads <= 0 || num_heads % num_kv_heads || head_dim % 2 || head_dim % group_size(head_dim)) return -1;
+    if (window < 0 || num_kv_heads <= 0 || num_heads % num_kv_heads || head_dim % 2 || head_dim % group_size(head_dim)) return -1;
     const int64_t group = num_heads / num_kv_heads;
     if (group > INT4_MAX_GROUP || head_dim > INT4_MAX_HEAD_DIM) return -1;
     const int64_t row_bytes = kvmesh_int4_row_bytes(head_dim), token_stride = num_kv_heads * row_bytes;
@@ -182,8 +185,9 @@ int kvmesh_paged_attention_int4(
                 for (int64_t i = 0; i < group * head_dim; i++) os[i] = 0.0f;
                 continue;
             }
-            attend_int4(qs, os, k_cache, v_cache, block_stride, tables + s * table_stride, len, group, head_dim,
-                        token_stride, block_size, kvh * row_bytes, scale, scores);
+            const int64_t first = window > 0 && len > window ? len - window : 0;
+            attend_int4(qs, os, k_cache, v_cache, block_stride, tables + s * table_stride, first, len, group,
+                        head_dim, token_stride, block_size, kvh * row_bytes, scale, scores);
         }
         free(scores);
     }
