@@ -30,14 +30,43 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["KVGroup", "gqa_kv_bytes_per_token", "kv_groups", "layers_per_group", "mla_kv_bytes_per_token"]
+__all__ = ["INT4_GROUP", "KVGroup", "gqa_kv_bytes_per_token", "int4_group_size", "int4_row_bytes", "kv_groups",
+           "layers_per_group", "mla_kv_bytes_per_token"]
+
+INT4_GROUP = 32  # channels per INT4 scale (smaller heads use one group per head), see int4_group_size
+INT4_SCALE_BYTES = 2  # one float16 scale per group
+
+
+def int4_group_size(head_dim: int) -> int:
+    """Channels sharing one INT4 scale: 32, or the whole head when it has fewer channels.
+
+    WHY 32: a scale per 32 channels bounds each group's error by its own largest value, so one
+    outlier channel costs 31 neighbours their precision rather than the whole head's 63 or 127
+    (KIVI and QServe use groups of 32-128); its 2 scale bytes per 16 data bytes cost 1/9 of the
+    INT4 page. It is also the size of the optional Hadamard rotation, which needs a power of two.
+
+    Raises:
+        ValueError: ``head_dim`` that the group does not divide, or a group that is not an even
+            power of two (two nibbles per byte; Sylvester's Hadamard construction).
+    """
+    group = min(INT4_GROUP, head_dim)
+    if head_dim % group or group < 2 or group & (group - 1):
+        raise ValueError(f"INT4 KV needs head_dim a multiple of {INT4_GROUP} or a power of two >= 2, got {head_dim}")
+    return group
+
+
+def int4_row_bytes(head_dim: int) -> int:
+    """Bytes of one (token, KV head) row of an INT4 cache: ``head_dim / 2`` packed nibbles, then one
+    float16 scale per group (``int4_group_size``): 36 for head_dim 64 (vs 128 in fp16)."""
+    return head_dim // 2 + INT4_SCALE_BYTES * (head_dim // int4_group_size(head_dim))
 
 
 def gqa_kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, bytes_per_element: float) -> float:
     """``2 x layers x kv_heads x head_dim x bytes``: K and V of one token across the whole model.
 
-    ``bytes_per_element`` is a float so that packed formats count honestly (INT4 is 0.5 plus its
-    scales, which the caller adds per element).
+    ``bytes_per_element`` is a float so that packed formats count honestly: INT4 is
+    ``int4_row_bytes(head_dim) / head_dim`` (0.5 for the nibbles plus its scales; 0.5625 at
+    head_dim 64).
     """
     return 2 * num_layers * num_kv_heads * head_dim * bytes_per_element
 

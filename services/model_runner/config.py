@@ -17,7 +17,11 @@ class RunnerConfig:
             reference mode the parity tests pin), ``float16`` or ``bfloat16``. ``bfloat16`` on
             the native kernels is bf16 mode (bf16 GEMMs with fp32 accumulation, fp32 everything
             else, batch invariant; docs/model_runner.md, "bf16 mode"), on ``torch`` torch's bf16.
-        kv_cache_dtype: ``auto`` (the weights dtype) or ``fp8_e4m3``.
+        kv_cache_dtype: ``auto`` (the weights dtype), ``fp8_e4m3`` or ``int4`` (per-token, per-head
+            groups of 32 channels with float16 scales stored in the block; docs/kv_quantization.md).
+            Neither is a parity mode: outputs can differ from fp32's.
+        kv_cache_hadamard: ``int4`` only: rotate K and V by a block-diagonal Hadamard matrix before
+            quantizing (and Q and the attention output to match), which spreads outlier channels.
         block_size: tokens per KV block.
         kv_cache_memory_bytes: budget of the KV pool; ``num_blocks = budget // bytes_per_block``.
         max_model_len: longest sequence; 0 = the model's ``max_position_embeddings``.
@@ -46,6 +50,7 @@ class RunnerConfig:
     model_id: str = ""
     dtype: str = "auto"
     kv_cache_dtype: str = "auto"
+    kv_cache_hadamard: bool = False
     block_size: int = 16
     kv_cache_memory_bytes: int = 512 << 20
     max_model_len: int = 0
@@ -62,5 +67,7 @@ class RunnerConfig:
             raise ValueError(f"quantization must be none, int8 or fp16, got {self.quantization!r}")
         if self.attention_backend not in ("auto", "torch", "triton", "cpu"):
             raise ValueError(f"attention_backend must be auto, torch, triton or cpu, got {self.attention_backend!r}")
-        if self.kv_cache_dtype not in ("auto", "fp8_e4m3"):
-            raise ValueError(f"kv_cache_dtype must be auto or fp8_e4m3, got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype not in ("auto", "fp8_e4m3", "int4"):
+            raise ValueError(f"kv_cache_dtype must be auto, fp8_e4m3 or int4, got {self.kv_cache_dtype!r}")
+        if self.kv_cache_hadamard and self.kv_cache_dtype != "int4":
+            raise ValueError("kv_cache_hadamard needs kv_cache_dtype int4")

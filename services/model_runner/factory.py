@@ -204,7 +204,7 @@ def build_runner(config: RunnerConfig, flags: Iterable[str] | None = None) -> Mo
         num_layers=mcfg.num_layers, layer_slots=layers_per_group(mcfg.kv_groups), num_kv_heads=heads,
         head_dim=dim, planes=planes,
         block_size=config.block_size, memory_bytes=config.kv_cache_memory_bytes,
-        dtype=kv_dtype_for(config.kv_cache_dtype, dtype), device=device,
+        dtype=kv_dtype_for(config.kv_cache_dtype, dtype), device=device, hadamard=config.kv_cache_hadamard,
     )
     core = ModelRunner(
         model, pool, make_backend(backend_choice.value, device, config.batch_invariant, mla=mla),

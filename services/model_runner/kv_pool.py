@@ -28,6 +28,10 @@ no cleaner ever sees an unlocked live file.
 
 fp8 caches (``kv_cache_dtype="fp8_e4m3"``) hold ``K / k_scale`` and ``V / v_scale`` with one
 pair of float32 scales per layer; :meth:`KVPool.calibrate` sets them from observed maxima.
+
+INT4 caches (``kv_cache_dtype="int4"``) are ``uint8`` with the last dimension holding one packed row
+per (token, KV head), its scales included (``attention/int4.py``; ``int4_row_bytes`` bytes instead of
+``head_dim``), so a block's bytes are self-describing and need no calibration.
 """
 
 from __future__ import annotations
@@ -43,8 +47,10 @@ from pathlib import Path
 
 import torch
 
+from services.model_runner.attention.int4 import INT4_DTYPE
+from services.model_runner.attention.int4 import hadamard as hadamard_matrix
 from shared.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
-from shared.kv_layout import gqa_kv_bytes_per_token, mla_kv_bytes_per_token
+from shared.kv_layout import gqa_kv_bytes_per_token, int4_group_size, int4_row_bytes, mla_kv_bytes_per_token
 from shared.tensor_handle import (
     SharedTensorHandle,
     dtype_from_name,
@@ -53,7 +59,7 @@ from shared.tensor_handle import (
     map_handle,
 )
 
-__all__ = ["FP8_NAME", "KVPool", "SharedTensorHandle", "attach", "bytes_per_block", "kv_dtype_for",
+__all__ = ["FP8_NAME", "INT4_NAME", "KVPool", "SharedTensorHandle", "attach", "bytes_per_block", "kv_dtype_for",
            "remove_stale_pool_files"]
 
 log = logging.getLogger(__name__)
@@ -61,16 +67,18 @@ POOL_SUFFIX = ".kvpool"  # distinct from older runners' unlocked ".kv" files, wh
 
 FP8_NAME = "fp8_e4m3"
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
+INT4_NAME = "int4"
 _KV_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "float16": torch.float16,
     "bfloat16": torch.bfloat16,
     FP8_NAME: torch.float8_e4m3fn,
+    INT4_NAME: INT4_DTYPE,
 }
 
 
 def kv_dtype_for(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
-    """``"auto"`` -> the model's dtype; ``"fp8_e4m3"``, ``"float16"``... -> that dtype."""
+    """``"auto"`` -> the model's dtype; ``"fp8_e4m3"``, ``"float16"``... -> that dtype; ``"int4"`` -> uint8."""
     if kv_cache_dtype == "auto":
         return model_dtype
     if kv_cache_dtype not in _KV_DTYPES:
@@ -82,10 +90,17 @@ def bytes_per_block(layer_slots: int, block_size: int, num_kv_heads: int, head_d
                     planes: int = 2) -> int:
     """Bytes of one block id: ``block_size`` tokens of the KV-size formula (``shared/kv_layout.py``)
     over the pool's ``layer_slots`` (``layers_per_group``: every layer for an all-full-attention
-    model); ``planes`` 2 is K and V, 1 is MLA's latent + rotary key (``head_dim`` = their sum)."""
+    model); ``planes`` 2 is K and V, 1 is MLA's latent + rotary key (``head_dim`` = their sum). An
+    INT4 cache's rows are ``row_elements`` bytes, its scales included."""
+    row = row_elements(head_dim, dtype)
     if planes == 1:
-        return int(block_size * mla_kv_bytes_per_token(layer_slots, num_kv_heads * head_dim, 0, dtype.itemsize))
-    return int(block_size * gqa_kv_bytes_per_token(layer_slots, num_kv_heads, head_dim, dtype.itemsize))
+        return int(block_size * mla_kv_bytes_per_token(layer_slots, num_kv_heads * row, 0, dtype.itemsize))
+    return int(block_size * gqa_kv_bytes_per_token(layer_slots, num_kv_heads, row, dtype.itemsize))
+
+
+def row_elements(head_dim: int, dtype: torch.dtype) -> int:
+    """The pool's last dimension: ``head_dim``, or an INT4 row's bytes (nibbles and scales)."""
+    return int4_row_bytes(head_dim) if dtype == INT4_DTYPE else head_dim
 
 
 class KVPool:
@@ -105,6 +120,7 @@ class KVPool:
         name: str = "kvmesh-kv",
         planes: int = 2,
         layer_slots: int | None = None,
+        hadamard: bool = False,
     ):
         """Allocates ``memory_bytes // bytes_per_block`` blocks (at least 2: block 0 is null).
 
@@ -118,13 +134,19 @@ class KVPool:
             dtype: element type of the cache (``torch.float8_e4m3fn`` for fp8).
             shm_dir: memory-backed folder for the CPU mapping.
             name: file name prefix (the generation is appended).
+            hadamard: INT4 only: K and V are stored rotated by the block-diagonal Hadamard matrix
+                (``attention/int4.py``); :attr:`rotation` is then that group-sized matrix.
         """
+        if hadamard and dtype != INT4_DTYPE:
+            raise InvalidArgument("the Hadamard rotation applies to an int4 KV cache only")
         self.dtype = dtype
         self.device = torch.device(device)
         self.shm_dir = shm_dir  # also the only folder a staging file of CopyBlocks may name
         self.block_size = block_size
         if planes not in (1, 2):
             raise InvalidArgument(f"planes must be 1 (MLA) or 2 (K and V), got {planes}")
+        if planes == 1 and dtype == INT4_DTYPE:
+            raise InvalidArgument("an INT4 cache quantizes K and V per head; MLA's latent pool is not supported")
         slots = num_layers if layer_slots is None else layer_slots
         self.bytes_per_block = bytes_per_block(slots, block_size, num_kv_heads, head_dim, dtype, planes)
         self.num_blocks = memory_bytes // self.bytes_per_block
@@ -133,10 +155,13 @@ class KVPool:
                 f"a KV budget of {memory_bytes} bytes holds {self.num_blocks} blocks of "
                 f"{self.bytes_per_block} bytes; at least 2 are needed (block 0 is the null block)"
             )
-        self.shape = (slots, planes, self.num_blocks, block_size, num_kv_heads, head_dim)
+        self.shape = (slots, planes, self.num_blocks, block_size, num_kv_heads, row_elements(head_dim, dtype))
         self.nbytes = self.num_blocks * self.bytes_per_block
         self.generation = uuid.uuid4().hex
         self.scales = torch.ones(num_layers, 2, dtype=torch.float32)  # [L, (k, v)]
+        self.rotation: torch.Tensor | None = None  # [G, G] fp32 when INT4 K/V are stored rotated
+        if hadamard:
+            self.rotation = hadamard_matrix(int4_group_size(head_dim), self.device)
         self.path: Path | None = None
         lock_fd = -1
         if self.device.type == "cpu":
@@ -157,8 +182,15 @@ class KVPool:
 
     @property
     def kv_cache_dtype(self) -> str:
-        """The name the rest of kvmesh uses: ``"fp8_e4m3"`` or the torch dtype's name."""
+        """The name the rest of kvmesh uses: ``"fp8_e4m3"``, ``"int4"`` or the torch dtype's name."""
+        if self.is_int4:
+            return INT4_NAME
         return FP8_NAME if self.is_fp8 else dtype_name(self.dtype)
+
+    @property
+    def is_int4(self) -> bool:
+        """Whether K/V are stored as packed INT4 rows with their scales."""
+        return self.dtype == INT4_DTYPE
 
     @property
     def is_fp8(self) -> bool:

@@ -221,7 +221,7 @@ class ModelRunner:
 
     def _context(self, metas: Sequence[AttentionMetadata]) -> ForwardContext:
         return ForwardContext(self.pool.tensor, self.pool.layer_scales(), metas[0], self.backend,
-                              group_metas=tuple(metas))  # fmt: skip
+                              group_metas=tuple(metas), kv_rotation=self.pool.rotation)  # fmt: skip
 
     def model_info(self) -> ModelInfo:
         """Model and pool geometry, for the scheduler and the kv-cache-manager to size themselves."""

@@ -14,6 +14,8 @@ bf16-mode prefill step): register-blocked, each row's numbers fixed by its own q
 length, so a prompt chunked any way gives the same bits (docs/model_runner.md, "Prefill").
 With ``batch_invariant`` the prefill rows take the decode kernel too, one decode per position, so
 no row's numbers depend on how its prompt was chunked (docs/model_runner.md, "auto").
+INT4 caches (``uint8``) take ``native/int4_kv.c`` for the writes and for every query row, prefill
+rows as decodes of their positions (``attention/int4_native.py``).
 """
 
 from __future__ import annotations
@@ -22,7 +24,10 @@ from dataclasses import dataclass
 
 import torch
 
+from services.model_runner.attention import int4_native
 from services.model_runner.attention.base import AttentionMetadata, MetaCache
+from services.model_runner.attention.int4 import INT4_DTYPE
+from services.model_runner.attention.int4_native import rows_contiguous as _rows_contiguous
 from services.model_runner.attention.torch_backend import Chunk, TorchAttentionBackend, make_chunks
 from services.model_runner.native import NativeKernels, is_cpu_fp32, load_kernels
 
@@ -62,6 +67,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
         # None when the kernels cannot be built here: every call then takes the torch path.
         self.native_kernels: NativeKernels | None = load_kernels(portable)
         self._native_plans: MetaCache[NativeDecodePlan] = MetaCache()
+        self._row_plans: MetaCache[NativeDecodePlan] = MetaCache()  # every row a decode (INT4 reads)
 
     def write_kv(
         self,
@@ -76,6 +82,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
         """Stores K/V at their slots with one native call (a decode step writes a few KB per layer:
         less than the OpenMP fork of ``index_copy_``)."""
         kernels = self.native_kernels
+        if k_cache.dtype == INT4_DTYPE and int4_native.write_kv(kernels, key, value, k_cache, v_cache, slot_mapping):
+            return
         if (kernels is None or not (is_cpu_fp32(key) and is_cpu_fp32(value) and is_cpu_fp32(k_cache))
                 or not _rows_contiguous(key) or not _rows_contiguous(value)
                 or not k_cache.is_contiguous() or not v_cache.is_contiguous() or slot_mapping.dtype != torch.int64
@@ -100,6 +108,11 @@ class CpuAttentionBackend(TorchAttentionBackend):
     ) -> torch.Tensor:  # [T, H, D]
         """Causal varlen attention; decodes in place on the paged cache."""
         kernels = self.native_kernels
+        if kernels is not None and k_cache.dtype == INT4_DTYPE:
+            out = int4_native.forward(kernels, self._plan_native(meta, k_cache.shape[1], per_row=True), query,
+                                      k_cache, v_cache, softmax_scale, meta.window or 0)
+            if out is not None:
+                return out
         if (kernels is None or not (is_cpu_fp32(query) and is_cpu_fp32(k_cache)) or not k_cache.is_contiguous()
                 or not v_cache.is_contiguous()):
             return super().forward(query, k_cache, v_cache, meta, softmax_scale, k_scale, v_scale)
@@ -160,16 +173,19 @@ class CpuAttentionBackend(TorchAttentionBackend):
         plan = self._plan_native(meta, block_size)
         return plan if not plan.chunks and plan.rows.shape[0] == num_tokens else None
 
-    def _plan_native(self, meta: AttentionMetadata, block_size: int) -> NativeDecodePlan:
+    def _plan_native(self, meta: AttentionMetadata, block_size: int, per_row: bool = False) -> NativeDecodePlan:
+        """``per_row``: every query row a decode of its own position, as ``batch_invariant`` does."""
+        if per_row and not self.batch_invariant:
+            return self._row_plans.get(meta, lambda: _native_plan(meta, block_size, True))
         return self._native_plans.get(meta, lambda: _native_plan(meta, block_size, self.batch_invariant))
 
 
-def _native_plan(meta: AttentionMetadata, block_size: int, batch_invariant: bool) -> NativeDecodePlan:
+def _native_plan(meta: AttentionMetadata, block_size: int, per_row: bool) -> NativeDecodePlan:
     """The native decode arrays of one step's metadata (see :meth:`CpuAttentionBackend._plan_native`)."""
     starts: list[int] = meta.query_start_loc.tolist()
     seq_lens: list[int] = meta.seq_lens.tolist()
     tables = meta.block_tables.to(torch.int32)
-    if batch_invariant:
+    if per_row:
         # Every query row is a decode of its own position: row j of a q-row chunk at the end
         # of a seq_len context sees seq_len - q + 1 + j keys.
         seqs = [i for i in range(len(seq_lens)) for _ in range(starts[i], starts[i + 1])]
@@ -192,7 +208,3 @@ def _native_plan(meta: AttentionMetadata, block_size: int, batch_invariant: bool
         window=meta.window or 0,
     )
 
-
-def _rows_contiguous(x: torch.Tensor) -> bool:
-    """``x`` ``[T, heads, D]`` has each row's ``heads * D`` values contiguous (any row stride)."""
-    return x.stride(2) == 1 and x.stride(1) == x.shape[2]

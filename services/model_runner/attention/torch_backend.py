@@ -17,7 +17,9 @@ its first visible key (blocks before it are never read: they may be freed and re
 mask also hides the keys of that first block that lie before each query's window.
 
 fp8 caches (``torch.float8_e4m3fn``) store ``x / scale`` saturated at +-448 and read back
-``cache * scale`` in the query's dtype.
+``cache * scale`` in the query's dtype. INT4 caches (``uint8``, packed rows with their scales)
+store ``quantize_int4(x)`` and read back ``dequantize_int4`` (``attention/int4.py``, the reference
+of that format).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from services.model_runner.attention.base import AttentionMetadata, MetaCache, first_visible_key
+from services.model_runner.attention.int4 import INT4_DTYPE, dequantize_int4, quantize_int4
 from services.model_runner.native import NativeKernels
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -166,6 +169,8 @@ class TorchAttentionBackend:
         tokens = blocks.view(n, nb * block[0], *block[1:])[:, :length]  # [n, length, KV, D]
         if cache.dtype == FP8_DTYPE:
             return tokens.to(dtype) * scale
+        if cache.dtype == INT4_DTYPE:
+            return dequantize_int4(tokens, dtype)
         return tokens.to(dtype)
 
 
@@ -317,5 +322,7 @@ def store(cache: torch.Tensor, x: torch.Tensor, slots: torch.Tensor, scale: floa
         # NOTE: index_copy_ has no fp8 kernel on CPU; copying the raw bytes is the same thing.
         quantized = (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
         flat.view(torch.uint8).index_copy_(0, slots, quantized.view(torch.uint8))
+    elif cache.dtype == INT4_DTYPE:
+        flat.index_copy_(0, slots, quantize_int4(x))
     else:
         flat.index_copy_(0, slots, x.to(cache.dtype))

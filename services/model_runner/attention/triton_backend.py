@@ -1,7 +1,8 @@
 """The ``triton`` attention backend: the :class:`AttentionBackend` protocol on Triton kernels.
 
 The CUDA default. On the CPU it runs only under ``TRITON_INTERPRET=1`` (slowly; the tests do this
-on tiny shapes), so the CPU default stays the torch backend.
+on tiny shapes), so the CPU default stays the torch backend. INT4 caches (``uint8``) are written by
+``kernels/int4_kv.py`` and read by ``paged_attention`` itself.
 """
 
 from __future__ import annotations
@@ -9,7 +10,9 @@ from __future__ import annotations
 import torch
 
 from services.model_runner.attention.base import AttentionMetadata
+from services.model_runner.attention.int4 import INT4_DTYPE
 from services.model_runner.attention.kernels import paged_attention, write_kv
+from services.model_runner.attention.kernels.int4_kv import write_kv_int4
 from services.model_runner.native import NativeKernels
 
 
@@ -29,7 +32,10 @@ class TritonAttentionBackend:
         k_scale: float = 1.0,
         v_scale: float = 1.0,
     ) -> None:
-        """Stores K/V at their slots (divided by the scale when the cache is fp8)."""
+        """Stores K/V at their slots (divided by the scale when the cache is fp8, quantized when INT4)."""
+        if k_cache.dtype == INT4_DTYPE:
+            write_kv_int4(key, value, k_cache, v_cache, slot_mapping)
+            return
         write_kv(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
     def forward(

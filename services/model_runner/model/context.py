@@ -28,6 +28,8 @@ class ForwardContext:
             given (fp8 calibration); None in normal serving.
         group_metas: every KV cache group's metadata, in group order (``meta`` is the first);
             empty: one group, ``meta``.
+        kv_rotation: ``[G, G]`` Hadamard matrix when the INT4 cache stores K/V rotated (the
+            attention layers then rotate Q, K, V and the output, ``attention/int4.py``); else None.
     """
 
     kv_cache: torch.Tensor
@@ -36,6 +38,7 @@ class ForwardContext:
     backend: AttentionBackend
     kv_amax: torch.Tensor | None = None
     group_metas: tuple[AttentionMetadata, ...] = ()
+    kv_rotation: torch.Tensor | None = None
 
     def group_meta(self, group: int) -> AttentionMetadata:
         """The metadata of KV cache group ``group`` (its block tables, slots and window)."""

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from services.model_runner.attention.int4 import rotate_groups
 from services.model_runner.model.config import ModelConfig, RopeConfig
 from services.model_runner.model.context import ForwardContext
 from services.model_runner.model.packed import PackedWeight, linear
@@ -221,11 +222,15 @@ class Attention(nn.Module):
         if ctx.kv_amax is not None:
             amax = torch.stack((k.abs().amax(), v.abs().amax())).float()  # [2]
             torch.maximum(ctx.kv_amax[self.layer_idx], amax, out=ctx.kv_amax[self.layer_idx])
+        if ctx.kv_rotation is not None:  # INT4 with Hadamard: q.k unchanged, out rotated back below
+            q, k, v = (rotate_groups(t, ctx.kv_rotation) for t in (q, k, v))
         k_cache, v_cache = ctx.kv_cache[self.kv_slot].unbind(0)  # each [blocks, block_size, KV, D]
         k_scale, v_scale = ctx.kv_scales[self.layer_idx]
         meta = ctx.group_meta(self.kv_group)
         ctx.backend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
         out = ctx.backend.forward(q, k_cache, v_cache, meta, self.scale, k_scale, v_scale)  # [T, H, D]
+        if ctx.kv_rotation is not None:
+            out = rotate_groups(out, ctx.kv_rotation)  # H H = I
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 

@@ -19,6 +19,9 @@ What is here, and why torch alone was not enough (measurements in docs/model_run
   construction, which torch's bf16 GEMMs are not;
 * ``decode_stack.c`` — a decode-only step's whole layer stack in one call: the kernels above in
   the per-layer order, without the Python between them (``model/native_stack.py``);
+* ``int4_kv.c`` — the INT4 KV cache's slot writes (quantize + pack, byte for byte
+  ``attention/int4.py``) and paged attention reading the packed rows in place (decodes and prefill
+  rows alike, each row as the decode of its position);
 * ``exp_math.h`` — the exponential they use; ``kernels.h`` — the entry points' declarations;
   ``pairs.h`` — how the GEMM and decode attention split work over threads; ``panel_prefetch.h``
   — the GEMMs' prefetch of the next weight panel.
@@ -146,6 +149,8 @@ class NativeKernels:
     panel_width: int  # kvmesh_linear_panel_width(): output columns per packed weight panel
     decode_stack: Any  # kvmesh_decode_stack_f32
     linear_bf16: Any | None = None  # kvmesh_linear_bf16; None unless built for AVX512-BF16 (this CPU has it)
+    write_kv_int4: Any | None = None  # kvmesh_write_kv_int4
+    paged_attention_int4: Any | None = None  # kvmesh_paged_attention_int4
 
 
 def _bind(lib: ctypes.CDLL, name: str, restype: Any, argtypes: list[Any]) -> Any:
@@ -216,4 +221,18 @@ def load_kernels(portable: bool = False) -> NativeKernels | None:
             _PTR, _I64, _PTR,  # packed (bf16, pack_panels_bf16), n, bias (or NULL)
             _PTR, _I64,  # out, out_stride
         ]) if _bind(lib, "kvmesh_linear_bf16_available", _I64, [])() else None,
+        write_kv_int4=_bind(lib, "kvmesh_write_kv_int4", _I64, [
+            _PTR, _I64, _PTR, _I64,  # key, key_row_stride, value, value_row_stride (fp32 elements)
+            _PTR, _PTR, _PTR, _I64,  # k_cache, v_cache (uint8), slots (int64), num_tokens
+            _I64, _I64, _I64,  # num_kv_heads, head_dim, num_slots
+        ]),
+        paged_attention_int4=_bind(lib, "kvmesh_paged_attention_int4", ctypes.c_int, [
+            _PTR, _I64,  # q, q_row_stride
+            _PTR, _PTR, _I64,  # k_cache, v_cache (uint8), block_stride (bytes)
+            _PTR, _I64,  # tables (int32, one row per query row), table_stride
+            _PTR, _PTR, _I64,  # seq_lens (each row's keys), rows, num_rows
+            _PTR, _I64,  # out, out_row_stride
+            _I64, _I64, _I64, _I64,  # num_heads, num_kv_heads, head_dim, block_size
+            _I64, _F32, _I64,  # max_seq_len, scale, window (0 = full attention)
+        ]),
     )  # fmt: skip

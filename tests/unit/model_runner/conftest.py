@@ -111,13 +111,14 @@ def hf_model() -> Callable[[Path], PreTrainedModel]:
 @pytest.fixture
 def make_runner(tmp_path: Path) -> Any:
     """``make_runner(folder, num_blocks=64, kv_cache_dtype="auto", quantization="none", backend="torch",
-    gemm_dtype="float32")`` -> a runner on a fresh shm pool (``backend`` as in
-    ``RunnerConfig.attention_backend``; ``gemm_dtype="bfloat16"``: bf16 mode on the native kernels)."""
+    gemm_dtype="float32", hadamard=False)`` -> a runner on a fresh shm pool (``backend`` as in
+    ``RunnerConfig.attention_backend``; ``gemm_dtype="bfloat16"``: bf16 mode on the native kernels;
+    ``hadamard``: an int4 pool's rotation)."""
     runners: list[ModelRunner] = []
 
     def make(
         folder: Path, num_blocks: int = 64, kv_cache_dtype: str = "auto", quantization: str = "none",
-        backend: str = "torch", gemm_dtype: str = "float32",
+        backend: str = "torch", gemm_dtype: str = "float32", hadamard: bool = False,
     ) -> ModelRunner:
         model, config = load_model(folder)
         dtype = kv_dtype_for(kv_cache_dtype, torch.float32)
@@ -133,6 +134,7 @@ def make_runner(tmp_path: Path) -> Any:
             memory_bytes=num_blocks * per_block,
             dtype=dtype,
             planes=planes,
+            hadamard=hadamard,
         )
         mla = config.kv_layout == "mla"
         runner = ModelRunner(model, pool, make_backend(backend, torch.device("cpu"), mla=mla), model_id=folder.name,
@@ -305,7 +307,7 @@ def forward_all_logits(
         req = ScheduledRequest("probe", list(token_ids), blocks, done, size)
         batch = prepare_inputs([req], runner.geometry)
         ctx = ForwardContext(runner.pool.tensor, runner.pool.layer_scales(), batch.meta, runner.backend,
-                             group_metas=batch.metas)
+                             group_metas=batch.metas, kv_rotation=runner.pool.rotation)
         with torch.inference_mode():
             rows.append(runner.model.compute_logits(runner.model(batch.input_ids, batch.positions, ctx)))
         done += size

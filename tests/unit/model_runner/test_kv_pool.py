@@ -57,8 +57,9 @@ def test_a_budget_below_two_blocks_is_refused() -> None:
 def test_kv_dtype_names() -> None:
     assert kv_dtype_for("auto", torch.bfloat16) == torch.bfloat16
     assert kv_dtype_for("fp8_e4m3", torch.float32) == torch.float8_e4m3fn
+    assert kv_dtype_for("int4", torch.float32) == torch.uint8  # packed rows with their scales
     with pytest.raises(InvalidArgument):
-        kv_dtype_for("int4", torch.float32)
+        kv_dtype_for("int8", torch.float32)
 
 
 def test_file_lives_while_open_and_close_unlinks_it() -> None:

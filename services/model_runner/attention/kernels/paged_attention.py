@@ -26,7 +26,8 @@ All query heads that share a kv head sit in one tile, so each K/V tile is loaded
 whole group (GQA). The inner loop walks the sequence's keys ``TILE_N`` at a time up to the tile's
 causal limit, gathering each key's block through the block table (so the cache block size need not
 match the tile), with an online softmax accumulated in fp32. For an fp8 cache, ``k_scale`` is
-folded into the softmax scale and ``v_scale`` into the final normalisation.
+folded into the softmax scale and ``v_scale`` into the final normalisation. An INT4 cache
+(``uint8`` packed rows with their scales) is dequantized as its tiles load (``int4_kv.load_int4``).
 """
 
 from __future__ import annotations
@@ -37,6 +38,9 @@ import os
 import torch
 import triton
 import triton.language as tl
+
+from services.model_runner.attention.int4 import dequantize_int4
+from services.model_runner.attention.kernels.int4_kv import int4_layout, load_int4, scale_view
 
 LOG2E = 1.4426950408889634  # the kernel uses exp2: exp(x) == exp2(x * log2(e))
 
@@ -66,6 +70,8 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]
     query_ptr,  # [num_tokens, num_heads, head_dim]
     k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    k_scale_ptr,  # INT4: k_cache's storage as float16 (its scales); else unused
+    v_scale_ptr,
     block_tables_ptr,  # [num_seqs, max_blocks_per_seq] int32
     seq_lens_ptr,  # [num_seqs] int32
     query_start_loc_ptr,  # [num_seqs + 1] int32
@@ -97,6 +103,8 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]
     BLOCK_Q: tl.constexpr,  # query tokens per tile
     TILE_N: tl.constexpr,  # keys per inner-loop step, power of two >= 16
     DOT_FP32: tl.constexpr,  # True: matmuls in fp32 (IEEE); False: in the query's 16-bit dtype
+    IS_INT4: tl.constexpr = False,  # packed INT4 rows (strides in bytes)
+    INT4_GROUP: tl.constexpr = 32,  # channels per INT4 scale
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * HEAD_GROUP
     tile_idx = tl.program_id(0)
@@ -146,15 +154,20 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]
         block = block.to(tl.int64)  # [TILE_N] NOTE: int64, cache offsets can pass 2**31
         in_block = k_pos % BLOCK_SIZE  # [TILE_N]
 
-        k = tl.load(
-            k_cache_ptr
-            + block[None, :] * stride_kb
-            + in_block[None, :] * stride_ks
-            + kv_head * stride_kh
-            + offs_d[:, None] * stride_kd,
-            mask=d_mask[:, None] & k_mask[None, :],
-            other=0.0,
-        )  # [HEAD_DIM_PAD, TILE_N]
+        if IS_INT4:
+            k_row = block[None, :] * stride_kb + in_block[None, :] * stride_ks + kv_head * stride_kh
+            k = load_int4(k_cache_ptr, k_scale_ptr, k_row, offs_d[:, None], d_mask[:, None] & k_mask[None, :],
+                          HEAD_DIM, INT4_GROUP)  # [HEAD_DIM_PAD, TILE_N] fp32
+        else:
+            k = tl.load(
+                k_cache_ptr
+                + block[None, :] * stride_kb
+                + in_block[None, :] * stride_ks
+                + kv_head * stride_kh
+                + offs_d[:, None] * stride_kd,
+                mask=d_mask[:, None] & k_mask[None, :],
+                other=0.0,
+            )  # [HEAD_DIM_PAD, TILE_N]
         # NOTE: DOT_FP32 is constexpr, so only the taken branch is compiled.
         s = tl.dot(q, k.to(tl.float32), input_precision="ieee") if DOT_FP32 else tl.dot(q, k.to(q.dtype))
         s = s * qk_scale  # [BLOCK_M, TILE_N] fp32, log2 domain
@@ -170,15 +183,20 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]
         alpha = tl.exp2(m_i - m_safe)  # [BLOCK_M] rescales what was accumulated so far
         l_i = l_i * alpha + tl.sum(p, 1)
 
-        v = tl.load(
-            v_cache_ptr
-            + block[:, None] * stride_vb
-            + in_block[:, None] * stride_vs
-            + kv_head * stride_vh
-            + offs_d[None, :] * stride_vd,
-            mask=k_mask[:, None] & d_mask[None, :],
-            other=0.0,
-        )  # [TILE_N, HEAD_DIM_PAD]
+        if IS_INT4:
+            v_row = block[:, None] * stride_vb + in_block[:, None] * stride_vs + kv_head * stride_vh
+            v = load_int4(v_cache_ptr, v_scale_ptr, v_row, offs_d[None, :], k_mask[:, None] & d_mask[None, :],
+                          HEAD_DIM, INT4_GROUP)  # [TILE_N, HEAD_DIM_PAD] fp32
+        else:
+            v = tl.load(
+                v_cache_ptr
+                + block[:, None] * stride_vb
+                + in_block[:, None] * stride_vs
+                + kv_head * stride_vh
+                + offs_d[None, :] * stride_vd,
+                mask=k_mask[:, None] & d_mask[None, :],
+                other=0.0,
+            )  # [TILE_N, HEAD_DIM_PAD]
         pv = (
             tl.dot(p, v.to(tl.float32), input_precision="ieee") if DOT_FP32 else tl.dot(p.to(q.dtype), v.to(q.dtype))
         )  # [BLOCK_M, HEAD_DIM_PAD] fp32
@@ -238,7 +256,10 @@ def paged_attention(
         ValueError: on inconsistent shapes or tile sizes.
     """
     num_tokens, num_heads, head_dim = query.shape
-    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape or k_cache.shape[3] != head_dim:
+    is_int4 = k_cache.dtype == torch.uint8
+    int4_group = int4_layout(k_cache)[1] if is_int4 else 32
+    cache_dim = int4_layout(k_cache)[0] if is_int4 else k_cache.shape[-1]
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape or cache_dim != head_dim:
         raise ValueError(f"k_cache {tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}, query {tuple(query.shape)}")
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     if num_heads % num_kv_heads:
@@ -276,6 +297,8 @@ def paged_attention(
         query,
         k_cache,
         v_cache,
+        scale_view(k_cache) if is_int4 else k_cache,
+        scale_view(v_cache) if is_int4 else v_cache,
         block_tables,
         seq_lens.contiguous(),
         query_start_loc.contiguous(),
@@ -296,6 +319,8 @@ def paged_attention(
         BLOCK_Q=block_q,
         TILE_N=tile_n,
         DOT_FP32=dot_fp32,
+        IS_INT4=is_int4,
+        INT4_GROUP=int4_group,
         num_warps=num_warps,
     )
     return out
@@ -350,4 +375,7 @@ def _gather(
     """The first ``length`` tokens stored in ``blocks``, in fp32."""
     # NOTE: indexing lacks fp8 kernels on some devices; gathering the raw bytes is the same thing.
     raw = cache.view(torch.uint8) if cache.element_size() == 1 else cache
-    return raw[blocks].flatten(0, 1)[:length].view(cache.dtype).float()
+    tokens = raw[blocks].flatten(0, 1)[:length]
+    if cache.dtype == torch.uint8:  # INT4 rows
+        return dequantize_int4(tokens)
+    return tokens.view(cache.dtype).float()
