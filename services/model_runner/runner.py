@@ -26,7 +26,7 @@ from services.model_runner.input_batch import (
     extend_tables,
     prepare_inputs,
 )
-from services.model_runner.kv_pool import KVPool
+from services.model_runner.kv_pool import KVPool, row_elements
 from services.model_runner.model.config import ModelConfig
 from services.model_runner.model.context import ForwardContext
 from services.model_runner.model.transformer import CausalLM
@@ -90,7 +90,7 @@ class ModelRunner:
                 loaded, packed to bf16; see :func:`prepare_model`), else ``float32``.
         """
         planes, heads, dim = model.config.kv_cache_geometry
-        if (pool.shape[1], *pool.shape[4:]) != (planes, heads, dim):
+        if (pool.shape[1], *pool.shape[4:]) != (planes, heads, row_elements(dim, pool.dtype)):
             raise FailedPrecondition(
                 f"the KV pool {list(pool.shape)} is not laid out for this model's {model.config.kv_layout} KV "
                 f"([layers, {planes}, blocks, block_size, {heads}, {dim}])")
