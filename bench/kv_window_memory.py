@@ -1,103 +1,85 @@
-"""KV memory one request holds at the end of a long request: sliding-window groups vs full attention.
+"""KV memory of one request at 4x the sliding window, against the full-attention equivalent.
 
-The real kv-cache-manager core, no model: one request of ``--times`` x the window (default 4x) is
-prefilled in chunks of ``--chunk`` tokens, then decodes its last ``--decode`` tokens one step at a
-time, exactly as the scheduler drives it; at the end the blocks it holds are counted per group
-(pool usage) and turned into bytes with each group's block size (shared/kv_layout.py: layers per
-group x the KV-size formula x block size). The full-attention equivalent is the same model with
-every layer full: one group, one block per ``block_size`` tokens of every layer.
+Two ways, which must agree: from the formula (``shared/kv_layout.py``: full layers hold every
+token, window layers their last ``window`` tokens), and from real pools (``KVPool`` built for each
+model's KV cache groups: the blocks a request still holds when its next token is decoded, as the
+kv-cache-manager keeps them, times the pool's bytes per block; and the same model as one group of
+full attention). Block granularity makes the pool figure a little larger than the formula.
 
-Run: ``python bench/kv_window_memory.py``; prints a markdown table (docs/design.md has it).
+    PYTHONPATH=$PWD python bench/kv_window_memory.py
 """
 
 from __future__ import annotations
 
-import argparse
-from dataclasses import dataclass
+import sys
+from pathlib import Path
+from typing import Any
 
-from services.kv_cache_manager.config import CacheConfig
-from services.kv_cache_manager.manager import KVCacheManager
-from services.kv_cache_manager.types import AllocationSpec
-from shared.hashing import hash_blocks, hash_seed
-from shared.kv_layout import gqa_kv_bytes_per_token, kv_groups, layers_per_group
+import torch
 
-SEED = hash_seed(b"bench", "window-memory")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from services.model_runner.input_batch import first_live_block
+from services.model_runner.kv_pool import KVPool
+from services.model_runner.model.config import ModelConfig
+from shared.kv_layout import gqa_kv_bytes_per_token, layers_per_group
 
-@dataclass(frozen=True)
-class Layout:
-    """A model's attention layout (the shape of a real checkpoint's config)."""
-
-    name: str
-    layer_windows: tuple[int | None, ...]
-    kv_heads: int
-    head_dim: int
-    bytes_per_element: float
-
-
-def layouts() -> list[Layout]:
-    """Shapes of public configs (no weights): Mistral-7B-v0.1, a Qwen2-7B with half its layers in
-    the window (``max_window_layers=14``), Gemma-3-4B's 5 local : 1 global, and the tests' tiny one."""
-    gemma3 = tuple(None if (i + 1) % 6 == 0 else 1024 for i in range(34))
-    return [
-        Layout("Mistral-7B-v0.1 (32 layers, all window 4096)", (4096,) * 32, 8, 128, 2),
-        Layout("Qwen2-7B, max_window_layers=14 (14 full + 14 window 4096)", (None,) * 14 + (4096,) * 14, 4, 128, 2),
-        Layout("Gemma-3-4B-like (29 window 1024, 5 full)", gemma3, 4, 256, 2),
-        Layout("tests' tiny hybrid (2 full + 2 window 16, fp32)", (None, None, 16, 16), 2, 16, 4),
-    ]
+BASE: dict[str, Any] = {"vocab_size": 1000, "hidden_size": 64, "intermediate_size": 64, "num_attention_heads": 4}
+MODELS: dict[str, tuple[dict[str, Any], int, torch.dtype]] = {  # config, block size, KV dtype
+    "tiny Mistral (test), window 16": ({**BASE, "architectures": ["MistralForCausalLM"], "num_hidden_layers": 2,
+                                        "num_key_value_heads": 2, "sliding_window": 16}, 4, torch.float32),
+    "tiny Qwen2 alternating (test), window 24": (
+        {**BASE, "architectures": ["Qwen2ForCausalLM"], "num_hidden_layers": 4, "num_key_value_heads": 2,
+         "use_sliding_window": True, "sliding_window": 24,
+         "layer_types": ["sliding_attention", "full_attention"] * 2}, 4, torch.float32),
+    "Mistral-7B-v0.1 geometry, window 4096": (
+        {**BASE, "architectures": ["MistralForCausalLM"], "num_hidden_layers": 32, "num_attention_heads": 32,
+         "num_key_value_heads": 8, "head_dim": 128, "sliding_window": 4096, "max_position_embeddings": 32768},
+        16, torch.bfloat16),
+    "Qwen2-7B geometry, alternating layers, window 4096": (
+        {**BASE, "architectures": ["Qwen2ForCausalLM"], "num_hidden_layers": 28, "num_attention_heads": 28,
+         "num_key_value_heads": 4, "head_dim": 128, "use_sliding_window": True, "sliding_window": 4096,
+         "max_position_embeddings": 32768, "layer_types": ["sliding_attention", "full_attention"] * 14},
+        16, torch.bfloat16),
+}  # fmt: skip
 
 
-def held_blocks(windows: tuple[int | None, ...], block_size: int, num_tokens: int, chunk: int,
-                decode: int) -> list[int]:
-    """Blocks one request holds per group after its last step (the manager's own tables)."""
-    prompt = list(range(num_tokens - decode))
-    tokens = [t % 30000 for t in prompt]
-    need = -(-num_tokens // block_size) * len(windows) + 1
-    m = KVCacheManager(CacheConfig(num_blocks=need + 1, block_size=block_size, max_model_len=num_tokens,
-                                   group_windows=windows))
-    hashes = hash_blocks(SEED, tokens, block_size, b"")
-    m.step((), [AllocationSpec("r", tuple(tokens), min(chunk, len(tokens)), is_new=True, block_hashes=tuple(hashes))])
-    done = min(chunk, len(tokens))
-    while done < len(tokens):
-        n = min(chunk, len(tokens) - done)
-        m.step((), [AllocationSpec("r", (), n)])
-        done += n
-    for i in range(decode):
-        token = 7 + i
-        tokens.append(token)
-        fresh = hash_blocks(SEED, tokens, block_size, b"")[len(hashes):]
-        hashes += fresh
-        m.step((), [AllocationSpec("r", (token,), 1, block_hashes=tuple(fresh))])
-    m.check_integrity()
-    table = m.get_block_table("r").block_ids
-    n = len(table) // len(windows)
-    return [sum(1 for b in table[g * n : (g + 1) * n] if b) for g in range(len(windows))]
+def _pool(cfg: ModelConfig, block_size: int, dtype: torch.dtype, slots: int) -> KVPool:
+    per_block = int(block_size * gqa_kv_bytes_per_token(slots, cfg.num_kv_heads, cfg.head_dim, dtype.itemsize))
+    return KVPool(num_layers=cfg.num_layers, layer_slots=slots, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+                  block_size=block_size, memory_bytes=2 * per_block, dtype=dtype, name="kvmesh-bench")  # fmt: skip
+
+
+def measure(hf: dict[str, Any], block_size: int, dtype: torch.dtype) -> dict[str, float]:
+    cfg = ModelConfig.from_hf_dict(hf)
+    groups = cfg.kv_groups
+    window = min(g.window for g in groups if g.window is not None)
+    length = 4 * window  # tokens in the cache, the last one's query (position length - 1) attending now
+    blocks = -(-length // block_size)
+    held = sum(blocks - first_live_block(length - 1, g.window, block_size) for g in groups)
+    per_token = gqa_kv_bytes_per_token  # the formula, per layer kind
+    formula = sum(
+        per_token(1, cfg.num_kv_heads, cfg.head_dim, dtype.itemsize) * min(length, w or length)
+        for w in cfg.layer_windows
+    )
+    formula_full = per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype.itemsize) * length
+    with _pool(cfg, block_size, dtype, layers_per_group(groups)) as grouped, \
+            _pool(cfg, block_size, dtype, cfg.num_layers) as full:  # fmt: skip
+        return {
+            "tokens": length, "groups": len(groups), "formula": formula, "formula_full": formula_full,
+            "pool": held * grouped.bytes_per_block, "pool_full": blocks * full.bytes_per_block,
+            "blocks": held, "blocks_full": blocks,
+        }  # fmt: skip
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--times", type=int, default=4, help="request length in windows (the largest window)")
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--chunk", type=int, default=512, help="prefill tokens per step (the token budget)")
-    parser.add_argument("--decode", type=int, default=16, help="tokens decoded one step at a time at the end")
-    args = parser.parse_args()
-    bs = args.block_size
-    print("| model | tokens | groups (window x layers) | blocks held | KV held | full attention | ratio |")
-    print("|---|---|---|---|---|---|---|")
-    for lay in layouts():
-        window = max(w for w in lay.layer_windows if w is not None)
-        num_tokens = args.times * window
-        groups = kv_groups(lay.layer_windows)
-        slots = layers_per_group(groups)
-        windows = tuple(g.window for g in groups)
-        block_bytes = gqa_kv_bytes_per_token(slots, lay.kv_heads, lay.head_dim, lay.bytes_per_element) * bs
-        held = held_blocks(windows, bs, num_tokens, min(args.chunk, window * args.times), args.decode)
-        kv = sum(held) * block_bytes
-        full_bytes = -(-num_tokens // bs) * bs * gqa_kv_bytes_per_token(
-            len(lay.layer_windows), lay.kv_heads, lay.head_dim, lay.bytes_per_element)
-        shape = " + ".join(f"{'full' if g.window is None else g.window} x {len(g.layers)}" for g in groups)
-        print(f"| {lay.name} | {num_tokens} | {shape} | {held} | {kv / 2**20:.2f} MiB | {full_bytes / 2**20:.2f} MiB "
-              f"| {kv / full_bytes:.3f} |")
+    print("| model | tokens | groups | formula: window / full | pool: blocks x bytes, window / full | saved |")
+    print("|---|---|---|---|---|---|")
+    for name, (hf, block_size, dtype) in MODELS.items():
+        m = measure(hf, block_size, dtype)
+        print(f"| {name} | {m['tokens']:.0f} | {m['groups']:.0f} | {m['formula']:,.0f} / {m['formula_full']:,.0f} B "
+              f"| {m['blocks']:.0f} / {m['blocks_full']:.0f} blocks = {m['pool']:,.0f} / {m['pool_full']:,.0f} B "
+              f"| {1 - m['pool'] / m['pool_full']:.0%} |")  # fmt: skip
 
 
 if __name__ == "__main__":

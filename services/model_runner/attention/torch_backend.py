@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from services.model_runner.attention.base import AttentionMetadata, MetaCache
+from services.model_runner.attention.base import AttentionMetadata, MetaCache, first_visible_key
 from services.model_runner.native import NativeKernels
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -264,12 +264,6 @@ def _make_plan(meta: AttentionMetadata, block_size: int, group_tokens: int) -> _
             block_ids=block_ids, max_len=longest, mask=mask,
         ))  # fmt: skip
     return _Plan(groups, make_chunks(meta, starts, seq_lens, block_size))
-
-
-def first_visible_key(position: int, window: int | None) -> int:
-    """The first key a query at ``position`` sees: 0, or with a window ``position - window + 1``
-    (transformers' ``sliding_window_overlay``: keys ``p - window < j <= p``)."""
-    return 0 if window is None else max(0, position - window + 1)
 
 
 def make_chunks(meta: AttentionMetadata, starts: list[int], seq_lens: list[int], block_size: int) -> list[Chunk]:

@@ -1,9 +1,10 @@
 """Sliding-window models through the real :class:`ModelRunner`, token for token against
 transformers' ``generate()`` (fp32), at lengths far past the window.
 
-Three tiny random checkpoints: Mistral (every layer one window: one KV cache group), Qwen2 with
+Four tiny random checkpoints: Mistral (every layer one window: one KV cache group), Qwen2 with
 ``use_sliding_window`` + ``max_window_layers`` (layer 0 full, the rest windowed: three groups of
-one layer) and Qwen2 with an alternating ``layer_types`` list (Gemma-style: two groups of two).
+one layer), Qwen2 with an alternating ``layer_types`` list (Gemma-style: two groups of two) and
+Qwen3 (per-head q/k norms; two full layers, then two windowed).
 
 :class:`WindowDriver` plays the kv-cache-manager and scheduler as issue 16 defines them: one block
 table per group, sent group-major; chunked prefill; a second request that hits the first one's
@@ -25,6 +26,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from services.model_runner.input_batch import first_live_block
+from services.model_runner.model.native_layers import NativeDecoderModel
 from services.model_runner.runner import ModelRunner
 from services.model_runner.types import CachedRequestData, NewRequestData, StepInput
 from shared.errors import InvalidArgument
@@ -41,8 +43,13 @@ CHECKPOINTS: dict[str, tuple[str, dict[str, Any]]] = {
                                           "max_window_layers": 1}),
     "qwen2_alternating": ("qwen2", {"num_hidden_layers": 4, "use_sliding_window": True, "sliding_window": 24,
                                     "layer_types": ["sliding_attention", "full_attention"] * 2}),
+    # q_norm / k_norm per head; layers 0-1 full, 2-3 a window of 20
+    "qwen3_max_window_layers": ("qwen3", {"num_hidden_layers": 4, "head_dim": 16, "use_sliding_window": True,
+                                          "sliding_window": 20, "max_window_layers": 2}),
 }  # fmt: skip
-GROUP_WINDOWS = {"mistral": (16,), "qwen2_max_window_layers": (None, 32, 32), "qwen2_alternating": (None, 24)}
+GROUP_WINDOWS = {"mistral": (16,), "qwen2_max_window_layers": (None, 32, 32), "qwen2_alternating": (None, 24),
+                 "qwen3_max_window_layers": (None, 20)}  # fmt: skip
+POOL_SLOTS = {"mistral": 2, "qwen2_max_window_layers": 1, "qwen2_alternating": 2, "qwen3_max_window_layers": 2}
 
 
 @pytest.fixture(scope="module")
@@ -208,15 +215,17 @@ def test_greedy_matches_generate_past_the_window(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:  # fmt: skip
     """``cpu``: decode-only steps of the one-group Mistral run the native decode stack with its
-    window; the multi-group models' run layer by layer (docs/kv_layout.md)."""
+    window; the multi-group models' run layer by layer (docs/kv_layout.md), as Qwen3's do anyway."""
     folder = window_checkpoint(name)
     runner = make_runner(folder, num_blocks=400, backend=backend)
     info = runner.model_info()
     assert info.kv_group_windows == GROUP_WINDOWS[name] and info.max_model_len == 512
-    assert runner.pool.shape[0] == {"mistral": 2, "qwen2_max_window_layers": 1, "qwen2_alternating": 2}[name]
+    assert runner.pool.shape[0] == POOL_SLOTS[name]
     assert info.bytes_per_block == runner.pool.shape[0] * 2 * 4 * 2 * 16 * 4  # slots x K,V x block x KV x D x fp32
     stacked: list[bool] = []
-    if backend == "cpu":
+    has_stack = isinstance(runner.model.model, NativeDecoderModel)
+    assert has_stack == (backend == "cpu" and not name.startswith("qwen3"))  # Qwen3's q/k norms: never stacked
+    if has_stack:
         stack = runner.model.model.stack
         run = stack.run
 
@@ -229,7 +238,7 @@ def test_greedy_matches_generate_past_the_window(
     driver = WindowDriver(runner, chunk=96)
     _scenario(driver, prompt_len=300, hit=192, max_new=12)
     assert driver.freed > 50 and driver.reused > 0
-    if backend == "cpu":
+    if has_stack:
         assert any(stacked) == (name == "mistral")
     model = hf_model(folder)
     for rid, req in driver.requests.items():
