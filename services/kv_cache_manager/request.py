@@ -28,6 +28,7 @@ from collections.abc import Sequence
 
 from services.kv_cache_manager.block_pool import KVCacheBlock
 from shared.hashing import BlockHash
+from shared.kv_layout import dead_blocks
 
 
 class RequestState:
@@ -78,3 +79,26 @@ class RequestState:
         """Blocks up to ``end`` are registered: their tokens now live in the blocks, not here."""
         del self.tail_token_ids[: (end - self.num_cached_blocks) * block_size]
         self.num_cached_blocks = end
+
+    def dead_blocks(self, window_groups: Sequence[tuple[int, int]], block_size: int,
+                    position: int) -> list[KVCacheBlock]:
+        """The window groups' blocks still held that are dead for a step starting at ``position``.
+
+        Latest position first, so the earliest is freed last and so evicted last (as a tail-first
+        free). ``window_groups``: (group, window) of each window group.
+        """
+        out: list[KVCacheBlock] = []
+        for g, window in window_groups:
+            table = self.tables[g]
+            out += [table[i] for i in range(dead_blocks(window, block_size, position) - 1, self.num_skipped[g] - 1, -1)]
+        return out
+
+    def skip_dead(self, window_groups: Sequence[tuple[int, int]], block_size: int, position: int,
+                  null: KVCacheBlock) -> None:
+        """Puts ``null`` where :meth:`dead_blocks` found blocks (the caller frees those)."""
+        for g, window in window_groups:
+            table = self.tables[g]
+            end = dead_blocks(window, block_size, position)
+            for i in range(self.num_skipped[g], end):
+                table[i] = null
+            self.num_skipped[g] = max(end, self.num_skipped[g])
