@@ -22,6 +22,7 @@ from services.model_runner.loader import load_model, parse_dtype
 from services.model_runner.model.config import ModelConfig
 from services.model_runner.native import load_kernels
 from services.model_runner.runner import ModelRunner
+from shared.kv_layout import layers_per_group
 
 log = logging.getLogger(__name__)
 
@@ -175,7 +176,8 @@ def build_runner(config: RunnerConfig, flags: Iterable[str] | None = None) -> Mo
     log.info("dtype %s (%s); attention backend %s (%s)%s", dtype_choice.value, dtype_choice.reason,
              backend_choice.value, backend_choice.reason, "; batch invariant" if config.batch_invariant else "")
     pool = KVPool(
-        num_layers=mcfg.num_layers, num_kv_heads=mcfg.num_kv_heads, head_dim=mcfg.head_dim,
+        num_layers=mcfg.num_layers, layer_slots=layers_per_group(mcfg.kv_groups), num_kv_heads=mcfg.num_kv_heads,
+        head_dim=mcfg.head_dim,
         block_size=config.block_size, memory_bytes=config.kv_cache_memory_bytes,
         dtype=kv_dtype_for(config.kv_cache_dtype, dtype), device=device,
     )

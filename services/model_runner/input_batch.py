@@ -13,6 +13,13 @@ of its known tokens; they are laid out back to back::
 
 A request samples only when its scheduled tokens reach the end of its known tokens; a partial
 prefill chunk produces K/V and nothing else.
+
+A model with several KV cache groups (``shared/kv_layout.py``) sends one block table per group,
+group-major (group 0's table, then group 1's, ..., all of one length); each group gets its own
+slots and block tables, the rest is shared. A sliding-window group's table may hold any id, the
+null block 0 included, at blocks that lie wholly before the window of the step's first query
+(``num_computed_tokens - window + 1``): the kv-cache-manager freed them, and no query of the step
+reads them.
 """
 
 from __future__ import annotations
@@ -33,7 +40,7 @@ class ScheduledRequest:
 
     request_id: str
     token_ids: Sequence[int]  # every token known so far (prompt + outputs)
-    block_ids: Sequence[int]  # the block table, in token order
+    block_ids: Sequence[int]  # every group's block table in token order, group after group
     num_computed_tokens: int  # tokens whose K/V are already in the pool
     num_new_tokens: int  # tokens to compute now
 
@@ -46,6 +53,7 @@ class PoolGeometry:
     block_size: int
     vocab_size: int
     max_model_len: int
+    group_windows: tuple[int | None, ...] = (None,)  # per KV cache group its window, None = full
 
     @property
     def max_blocks_per_seq(self) -> int:
@@ -60,16 +68,22 @@ class BatchInputs:
     Attributes:
         input_ids: ``[T]`` int64 token ids of all scheduled tokens.
         positions: ``[T]`` int64 position of each token in its sequence.
-        meta: slots, query ranges, context lengths and padded block tables.
+        metas: per KV cache group: slots, query ranges, context lengths, padded block tables and
+            window (the query ranges and lengths are the same tensors in every group).
         logits_indices: ``[N]`` int64 rows of the hidden states to sample from.
         sampling_requests: for each of those rows, the index of its request in the input order.
     """
 
     input_ids: torch.Tensor
     positions: torch.Tensor
-    meta: AttentionMetadata
+    metas: tuple[AttentionMetadata, ...]
     logits_indices: torch.Tensor
     sampling_requests: tuple[int, ...]
+
+    @property
+    def meta(self) -> AttentionMetadata:
+        """Group 0's metadata (the only one of an all-full-attention model)."""
+        return self.metas[0]
 
 
 def validate_request(req: ScheduledRequest, geometry: PoolGeometry) -> None:
@@ -86,19 +100,42 @@ def validate_request(req: ScheduledRequest, geometry: PoolGeometry) -> None:
         raise InvalidArgument(f"{rid}: {computed} computed + {new} new tokens exceed its {len(req.token_ids)} tokens")
     if end > geometry.max_model_len:
         raise InvalidArgument(f"{rid}: {end} tokens exceed max_model_len {geometry.max_model_len}")
-    if len(req.block_ids) > geometry.max_blocks_per_seq:
+    groups = len(geometry.group_windows)
+    if len(req.block_ids) % groups:
         raise InvalidArgument(
-            f"{rid}: block table of {len(req.block_ids)} blocks exceeds the {geometry.max_blocks_per_seq} "
-            "one sequence can use"
+            f"{rid}: {len(req.block_ids)} block ids do not split into {groups} equal block tables (one per KV "
+            "cache group)"
+        )
+    width = len(req.block_ids) // groups
+    if width > geometry.max_blocks_per_seq:
+        raise InvalidArgument(
+            f"{rid}: block table of {width} blocks exceeds the {geometry.max_blocks_per_seq} one sequence can use"
         )
     needed = -(-end // geometry.block_size)
-    if len(req.block_ids) < needed:
-        raise InvalidArgument(
-            f"{rid}: {end} tokens need {needed} blocks of {geometry.block_size}, block table has {len(req.block_ids)}"
-        )
-    for block_id in req.block_ids[:needed]:
-        if not 0 < block_id < geometry.num_blocks:
-            raise InvalidArgument(f"{rid}: block id {block_id} is outside the pool [1, {geometry.num_blocks})")
+    if width < needed:
+        raise InvalidArgument(f"{rid}: {end} tokens need {needed} blocks of {geometry.block_size}, block table has "
+                              f"{width}")  # fmt: skip
+    for group, window in enumerate(geometry.group_windows):
+        table = req.block_ids[group * width : group * width + needed]
+        live = first_live_block(computed, window, geometry.block_size)
+        for position, block_id in enumerate(table):
+            if position >= live and not 0 < block_id < geometry.num_blocks:
+                where = "" if groups == 1 else f" (KV cache group {group}, block {position})"
+                raise InvalidArgument(
+                    f"{rid}: block id {block_id}{where} is outside the pool [1, {geometry.num_blocks})"
+                )
+            if not 0 <= block_id < geometry.num_blocks:
+                raise InvalidArgument(f"{rid}: block id {block_id} (KV cache group {group}, block {position}, out of "
+                                      f"its window) is outside the pool [0, {geometry.num_blocks})")  # fmt: skip
+
+
+def first_live_block(first_query_pos: int, window: int | None, block_size: int) -> int:
+    """The first block a query at ``first_query_pos`` or later can see: 0 for full attention;
+    with a window, the block of key ``first_query_pos - window + 1`` (transformers' rule: a query
+    at ``p`` sees keys ``p - window < j <= p``). Blocks before it may hold anything."""
+    if window is None:
+        return 0
+    return max(0, first_query_pos - window + 1) // block_size
 
 
 def check_token_ids(token_ids: np.ndarray, request_id: str, vocab_size: int) -> None:
@@ -131,13 +168,8 @@ def prepare_inputs(
     seq_lens = computed + q_lens  # [B]
     query_start_loc = np.concatenate(([0], np.cumsum(q_lens)))  # [B + 1]
     width = int(-(-seq_lens.max() // bs))
-    block_tables = np.zeros((len(requests), width), dtype=np.int64)  # [B, W], 0 = null block
-    for i, r in enumerate(requests):
-        blocks = r.block_ids[: -(-int(seq_lens[i]) // bs)]
-        block_tables[i, : len(blocks)] = blocks
     req_of_token = np.repeat(np.arange(len(requests)), q_lens)  # [T]
     positions = np.arange(int(query_start_loc[-1])) - query_start_loc[req_of_token] + computed[req_of_token]  # [T]
-    slot_mapping = block_tables[req_of_token, positions // bs] * bs + positions % bs  # [T]
     input_ids = np.concatenate(chunks)  # [T]
     samples = [i for i, r in enumerate(requests) if int(seq_lens[i]) == len(r.token_ids)]
     logits_indices = query_start_loc[1:][samples] - 1  # [N]
@@ -145,18 +177,25 @@ def prepare_inputs(
     def to(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(array)).to(device=device, dtype=dtype)
 
-    meta = AttentionMetadata(
-        slot_mapping=to(slot_mapping, torch.int64),
-        query_start_loc=to(query_start_loc, torch.int32),
-        seq_lens=to(seq_lens, torch.int32),
-        block_tables=to(block_tables, torch.int32),
-        max_query_len=int(q_lens.max()),
-        max_seq_len=int(seq_lens.max()),
-    )
+    shared_starts, shared_lens = to(query_start_loc, torch.int32), to(seq_lens, torch.int32)
+    metas = []
+    groups = len(geometry.group_windows)
+    for group, window in enumerate(geometry.group_windows):
+        block_tables = np.zeros((len(requests), width), dtype=np.int64)  # [B, W], 0 = null block
+        for i, r in enumerate(requests):
+            n = len(r.block_ids) // groups
+            blocks = r.block_ids[group * n : group * n + -(-int(seq_lens[i]) // bs)]
+            block_tables[i, : len(blocks)] = blocks
+        slot_mapping = block_tables[req_of_token, positions // bs] * bs + positions % bs  # [T]
+        metas.append(AttentionMetadata(
+            slot_mapping=to(slot_mapping, torch.int64), query_start_loc=shared_starts, seq_lens=shared_lens,
+            block_tables=to(block_tables, torch.int32), max_query_len=int(q_lens.max()),
+            max_seq_len=int(seq_lens.max()), window=window,
+        ))  # fmt: skip
     return BatchInputs(
         input_ids=to(input_ids, torch.int64),
         positions=to(positions, torch.int64),
-        meta=meta,
+        metas=tuple(metas),
         logits_indices=to(logits_indices, torch.int64),
         sampling_requests=tuple(samples),
     )

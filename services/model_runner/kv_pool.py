@@ -1,8 +1,14 @@
 """The KV pool: one tensor holding every layer's paged K/V, shareable with other processes.
 
-Layout (see ``attention/base.py``)::
+Layout (see ``attention/base.py`` and ``shared/kv_layout.py``)::
 
-    [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]     block 0 = null block
+    [layers_per_group, 2, num_blocks, block_size, num_kv_heads, head_dim]     block 0 = null block
+
+A model whose layers all use full attention has one KV cache group of every layer, so the first
+dimension is simply its layer count; a hybrid model (full and sliding-window layers) has several
+groups of equally many layers, and layer ``l`` lives in slot ``j`` of its group
+(``ModelConfig.kv_groups``): a block id then belongs to one group at a time, and one block id is
+the same number of bytes in every group (docs/kv_layout.md).
 
 The number of blocks follows from a byte budget. On the CPU the tensor is a ``/dev/shm`` file
 mapped with ``torch.from_file(shared=True)``, so the offload-store can map the same pages
@@ -37,6 +43,7 @@ from pathlib import Path
 import torch
 
 from shared.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+from shared.kv_layout import gqa_kv_bytes_per_token
 from shared.tensor_handle import (
     SharedTensorHandle,
     dtype_from_name,
@@ -70,9 +77,11 @@ def kv_dtype_for(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
     return _KV_DTYPES[kv_cache_dtype]
 
 
-def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-    """Bytes of one block id across all layers, K and V."""
-    return num_layers * 2 * block_size * num_kv_heads * head_dim * dtype.itemsize
+def bytes_per_block(layer_slots: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """Bytes of one block id, K and V: ``block_size`` tokens of the KV-size formula
+    (``shared/kv_layout.py``) over the pool's ``layer_slots`` (``layers_per_group``: every layer
+    for an all-full-attention model)."""
+    return int(block_size * gqa_kv_bytes_per_token(layer_slots, num_kv_heads, head_dim, dtype.itemsize))
 
 
 class KVPool:
@@ -90,10 +99,14 @@ class KVPool:
         device: torch.device | str = "cpu",
         shm_dir: str = "/dev/shm",
         name: str = "kvmesh-kv",
+        layer_slots: int | None = None,
     ):
         """Allocates ``memory_bytes // bytes_per_block`` blocks (at least 2: block 0 is null).
 
         Args:
+            num_layers: the model's layers (one pair of fp8 scales each).
+            layer_slots: the pool's first dimension, ``layers_per_group(ModelConfig.kv_groups)``;
+                default ``num_layers`` (one group of every layer).
             dtype: element type of the cache (``torch.float8_e4m3fn`` for fp8).
             shm_dir: memory-backed folder for the CPU mapping.
             name: file name prefix (the generation is appended).
@@ -102,14 +115,15 @@ class KVPool:
         self.device = torch.device(device)
         self.shm_dir = shm_dir  # also the only folder a staging file of CopyBlocks may name
         self.block_size = block_size
-        self.bytes_per_block = bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype)
+        slots = num_layers if layer_slots is None else layer_slots
+        self.bytes_per_block = bytes_per_block(slots, block_size, num_kv_heads, head_dim, dtype)
         self.num_blocks = memory_bytes // self.bytes_per_block
         if self.num_blocks < 2:
             raise InvalidArgument(
                 f"a KV budget of {memory_bytes} bytes holds {self.num_blocks} blocks of "
                 f"{self.bytes_per_block} bytes; at least 2 are needed (block 0 is the null block)"
             )
-        self.shape = (num_layers, 2, self.num_blocks, block_size, num_kv_heads, head_dim)
+        self.shape = (slots, 2, self.num_blocks, block_size, num_kv_heads, head_dim)
         self.nbytes = self.num_blocks * self.bytes_per_block
         self.generation = uuid.uuid4().hex
         self.scales = torch.ones(num_layers, 2, dtype=torch.float32)  # [L, (k, v)]

@@ -4,6 +4,9 @@ It keeps, per request, what the scheduler does not send again: the tokens known 
 block table and the sampling state. ``execute`` validates the whole step first, runs all of the
 step's tokens through the model in one forward, samples, and only then commits the new state;
 so a bad request (or a failed forward) leaves every request as it was.
+
+Block tables are kept per KV cache group (``shared/kv_layout.py``), group-major as they travel:
+a cached request's new block ids are one equal run per group, appended to that group's table.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from services.model_runner.model.transforms import prepare_model
 from services.model_runner.sampler import RequestSamplingState, sample
 from services.model_runner.types import ModelInfo, NewRequestData, SampledToken, StepInput, StepOutput
 from shared.errors import InvalidArgument
+from shared.kv_layout import layers_per_group
 from shared.sampling_params import SamplingParams
 
 
@@ -33,7 +37,7 @@ class _Request:
     """The runner's memory of one request between steps."""
 
     token_ids: list[int]  # prompt, then every sampled token
-    block_ids: list[int]
+    block_ids: list[int]  # every KV cache group's table, group after group, all of one length
     num_computed_tokens: int
     sampling: RequestSamplingState
 
@@ -89,7 +93,13 @@ class ModelRunner:
         self.model_id = model_id
         self.device = pool.tensor.device
         self.max_model_len = min(max_model_len or self.config.max_model_len, self.config.max_model_len)
-        self.geometry = PoolGeometry(pool.num_blocks, pool.block_size, self.config.vocab_size, self.max_model_len)
+        self.groups = self.config.kv_groups
+        if pool.shape[0] != layers_per_group(self.groups):
+            raise ValueError(f"the pool has {pool.shape[0]} layer slots, this model's KV cache groups need "
+                             f"{layers_per_group(self.groups)}")  # fmt: skip
+        self.group_windows = tuple(group.window for group in self.groups)
+        self.geometry = PoolGeometry(pool.num_blocks, pool.block_size, self.config.vocab_size, self.max_model_len,
+                                     self.group_windows)  # fmt: skip
         self._requests: dict[str, _Request] = {}
         self._reasons = (dtype_reason, attention_backend_reason)
 
@@ -117,7 +127,7 @@ class ModelRunner:
         if planned:
             batch = prepare_inputs([p.scheduled for p in planned], self.geometry, self.device)
             with torch.inference_mode():
-                hidden = self.model(batch.input_ids, batch.positions, self._context(batch.meta))  # [T, hidden]
+                hidden = self.model(batch.input_ids, batch.positions, self._context(batch.metas))  # [T, hidden]
                 logits = self.model.compute_logits(hidden[batch.logits_indices])  # [N, V] float32
                 results = sample(logits, [planned[i].state.sampling for i in batch.sampling_requests])
             for i, (token_id, logprobs) in zip(batch.sampling_requests, results, strict=True):
@@ -165,7 +175,7 @@ class ModelRunner:
                     f"{cached.request_id}: num_computed_tokens {cached.num_computed_tokens} does not match "
                     f"the runner's {state.num_computed_tokens}"
                 )
-            blocks = state.block_ids + list(cached.new_block_ids)
+            blocks = self._extend_tables(cached.request_id, state.block_ids, cached.new_block_ids)
             planned.append(
                 _Planned(
                     cached.request_id,
@@ -176,6 +186,17 @@ class ModelRunner:
                 )
             )
         return planned
+
+    def _extend_tables(self, request_id: str, tables: Sequence[int], new_ids: Sequence[int]) -> list[int]:
+        """Each group's table with its run of ``new_ids`` appended (both group-major)."""
+        groups = len(self.groups)
+        if groups == 1:
+            return [*tables, *new_ids]
+        if len(new_ids) % groups:
+            raise InvalidArgument(f"{request_id}: {len(new_ids)} new block ids do not split into {groups} equal "
+                                  "runs (one per KV cache group)")  # fmt: skip
+        old, new = len(tables) // groups, len(new_ids) // groups
+        return [b for g in range(groups) for b in (*tables[g * old : (g + 1) * old], *new_ids[g * new : (g + 1) * new])]
 
     @staticmethod
     def _check_unique(request_id: str, seen: set[str]) -> None:
@@ -198,8 +219,9 @@ class ModelRunner:
         sampling = RequestSamplingState.create(new.sampling, prompt, outputs)
         return _Request(tokens, list(new.block_ids), new.num_computed_tokens, sampling)
 
-    def _context(self, meta: AttentionMetadata) -> ForwardContext:
-        return ForwardContext(self.pool.tensor, self.pool.layer_scales(), meta, self.backend)
+    def _context(self, metas: Sequence[AttentionMetadata]) -> ForwardContext:
+        return ForwardContext(self.pool.tensor, self.pool.layer_scales(), metas[0], self.backend,
+                              group_metas=tuple(metas))  # fmt: skip
 
     def model_info(self) -> ModelInfo:
         """Model and pool geometry, for the scheduler and the kv-cache-manager to size themselves."""
@@ -224,6 +246,7 @@ class ModelRunner:
             dtype_reason=self._reasons[0],
             attention_backend_reason=self._reasons[1],
             pool_id=self.pool.generation,
+            kv_group_windows=self.group_windows,
         )
 
     def warmup(self, num_tokens: int = 64, num_decodes: int = 4) -> float:
@@ -237,7 +260,7 @@ class ModelRunner:
         for lens in ([num_tokens], [1] * num_decodes):
             q_lens = torch.tensor(lens, dtype=torch.int32)
             seq_lens = torch.full((len(lens),), num_tokens, dtype=torch.int32)
-            meta = AttentionMetadata(
+            metas = [AttentionMetadata(
                 slot_mapping=torch.full((sum(lens),), -1, dtype=torch.int64, device=self.device),
                 query_start_loc=torch.cat((torch.zeros(1, dtype=torch.int32), q_lens.cumsum(0).int())).to(self.device),
                 seq_lens=seq_lens.to(self.device),
@@ -245,11 +268,12 @@ class ModelRunner:
                                          device=self.device),
                 max_query_len=max(lens),
                 max_seq_len=num_tokens,
-            )  # fmt: skip
+                window=window,
+            ) for window in self.group_windows]  # fmt: skip
             input_ids = torch.zeros(sum(lens), dtype=torch.int64, device=self.device)
             positions = (seq_lens.repeat_interleave(q_lens) - 1).to(device=self.device, dtype=torch.int64)
             with torch.inference_mode():
-                hidden = self.model(input_ids, positions, self._context(meta))
+                hidden = self.model(input_ids, positions, self._context(metas))
                 logits = self.model.compute_logits(hidden[-len(lens) :])
                 sample(logits, [RequestSamplingState.create(SamplingParams(), [0]) for _ in lens])
         if self.device.type == "cuda":
@@ -273,16 +297,18 @@ class ModelRunner:
             count = min(256, self.max_model_len)
             token_ids = torch.randint(0, self.config.vocab_size, (count,), generator=generator).tolist()
         cfg, bs = self.config, self.pool.block_size
-        num_blocks = -(-len(token_ids) // bs) + 1
+        per_group = -(-len(token_ids) // bs)
+        num_blocks = per_group * len(self.groups) + 1
         dtype = self.model.model.norm.weight.dtype
         scratch = torch.zeros(
-            cfg.num_layers, 2, num_blocks, bs, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, device=self.device
+            self.pool.shape[0], 2, num_blocks, bs, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, device=self.device
         )
-        geometry = PoolGeometry(num_blocks, bs, cfg.vocab_size, self.max_model_len)
+        geometry = PoolGeometry(num_blocks, bs, cfg.vocab_size, self.max_model_len, self.group_windows)
         req = ScheduledRequest("calibration", list(token_ids), list(range(1, num_blocks)), 0, len(token_ids))
         batch = prepare_inputs([req], geometry, self.device)
         amax = torch.zeros(cfg.num_layers, 2, dtype=torch.float32, device=self.device)
-        ctx = ForwardContext(scratch, [(1.0, 1.0)] * cfg.num_layers, batch.meta, self.backend, kv_amax=amax)
+        ctx = ForwardContext(scratch, [(1.0, 1.0)] * cfg.num_layers, batch.meta, self.backend, kv_amax=amax,
+                             group_metas=batch.metas)  # fmt: skip
         with torch.inference_mode():
             self.model(batch.input_ids, batch.positions, ctx)
         self.pool.calibrate(amax)

@@ -2,17 +2,23 @@
 
 KV pool layout (one tensor per runner)::
 
-    pool: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
-                       │      │          │
-                       │      │          └─ token offset inside the block
-                       │      └─ block id (0 = null block, never holds real tokens)
-                       └─ 0 = K, 1 = V
+    pool: [layers_per_group, 2, num_blocks, block_size, num_kv_heads, head_dim]
+             │               │      │          │
+             │               │      │          └─ token offset inside the block
+             │               │      └─ block id (0 = null block, never holds real tokens)
+             │               └─ 0 = K, 1 = V
+             └─ the layer's slot in its KV cache group (``ModelConfig.kv_groups``)
 
     slot = block_id * block_size + offset      (slot -1 = padding: skip the write)
 
 A step's tokens are flattened into one varlen batch: sequence ``i`` owns query rows
 ``query_start_loc[i]:query_start_loc[i+1]`` and attends to its first ``seq_lens[i]`` cached tokens
-(the new tokens included, written into the cache before attention), causally.
+(the new tokens included, written into the cache before attention), causally. Each KV cache group
+has metadata of its own (its block tables and slots; the query ranges and lengths are shared); a
+window group's ``window`` limits each query at position ``p`` to keys ``p - window < j <= p``
+(transformers' ``sliding_window_overlay``). Its block tables may hold the null block or blocks
+since reused by another request at positions before a query's window, so a backend must never
+read K/V there: not just mask them, skip them.
 """
 
 from __future__ import annotations
@@ -36,6 +42,8 @@ class AttentionMetadata:
         block_tables: ``[num_seqs, max_blocks_per_seq]`` int32, padded with 0 (the null block).
         max_query_len: longest query in the batch.
         max_seq_len: longest context in the batch.
+        window: the sliding window of the layers that use this metadata (their KV cache group);
+            None = full attention.
     """
 
     slot_mapping: torch.Tensor
@@ -44,6 +52,7 @@ class AttentionMetadata:
     block_tables: torch.Tensor
     max_query_len: int
     max_seq_len: int
+    window: int | None = None
 
     @property
     def num_seqs(self) -> int:

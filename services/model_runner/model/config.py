@@ -98,13 +98,8 @@ class ModelConfig:
 
     @property
     def max_model_len(self) -> int:
-        """Longest sequence served exactly.
-
-        NOTE: sliding-window attention is not implemented, so a model with a window is capped at
-        the window: below it, full and windowed attention are the same computation.
-        """
-        if self.sliding_window is not None:
-            return min(self.max_position_embeddings, self.sliding_window)
+        """Longest sequence served: ``max_position_embeddings`` (every attention path honours each
+        layer's window, so a window does not cap it; docs/kv_layout.md)."""
         return self.max_position_embeddings
 
     @classmethod

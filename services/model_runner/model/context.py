@@ -19,12 +19,15 @@ class ForwardContext:
     """Per-forward state shared by every attention layer.
 
     Attributes:
-        kv_cache: ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`` pool tensor.
+        kv_cache: ``[layers_per_group, 2, num_blocks, block_size, num_kv_heads, head_dim]`` pool
+            tensor (``shared/kv_layout.py``).
         kv_scales: ``(k_scale, v_scale)`` per layer (1.0 unless the cache is fp8).
-        meta: the flat batch layout (slots, query ranges, block tables).
+        meta: the flat batch layout (slots, query ranges, block tables) of KV cache group 0.
         backend: writes K/V and computes paged attention.
         kv_amax: ``[num_layers, 2]`` float32 running max of ``|K|`` / ``|V|``, updated in place when
             given (fp8 calibration); None in normal serving.
+        group_metas: every KV cache group's metadata, in group order (``meta`` is the first);
+            empty: one group, ``meta``.
     """
 
     kv_cache: torch.Tensor
@@ -32,3 +35,12 @@ class ForwardContext:
     meta: AttentionMetadata
     backend: AttentionBackend
     kv_amax: torch.Tensor | None = None
+    group_metas: tuple[AttentionMetadata, ...] = ()
+
+    def group_meta(self, group: int) -> AttentionMetadata:
+        """The metadata of KV cache group ``group`` (its block tables, slots and window)."""
+        if not self.group_metas:
+            if group != 0:
+                raise IndexError(f"KV cache group {group}: this forward has one group")
+            return self.meta
+        return self.group_metas[group]

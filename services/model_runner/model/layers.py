@@ -169,11 +169,19 @@ class SiluAndMul(nn.Module):
 
 
 class Attention(nn.Module):
-    """Multi-head attention with grouped K/V heads over the paged cache of layer ``layer_idx``."""
+    """Multi-head attention with grouped K/V heads over the paged cache of layer ``layer_idx``.
+
+    The layer's K/V live in slot ``kv_slot`` of the pool, addressed through the block tables of
+    its KV cache group ``kv_group`` (``ModelConfig.kv_groups``), whose metadata also carries the
+    layer's sliding window.
+    """
 
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
+        self.kv_group, self.kv_slot = next(
+            (g, group.layers.index(layer_idx)) for g, group in enumerate(config.kv_groups) if layer_idx in group.layers
+        )
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
@@ -201,10 +209,11 @@ class Attention(nn.Module):
         if ctx.kv_amax is not None:
             amax = torch.stack((k.abs().amax(), v.abs().amax())).float()  # [2]
             torch.maximum(ctx.kv_amax[self.layer_idx], amax, out=ctx.kv_amax[self.layer_idx])
-        k_cache, v_cache = ctx.kv_cache[self.layer_idx].unbind(0)  # each [blocks, block_size, KV, D]
+        k_cache, v_cache = ctx.kv_cache[self.kv_slot].unbind(0)  # each [blocks, block_size, KV, D]
         k_scale, v_scale = ctx.kv_scales[self.layer_idx]
-        ctx.backend.write_kv(k, v, k_cache, v_cache, ctx.meta.slot_mapping, k_scale, v_scale)
-        out = ctx.backend.forward(q, k_cache, v_cache, ctx.meta, self.scale, k_scale, v_scale)  # [T, H, D]
+        meta = ctx.group_meta(self.kv_group)
+        ctx.backend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
+        out = ctx.backend.forward(q, k_cache, v_cache, meta, self.scale, k_scale, v_scale)  # [T, H, D]
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 

@@ -129,6 +129,9 @@ class NativeDecodeStack:
         """``(last layer's MLP output, residual)`` for the embeddings ``x`` ``[T, hidden]``, or
         None when this step is not one the stack runs (the caller then runs the layers)."""
         backend, cache = ctx.backend, ctx.kv_cache
+        window = ctx.meta.window
+        if len(ctx.group_metas) > 1 or (window is not None and window < ctx.meta.max_seq_len):
+            return None  # one KV cache group of full attention only (docs/kv_layout.md)
         if (not isinstance(backend, CpuAttentionBackend) or ctx.kv_amax is not None or not is_cpu_fp32(cache)
                 or not cache.is_contiguous() or not is_cpu_fp32(x) or not x.is_contiguous()
                 or not is_cpu_fp32(cos) or not cos.is_contiguous() or not sin.is_contiguous()):  # fmt: skip

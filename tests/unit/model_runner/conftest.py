@@ -25,6 +25,7 @@ from services.model_runner.loader import load_model
 from services.model_runner.model.context import ForwardContext
 from services.model_runner.runner import ModelRunner
 from services.model_runner.types import CachedRequestData, NewRequestData, StepInput, StepOutput
+from shared.kv_layout import layers_per_group
 from shared.sampling_params import SamplingParams
 
 TINY: dict[str, Any] = {
@@ -120,9 +121,11 @@ def make_runner(tmp_path: Path) -> Any:
     ) -> ModelRunner:
         model, config = load_model(folder)
         dtype = kv_dtype_for(kv_cache_dtype, torch.float32)
-        per_block = bytes_per_block(config.num_layers, BLOCK_SIZE, config.num_kv_heads, config.head_dim, dtype)
+        slots = layers_per_group(config.kv_groups)
+        per_block = bytes_per_block(slots, BLOCK_SIZE, config.num_kv_heads, config.head_dim, dtype)
         pool = KVPool(
             num_layers=config.num_layers,
+            layer_slots=slots,
             num_kv_heads=config.num_kv_heads,
             head_dim=config.head_dim,
             block_size=BLOCK_SIZE,
@@ -292,13 +295,14 @@ def forward_all_logits(
     pool (blocks 1..n) in the given chunk sizes; the pool's fp8 scales apply."""
     chunks = list(chunks or [len(token_ids)])
     bs = runner.pool.block_size
-    blocks = list(range(1, -(-len(token_ids) // bs) + 1))
+    blocks = list(range(1, len(runner.groups) * -(-len(token_ids) // bs) + 1))  # group-major
     rows = []
     done = 0
     for size in chunks:
         req = ScheduledRequest("probe", list(token_ids), blocks, done, size)
         batch = prepare_inputs([req], runner.geometry)
-        ctx = ForwardContext(runner.pool.tensor, runner.pool.layer_scales(), batch.meta, runner.backend)
+        ctx = ForwardContext(runner.pool.tensor, runner.pool.layer_scales(), batch.meta, runner.backend,
+                             group_metas=batch.metas)
         with torch.inference_mode():
             rows.append(runner.model.compute_logits(runner.model(batch.input_ids, batch.positions, ctx)))
         done += size

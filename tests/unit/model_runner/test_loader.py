@@ -171,12 +171,13 @@ def test_legacy_config_format_and_generation_config_eos(tmp_path: Path) -> None:
     assert config.head_dim == 8 and config.max_model_len == 131072
 
 
-def test_mistral_window_caps_max_model_len() -> None:
+def test_mistral_window_does_not_cap_max_model_len() -> None:
     hf = {
         "architectures": ["MistralForCausalLM"], "vocab_size": 10, "hidden_size": 8, "intermediate_size": 8,
         "num_hidden_layers": 1, "num_attention_heads": 2, "max_position_embeddings": 32768, "sliding_window": 4096,
     }  # fmt: skip
     config = ModelConfig.from_hf_dict(hf)
-    assert config.num_kv_heads == 2 and config.max_model_len == 4096
+    assert config.num_kv_heads == 2 and config.max_model_len == 32768  # the window is honoured, not a cap
+    assert config.layer_windows == (4096,) and [g.window for g in config.kv_groups] == [4096]
     with pytest.raises(UnsupportedModelError, match="multiple"):
         ModelConfig.from_hf_dict({**hf, "num_key_value_heads": 3, "num_attention_heads": 4})
