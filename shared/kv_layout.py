@@ -30,7 +30,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["KVGroup", "gqa_kv_bytes_per_token", "kv_groups", "layers_per_group", "mla_kv_bytes_per_token"]
+__all__ = [
+    "KVGroup", "dead_blocks", "gqa_kv_bytes_per_token", "kv_groups", "layers_per_group", "mla_kv_bytes_per_token",
+    "peak_blocks",
+]
 
 
 def gqa_kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, bytes_per_element: float) -> float:
@@ -94,3 +97,29 @@ def kv_groups(layer_windows: Sequence[int | None]) -> tuple[KVGroup, ...]:
 def layers_per_group(groups: Sequence[KVGroup]) -> int:
     """Slots in the pool's layer dimension: the largest group's size."""
     return max(len(group.layers) for group in groups)
+
+
+def dead_blocks(window: int | None, block_size: int, position: int) -> int:
+    """Leading blocks of a group that no query at ``position`` or later can see.
+
+    A query at ``p`` sees keys ``p - window + 1 .. p``, so once a step starts at ``position`` every
+    block whose tokens all lie below ``position - window + 1`` is dead: the kv-cache-manager frees
+    it, and a prefix hit ending at ``position`` does not need it. A full group has none.
+    """
+    if window is None:
+        return 0
+    return max(0, (position - window + 1) // block_size)
+
+
+def peak_blocks(window: int | None, block_size: int, num_tokens: int, max_step_tokens: int) -> int:
+    """The most blocks one request of ``num_tokens`` tokens holds in one group at any step.
+
+    A full group holds a block per ``block_size`` tokens. A window group, at a step that starts at
+    ``p`` and schedules ``n <= max_step_tokens`` tokens, holds blocks ``dead_blocks(p)`` to
+    ``ceil((p + n) / block_size) - 1``: at most ``ceil((window - 1 + n) / block_size) + 1`` (the +1
+    for a window that straddles a block boundary), and never more than the full count.
+    """
+    full = -(-num_tokens // block_size)
+    if window is None:
+        return full
+    return min(full, -(-(window - 1 + max_step_tokens) // block_size) + 1)

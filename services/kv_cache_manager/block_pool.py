@@ -8,7 +8,12 @@ taking a cached block out of it on a prefix hit is O(1))::
 
 Allocation pops from the front. Freed blocks without a hash hold nothing reusable, so they go
 to the front (reused first); hashed blocks go to the back, so cached prefixes are evicted in
-LRU order. Block 0 is the null block: never in the queue, never handed out.
+LRU order. Block 0 is the null block: never in the queue, never handed out; a window group's
+table holds it where a block slid out of the window.
+
+One prefix map per KV cache group (``maps[g]``): the scheduler's hash names a token prefix, and
+every group holds its own KV of that prefix, so the same hash in two groups is two blocks. Group
+0's map is also ``cached``, the one the events, the snapshot and the offload path speak of.
 """
 
 from __future__ import annotations
@@ -27,13 +32,14 @@ class KVCacheBlock:
     kept so a prefix hit can be verified (a hash collision must be a miss, never wrong KV).
     """
 
-    __slots__ = ("block_hash", "block_id", "next_free", "prev_free", "ref_cnt", "token_ids")
+    __slots__ = ("block_hash", "block_id", "group", "next_free", "prev_free", "ref_cnt", "token_ids")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_cnt = 0
         self.block_hash: BlockHash | None = None
         self.token_ids: tuple[int, ...] | None = None
+        self.group = 0  # the KV cache group whose prefix map holds it (meaningful while hashed)
         self.prev_free: KVCacheBlock | None = None
         self.next_free: KVCacheBlock | None = None
 
@@ -140,18 +146,25 @@ class FreeBlockQueue:
 
 
 class BlockPool:
-    """Every block, the free queue and the ``block hash -> block`` map of cached full blocks.
+    """Every block, the free queue and, per group, the ``block hash -> block`` map of cached full blocks.
 
     Args:
         num_blocks: pool size including the null block 0 (so ``num_blocks - 1`` are usable).
+        num_groups: KV cache groups sharing the pool (one prefix map each).
     """
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, num_groups: int = 1) -> None:
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.null_block = self.blocks[0]
         self.free_queue = FreeBlockQueue(self.blocks[1:])
-        self.cached: dict[BlockHash, KVCacheBlock] = {}
+        self.maps: list[dict[BlockHash, KVCacheBlock]] = [{} for _ in range(num_groups)]
+        self.cached = self.maps[0]
         self.num_evictions = 0
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Registered blocks over every group."""
+        return sum(len(m) for m in self.maps)
 
     @property
     def num_usable_blocks(self) -> int:
@@ -172,16 +185,22 @@ class BlockPool:
             block.ref_cnt += 1
 
     def get_new_blocks(self, n: int, evicted: list[EvictedBlock]) -> list[KVCacheBlock]:
-        """Pops ``n`` blocks from the front; a cached one is evicted and appended to ``evicted``."""
+        """Pops ``n`` blocks from the front; a cached one is evicted.
+
+        ``evicted`` gets group 0's evictions only: they are what the events and the offload path
+        speak of (a hash alone does not say which group's KV a block held); ``num_evictions``
+        counts every group's.
+        """
         blocks = self.free_queue.popleft_n(n)
-        cached = self.cached
+        maps = self.maps
         for block in blocks:
             block_hash = block.block_hash
             if block_hash is not None:
-                del cached[block_hash]
+                del maps[block.group][block_hash]
                 block.block_hash = None
                 block.token_ids = None
-                evicted.append(EvictedBlock(block.block_id, block_hash))
+                if block.group == 0:
+                    evicted.append(EvictedBlock(block.block_id, block_hash))
                 self.num_evictions += 1
             block.ref_cnt = 1
         return blocks
@@ -197,18 +216,21 @@ class BlockPool:
                 else:
                     queue.append(block)
 
-    def cache_block(self, block: KVCacheBlock, block_hash: BlockHash, token_ids: tuple[int, ...]) -> bool:
-        """Registers a computed full block under its hash.
+    def cache_block(self, block: KVCacheBlock, block_hash: BlockHash, token_ids: tuple[int, ...],
+                    group: int = 0) -> bool:
+        """Registers a computed full block under its hash in ``group``'s map.
 
         Returns:
-            False when the hash is already served by another block (a duplicate computed
-            concurrently): the existing mapping is kept and ``block`` stays unregistered.
+            False when the hash is already served by another block of that group (a duplicate
+            computed concurrently): the existing mapping is kept and ``block`` stays unregistered.
         """
-        if block_hash in self.cached:
+        cached = self.maps[group]
+        if block_hash in cached:
             return False
         block.block_hash = block_hash
         block.token_ids = token_ids
-        self.cached[block_hash] = block
+        block.group = group
+        cached[block_hash] = block
         return True
 
     def uncache_block(self, block: KVCacheBlock) -> BlockHash | None:
@@ -216,16 +238,18 @@ class BlockPool:
         block_hash = block.block_hash
         if block_hash is None:
             return None
-        del self.cached[block_hash]
+        del self.maps[block.group][block_hash]
         block.block_hash = None
         block.token_ids = None
         return block_hash
 
     def reset_prefix_cache(self) -> int:
         """Forgets every cached hash (the caller checked that no block is in use)."""
-        for block in self.cached.values():
-            block.block_hash = None
-            block.token_ids = None
-        num = len(self.cached)
-        self.cached.clear()
+        num = 0
+        for cached in self.maps:
+            for block in cached.values():
+                block.block_hash = None
+                block.token_ids = None
+            num += len(cached)
+            cached.clear()
         return num

@@ -22,6 +22,9 @@ class CacheConfig:
     block_size: int = 16
     max_model_len: int = 2048
     model_id: str = ""  # a label for logs and metrics; the scheduler's hash seed covers the model
+    # Per KV cache group its sliding window in tokens, None = full attention (the runner's
+    # ``ModelInfo.kv_group_windows``, shared/kv_layout.py): one block table per group per request.
+    group_windows: tuple[int | None, ...] = (None,)
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:
@@ -30,3 +33,17 @@ class CacheConfig:
             raise ValueError("num_blocks must be >= 2 (block 0 is the null block)")
         if self.max_model_len <= 0:
             raise ValueError("max_model_len must be positive")
+        if not self.group_windows:
+            raise ValueError("group_windows needs at least one group (None = full attention)")
+        if any(w is not None and w < 1 for w in self.group_windows):
+            raise ValueError(f"group_windows {self.group_windows}: a window must be >= 1 (None = full)")
+
+    @property
+    def num_groups(self) -> int:
+        """Block tables per request (KV cache groups)."""
+        return len(self.group_windows)
+
+    @property
+    def has_windows(self) -> bool:
+        """Whether some group slides a window (its dead blocks go back to the pool)."""
+        return any(w is not None for w in self.group_windows)

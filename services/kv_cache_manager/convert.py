@@ -38,13 +38,18 @@ def config_to_pb(config: CacheConfig, pool_id: str, lease_seconds: float) -> pb.
     """The owner's Initialize: the runner's geometry, its pool incarnation, the lease."""
     return pb.InitializeRequest(num_blocks=config.num_blocks, block_size=config.block_size,
                                 max_model_len=config.max_model_len, model_id=config.model_id,
-                                pool_id=pool_id, lease_seconds=lease_seconds)
+                                pool_id=pool_id, lease_seconds=lease_seconds,
+                                kv_group_windows=[] if config.group_windows == (None,)
+                                else [w or 0 for w in config.group_windows])
 
 
 def config_from_pb(msg: pb.InitializeRequest) -> CacheConfig:
     """The geometry of an Initialize (ValueError when it is not a valid pool)."""
+    if any(w < 0 for w in msg.kv_group_windows):
+        raise ValueError(f"kv_group_windows {list(msg.kv_group_windows)}: a window must be >= 0 (0 = full)")
     return CacheConfig(num_blocks=msg.num_blocks, block_size=msg.block_size, max_model_len=msg.max_model_len,
-                       model_id=msg.model_id)
+                       model_id=msg.model_id,
+                       group_windows=tuple([w or None for w in msg.kv_group_windows]) or (None,))
 
 
 def spec_to_pb(spec: AllocationSpec) -> pb.Allocation:

@@ -8,6 +8,13 @@ The manager never hashes: the scheduler owns the hash seed and sends each reques
 hashes with its allocations (docs/design.md, "Block hashes"); a hit is verified by the block's
 stored token ids, so a colliding hash is a miss, never another prompt's KV.
 
+KV cache groups (shared/kv_layout.py): a model whose layers attend alike has one group and one
+table per request. A model with sliding-window layers has one table per group, all drawn from the
+one pool and all of one length; block ids leave group-major (group 0's table, then group 1's, ...,
+and a running request's new ids as one equal run per group). At each step a window group's blocks
+that slid out of every future query's window go back to the pool; the prefix hit needs every full
+group's leading blocks and every window group's last window of them (prefix_hit.py).
+
 A new request's table, with a pool hit on two blocks and an external (offload-store) hit on one::
 
     prompt:  [ 16 tok ][ 16 tok ][ 16 tok ][ 16 tok ][ 7 tok  ]
@@ -24,6 +31,7 @@ from services.kv_cache_manager.block_pool import BlockPool, KVCacheBlock
 from services.kv_cache_manager.config import CacheConfig
 from services.kv_cache_manager.events import EventHub
 from services.kv_cache_manager.integrity import check_integrity
+from services.kv_cache_manager.prefix_hit import find_longest_hit
 from services.kv_cache_manager.request import RequestState
 from services.kv_cache_manager.types import (
     AllBlocksCleared,
@@ -42,6 +50,7 @@ from services.kv_cache_manager.types import (
 from services.kv_cache_manager.validation import validate_free, validate_hashes, validate_step
 from shared.errors import FailedPrecondition, InvalidArgument, NotFound
 from shared.hashing import BlockHash
+from shared.kv_layout import dead_blocks
 
 _OK = AllocationStatus.OK
 
@@ -61,7 +70,11 @@ class KVCacheManager:
     def _reset(self, config: CacheConfig) -> None:
         self._config = config
         self._block_size = config.block_size
-        self._pool = BlockPool(config.num_blocks)
+        self._windows = config.group_windows
+        self._num_groups = len(config.group_windows)
+        # (group, window) of every window group: the only ones that free blocks as they go.
+        self._window_groups = [(g, w) for g, w in enumerate(config.group_windows) if w is not None]
+        self._pool = BlockPool(config.num_blocks, self._num_groups)
         self._requests: dict[str, RequestState] = {}
         self._prefix_queries = self._prefix_hits = 0
         self._recompute_queries = self._recompute_hits = 0
@@ -123,7 +136,7 @@ class KVCacheManager:
             InvalidArgument, NotFound, AlreadyExists: malformed step; nothing changed.
         """
         validate_step(self._requests, [*free_request_ids, *rollback_request_ids], allocations,
-                      self._config.max_model_len, self._block_size)
+                      self._config.max_model_len, self._block_size, self._config.has_windows)
         events = self._begin_events()
         self._free_all(free_request_ids, rollback_request_ids, events)
         evicted: list[EvictedBlock] = []
@@ -162,12 +175,14 @@ class KVCacheManager:
         for request_id in request_ids:
             self._free_one(request_id)
         removed: list[BlockHash] = []
+        uncache = self._pool.uncache_block
         for request_id in rollback_request_ids:
             state = self._requests[request_id]
-            for block in state.blocks[state.num_committed_blocks : state.num_cached_blocks]:
-                block_hash = self._pool.uncache_block(block)
-                if block_hash is not None:
-                    removed.append(block_hash)
+            for g, table in enumerate(state.tables):
+                for block in table[state.num_committed_blocks : state.num_cached_blocks]:
+                    block_hash = uncache(block)  # None for the null block (it is never hashed)
+                    if block_hash is not None and g == 0:
+                        removed.append(block_hash)
             self._free_one(request_id)
         if events is not None and removed:
             events.append(BlockRemoved(tuple(removed)))
@@ -175,8 +190,16 @@ class KVCacheManager:
     def _free_one(self, request_id: str) -> None:
         state = self._requests.pop(request_id)
         # NOTE: tail first, so a chain's tail lands in the free queue before its head and is
-        # evicted first: a later request is likelier to share a prefix's head than its tail.
-        self._pool.free_blocks(reversed(state.blocks))
+        # evicted first: a later request is likelier to share a prefix's head than its tail. With
+        # several groups, position by position from the tail (every group's block of a position
+        # together), so no group's head is evicted before another group's tail.
+        if self._num_groups == 1 and not self._window_groups:
+            self._pool.free_blocks(reversed(state.blocks))
+            return
+        null = self._pool.null_block
+        tables = state.tables
+        self._pool.free_blocks([t[i] for i in range(len(state.blocks) - 1, -1, -1) for t in tables
+                                if t[i] is not null])
 
     def _allocate(self, spec: AllocationSpec, evicted: list[EvictedBlock],
                   events: list[KVEvent] | None) -> AllocationResult:
@@ -193,27 +216,35 @@ class KVCacheManager:
         """
         bs = self._block_size
         pool = self._pool
+        num_groups = self._num_groups
         tokens = list(spec.new_token_ids)
         num_tokens = len(tokens)
         hashes = list(spec.block_hashes)
         # NOTE: the last token is always computed (its logits are needed), so at most
         # (num_tokens - 1) // block_size full blocks can come from any cache tier.
         max_cached_blocks = (num_tokens - 1) // bs
-        hits = self.get_computed_blocks(hashes, tokens, max_cached_blocks) if spec.use_prefix_cache else []
-        num_hit = len(hits)
+        if spec.use_prefix_cache:
+            num_hit, hit_tables = self._find_hit(hashes, tokens, max_cached_blocks)
+        else:
+            num_hit, hit_tables = 0, [[] for _ in range(num_groups)]
+        # External (offload-store) blocks exist for single-group all-full models only (validated).
         num_known = max(num_hit, min(spec.num_external_blocks, max_cached_blocks))
         num_computed = num_known * bs
         num_new = min(spec.num_new_tokens, num_tokens - num_computed)
-        num_fresh = -(-(num_computed + num_new) // bs) - num_hit
+        num_fresh = -(-(num_computed + num_new) // bs) - num_hit  # per group
         # Taking a free cached hit removes it from the free queue, so it cannot also be fresh.
-        num_free_hits = sum(1 for block in hits if block.ref_cnt == 0)
-        if num_fresh > pool.num_free_blocks - num_free_hits:
+        null = pool.null_block
+        hit_blocks = [block for table in hit_tables for block in table if block is not null]
+        num_free_hits = sum(1 for block in hit_blocks if block.ref_cnt == 0)
+        if num_fresh * num_groups > pool.num_free_blocks - num_free_hits:
             return AllocationResult(spec.request_id, AllocationStatus.OUT_OF_BLOCKS)
 
-        pool.touch(hits)
-        fresh = self._get_new_blocks(num_fresh, evicted, events)
-        state = RequestState(spec.request_id, num_tokens, tokens[num_hit * bs :], hashes, num_hit)
-        state.blocks = hits + fresh
+        pool.touch(hit_blocks)
+        fresh = self._get_new_blocks(num_fresh * num_groups, evicted, events)
+        tables = [hit_tables[g] + fresh[g * num_fresh : (g + 1) * num_fresh] for g in range(num_groups)]
+        state = RequestState(spec.request_id, num_tokens, tokens[num_hit * bs :], hashes, num_hit, tables)
+        for g, window in self._window_groups:
+            state.num_skipped[g] = dead_blocks(window, bs, num_hit * bs)
         state.num_computed_tokens = num_computed + num_new
         self._requests[spec.request_id] = state
         self._cache_full_blocks(state, (num_computed + num_new) // bs, events)
@@ -226,7 +257,7 @@ class KVCacheManager:
                 self._prefix_hits += num_hit * bs
         return AllocationResult(
             spec.request_id, _OK,
-            new_block_ids=tuple([block.block_id for block in state.blocks]),
+            new_block_ids=tuple([block.block_id for table in tables for block in table]),
             num_computed_tokens=num_computed,
             num_new_tokens=num_new,
             num_cached_tokens=num_hit * bs,
@@ -235,15 +266,28 @@ class KVCacheManager:
 
     def _allocate_running(self, spec: AllocationSpec, state: RequestState, evicted: list[EvictedBlock],
                           events: list[KVEvent] | None) -> AllocationResult:
+        """Frees the window groups' blocks that slid out of the window, then slots for the new tokens.
+
+        The step starts at ``num_computed_tokens``: a window group's blocks all of whose tokens lie
+        before its first query's window are dead (shared/kv_layout.py's ``dead_blocks``). They count
+        as free for the capacity check (those no other request holds), and are freed only once the
+        allocation fits, so a refused allocation still changes nothing.
+        """
         bs = self._block_size
+        num_groups = self._num_groups
         num_computed = state.num_computed_tokens
         total = num_computed + spec.num_new_tokens
-        num_fresh = max(0, -(-total // bs) - len(state.blocks))
-        if num_fresh > self._pool.num_free_blocks:
+        num_fresh = max(0, -(-total // bs) - len(state.blocks))  # per group
+        dead = self._dead_blocks(state, num_computed) if self._window_groups else []
+        num_freed = sum(1 for _, block in dead if block.ref_cnt == 1)
+        if num_fresh * num_groups > self._pool.num_free_blocks + num_freed:
             return AllocationResult(spec.request_id, AllocationStatus.OUT_OF_BLOCKS)
+        if dead:
+            self._free_dead(state, dead, num_computed)
         state.append(spec.new_token_ids, spec.block_hashes)
-        fresh = self._get_new_blocks(num_fresh, evicted, events) if num_fresh else []
-        state.blocks.extend(fresh)
+        fresh = self._get_new_blocks(num_fresh * num_groups, evicted, events) if num_fresh else []
+        for g, table in enumerate(state.tables):
+            table.extend(fresh[g * num_fresh : (g + 1) * num_fresh])
         state.num_computed_tokens = total
         state.num_committed_blocks = state.num_cached_blocks  # the previous step ran
         self._cache_full_blocks(state, total // bs, events)
@@ -254,9 +298,39 @@ class KVCacheManager:
             num_new_tokens=spec.num_new_tokens,
         )
 
+    def _dead_blocks(self, state: RequestState, position: int) -> list[tuple[int, KVCacheBlock]]:
+        """(group, block) of every window-group block that is dead at ``position`` and still held,
+        latest position first (so the earliest is freed last and evicted last, as a tail-first free)."""
+        bs = self._block_size
+        out: list[tuple[int, KVCacheBlock]] = []
+        for g, window in self._window_groups:
+            table = state.tables[g]
+            out += [(g, table[i]) for i in range(dead_blocks(window, bs, position) - 1, state.num_skipped[g] - 1, -1)]
+        return out
+
+    def _free_dead(self, state: RequestState, dead: list[tuple[int, KVCacheBlock]], position: int) -> None:
+        """Puts the null block where ``dead`` (:meth:`_dead_blocks` at ``position``) was and frees it."""
+        null = self._pool.null_block
+        bs = self._block_size
+        for g, window in self._window_groups:
+            table = state.tables[g]
+            end = dead_blocks(window, bs, position)
+            for i in range(state.num_skipped[g], end):
+                table[i] = null
+            state.num_skipped[g] = max(end, state.num_skipped[g])
+        self._pool.free_blocks([block for _, block in dead])
+
+    def _find_hit(self, hashes: Sequence[BlockHash], token_ids: Sequence[int] | None,
+                  max_blocks: int) -> tuple[int, list[list[KVCacheBlock]]]:
+        """The longest hit over every group and its per-group tables (see prefix_hit.py)."""
+        if self._num_groups == 1 and not self._window_groups:
+            hits = self.get_computed_blocks(hashes, token_ids, max_blocks)
+            return len(hits), [hits]
+        return find_longest_hit(self._pool, self._windows, hashes, token_ids, max_blocks, self._block_size)
+
     def get_computed_blocks(self, hashes: Sequence[BlockHash], token_ids: Sequence[int] | None,
                             max_blocks: int) -> list[KVCacheBlock]:
-        """The longest run of leading blocks cached in the pool (read-only).
+        """The longest run of leading blocks cached in group 0's map (read-only).
 
         Args:
             hashes: the sequence's full-block hashes.
@@ -303,9 +377,16 @@ class KVCacheManager:
         hashes, blocks = state.block_hashes, state.blocks
         cache_block = self._pool.cache_block
         stored: list[int] = []
+        tokens = [state.block_tokens(i, bs) for i in range(start, end)]
         for i in range(start, end):
-            if cache_block(blocks[i], hashes[i], state.block_tokens(i, bs)):
+            if cache_block(blocks[i], hashes[i], tokens[i - start]):
                 stored.append(i)
+        for g in range(1, self._num_groups):
+            # NOTE: a window group's position here is never the null block: positions at or past
+            # num_cached_blocks were allocated fresh and cannot be dead before the next step.
+            table = state.tables[g]
+            for i in range(start, end):
+                cache_block(table[i], hashes[i], tokens[i - start], g)
         state.mark_cached(end, bs)
         if events is not None and stored:
             self._stored_events(state, stored, events)
@@ -332,6 +413,7 @@ class KVCacheManager:
     def lookup_prefix(self, block_hashes: Sequence[BlockHash]) -> PrefixLookup:
         """How many leading blocks of a hash chain are cached; changes nothing (not even LRU order).
 
+        The same hit rule as a step's (every group; ``block_ids`` group-major, 0 before a window).
         By hash alone (no tokens travel): an estimate for routers and tests. Reusing a block
         (``step``) also compares its token ids.
         """
@@ -340,19 +422,22 @@ class KVCacheManager:
         if len(block_hashes) * bs > self._config.max_model_len:
             raise InvalidArgument(f"{len(block_hashes)} blocks of {bs} tokens exceed max_model_len "
                                   f"{self._config.max_model_len}")
-        hits = self.get_computed_blocks(block_hashes, None, len(block_hashes))
-        return PrefixLookup(len(hits) * bs, tuple([b.block_id for b in hits]))
+        num_hit, tables = self._find_hit(block_hashes, None, len(block_hashes))
+        return PrefixLookup(num_hit * bs, tuple([b.block_id for table in tables for b in table]))
 
     def cached_block_hashes(self) -> tuple[BlockHash, ...]:
-        """Every hash the prefix cache serves now (in use or free): a snapshot's contents."""
+        """Every hash the prefix cache serves now (in use or free): a snapshot's contents.
+
+        Group 0's map, the one the events speak of (docs/kv_layout.md, "Block tables per group")."""
         return tuple(self._pool.cached)
 
     def get_block_table(self, request_id: str) -> BlockTable:
-        """A live request's blocks, known token count and computed full-block hashes."""
+        """A live request's blocks (group-major, 0 where a window slid past), known token count and
+        computed full-block hashes."""
         state = self._requests.get(request_id)
         if state is None:
             raise NotFound(f"request {request_id!r} is not live")
-        return BlockTable(tuple([b.block_id for b in state.blocks]), state.num_tokens,
+        return BlockTable(tuple([b.block_id for table in state.tables for b in table]), state.num_tokens,
                           tuple(state.block_hashes[: state.num_cached_blocks]))
 
     def reset_prefix_cache(self) -> int:
@@ -379,7 +464,7 @@ class KVCacheManager:
         return KVCacheStats(
             num_blocks=usable,
             num_free_blocks=free,
-            num_cached_blocks=len(pool.cached),
+            num_cached_blocks=pool.num_cached_blocks,
             usage_percent=(usable - free) / usable * 100.0,
             prefix_cache_queries=self._prefix_queries,
             prefix_cache_hits=self._prefix_hits,
@@ -392,7 +477,7 @@ class KVCacheManager:
 
     def check_integrity(self) -> None:
         """Re-derives the accounting; raises IntegrityError on any mismatch."""
-        check_integrity(self._pool, self._requests.values(), self._block_size)
+        check_integrity(self._pool, self._requests.values(), self._block_size, self._windows)
 
     # ------------------------------------------------------------------ events
 

@@ -8,6 +8,14 @@ A request's block table covers its computed tokens plus those scheduled this ste
              |<---- num_computed_tokens ---->|
                             |<------ tail_token_ids --------->|
 
+With several KV cache groups the request has one table per group (``tables``), all of one
+length: position ``i`` of every table holds the group's KV of tokens ``i*bs .. (i+1)*bs - 1``. A
+window group's leading ``num_skipped[g]`` positions hold the null block: those blocks slid out of
+every future query's window and went back to the pool (or were never needed, on a prefix hit)::
+
+    full group:    [ b1 ][ b2 ][ b3 ][ b4 ][ b5 ]
+    window group:  [ 0  ][ 0  ][ b8 ][ b9 ][ b10]     num_skipped = 2
+
 The hashes come from the scheduler (the seed's one owner, shared/hashing.py), with the tokens
 that complete their blocks; the manager never hashes. It keeps token ids only for blocks not yet
 registered (the tail): a registered block holds its own tokens (the hit check compares them), so
@@ -34,15 +42,20 @@ class RequestState:
     """
 
     __slots__ = ("block_hashes", "blocks", "num_cached_blocks", "num_committed_blocks",
-                 "num_computed_tokens", "num_tokens", "request_id", "tail_token_ids")
+                 "num_computed_tokens", "num_skipped", "num_tokens", "request_id", "tables", "tail_token_ids")
 
     def __init__(self, request_id: str, num_tokens: int, tail_token_ids: list[int],
-                 block_hashes: list[BlockHash], num_cached_blocks: int = 0) -> None:
+                 block_hashes: list[BlockHash], num_cached_blocks: int = 0,
+                 tables: list[list[KVCacheBlock]] | None = None) -> None:
         self.request_id = request_id
         self.num_tokens = num_tokens
         self.tail_token_ids = tail_token_ids
         self.block_hashes = block_hashes
-        self.blocks: list[KVCacheBlock] = []
+        # One block table per KV cache group; ``blocks`` is group 0's (the only one of most models).
+        self.tables: list[list[KVCacheBlock]] = tables if tables is not None else [[]]
+        self.blocks: list[KVCacheBlock] = self.tables[0]
+        # Per group, leading positions that hold the null block (always 0 for a full group).
+        self.num_skipped = [0] * len(self.tables)
         self.num_computed_tokens = 0
         # Leading blocks already registered in the prefix map (or skipped as duplicates).
         self.num_cached_blocks = num_cached_blocks

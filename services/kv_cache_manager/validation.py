@@ -51,11 +51,16 @@ def validate_free(requests: Mapping[str, RequestState], request_ids: Sequence[st
 
 
 def validate_step(requests: Mapping[str, RequestState], free_request_ids: Sequence[str],
-                  allocations: Sequence[AllocationSpec], max_model_len: int, block_size: int) -> None:
+                  allocations: Sequence[AllocationSpec], max_model_len: int, block_size: int,
+                  has_windows: bool = False) -> None:
     """Raises InvalidArgument / NotFound / AlreadyExists for the first bad part of a step.
 
     Frees are applied before allocations, so a request freed in this step may come back in
     the same step as a new one (preemption by recompute).
+
+    ``has_windows``: some KV cache group slides a window; external (offload-store) blocks are then
+    refused, since they name blocks by their leading-prefix hashes, one KV per hash, and a window
+    group's KV is neither leading nor kept (docs/kv_layout.md, "Block tables per group").
 
     NOTE: a new request's prefix hit is only known while the step runs (an earlier allocation of
     the same step may register blocks), so its hashes are checked against the most the step can
@@ -75,6 +80,9 @@ def validate_step(requests: Mapping[str, RequestState], free_request_ids: Sequen
             raise InvalidArgument(f"request {rid!r}: num_new_tokens must be >= 0")
         if spec.num_external_blocks < 0:
             raise InvalidArgument(f"request {rid!r}: num_external_blocks must be >= 0")
+        if spec.num_external_blocks and has_windows:
+            raise InvalidArgument(f"request {rid!r}: external blocks need a model without sliding-window "
+                                  "groups (the offload tier is off for it)")
         validate_token_ids(spec.new_token_ids, f"request {rid!r}")
         validate_hashes(spec.block_hashes, f"request {rid!r}")
         live = rid in requests and rid not in freed

@@ -27,7 +27,6 @@ from services.kv_cache_manager.client import KVCacheBackend
 from services.kv_cache_manager.config import CacheConfig
 from services.model_runner.client import RunnerBackend, RunnerInfo, RunnerRestarted
 from services.scheduler.config import SchedulerConfig
-from services.scheduler.offload import OffloadConnector
 from services.scheduler.scheduler import Scheduler
 from shared.errors import FailedPrecondition, Unavailable
 from shared.hashing import hash_seed
@@ -52,12 +51,11 @@ class SuiteBinding:
     """
 
     def __init__(self, config: SchedulerConfig, kv: KVCacheBackend, runner: RunnerBackend,
-                 offload: OffloadConnector | None, scheduler: Scheduler, fail_all: Callable[[Exception], None],
+                 scheduler: Scheduler, fail_all: Callable[[Exception], None],
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self.kv = kv
         self.runner = runner
-        self.offload = offload
         self.scheduler = scheduler
         self.info: RunnerInfo = scheduler.info
         self._fail_all = fail_all
@@ -81,14 +79,15 @@ class SuiteBinding:
         info = self.runner.info()
         seed = prefix_hash_seed(self.config, info)
         cache = CacheConfig(num_blocks=info.num_blocks, block_size=info.block_size,
-                            max_model_len=info.max_model_len, model_id=info.model_id)
+                            max_model_len=info.max_model_len, model_id=info.model_id,
+                            group_windows=info.kv_group_windows)
         self.runner.bind(info.pool_id)
         kept = self.kv.initialize(cache, info.pool_id)
-        if self.offload is not None:
-            self.offload.attach(self.runner.pool_handle())
         sched = self.scheduler
-        self.info = sched.info = info
-        sched.block_size = info.block_size
+        sched.bind_runner(info)
+        if sched.offload is not None:  # None too for a model the offload tier cannot serve
+            sched.offload.attach(self.runner.pool_handle())
+        self.info = info
         sched.hash_seed = seed
         self.bound = True
         self._kv_renewed = self._offload_renewed = self._clock()
@@ -131,8 +130,9 @@ class SuiteBinding:
         self._rebinds_in_a_row = 0
         now = self._clock()
         self._kv_renewed = now
-        if self.offload is not None:
-            c = self.offload.counters
+        offload = self.scheduler.offload
+        if offload is not None:
+            c = offload.counters
             mark = (c.saved_blocks, c.loaded_blocks, c.errors)
             if mark[:2] != self._offload_mark[:2] and mark[2] == self._offload_mark[2]:
                 self._offload_renewed = now
@@ -143,9 +143,10 @@ class SuiteBinding:
         now = self._clock()
         if now - self._kv_renewed >= self._period and not self.check_peers(after_failure=False):
             return
-        if self.offload is not None and now - self._offload_renewed >= self._period:
+        offload = self.scheduler.offload  # None while the bound model cannot use the tier
+        if offload is not None and now - self._offload_renewed >= self._period:
             self._offload_renewed = now
-            self.offload.keepalive()
+            offload.keepalive()
 
     def check_peers(self, after_failure: bool) -> bool:
         """Asks the runner for its incarnation and renews the kv-cache-manager's lease; re-binds when

@@ -68,7 +68,7 @@ class Engine:
                         if offload is not None else None)
         self.scheduler = Scheduler(config, kv, info, self.offload, prefix_hash_seed(config, info))
         self.outputs = OutputQueues(config, metrics)
-        self.binding = SuiteBinding(config, kv, runner, self.offload, self.scheduler, self._fail_all, clock)
+        self.binding = SuiteBinding(config, kv, runner, self.scheduler, self._fail_all, clock)
         self.binding.bind_at_start()
         self._commands: queue.SimpleQueue[_Add | _Finish] = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -227,8 +227,8 @@ class Engine:
             if stepped is not None:
                 stepped.num_steps += 1
         events = sched.update(step, output)
-        if self.offload is not None:  # a prefill replica's prompts, before their first token leaves
-            self.offload.publish_prompts([ev.request for ev in events], sched.block_size)
+        if sched.offload is not None:  # a prefill replica's prompts, before their first token leaves
+            sched.offload.publish_prompts([ev.request for ev in events], sched.block_size)
         self.outputs.push(events)
         self.outputs.publish_queues(sched)
 

@@ -77,8 +77,9 @@ class OffloadConnector:
         for req in requests:
             if len(req.output_token_ids) != 1:
                 continue
-            n = min(req.num_prompt_tokens // block_size, len(req.block_hashes), len(req.block_ids))
-            blocks += zip(req.block_hashes[:n], req.block_ids[:n], strict=True)
+            table = req.block_tables[0]  # the only one: the offload tier is off for several groups
+            n = min(req.num_prompt_tokens // block_size, len(req.block_hashes), len(table))
+            blocks += zip(req.block_hashes[:n], table[:n], strict=True)
         if blocks:
             self.counters.published_blocks += len(blocks)
             self.save(blocks)

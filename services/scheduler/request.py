@@ -77,7 +77,10 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
-    block_ids: list[int] = field(default_factory=list)
+    # One block table per KV cache group (the kv-cache-manager's, as it handed them out). A window
+    # group's table keeps the ids of blocks that slid out of the window: the manager reused them,
+    # and neither this copy nor the runner's ever reads a position outside the window.
+    block_tables: list[list[int]] = field(default_factory=lambda: [[]])
     num_tokens_sent_to_kvm: int = 0  # tokens the kv-cache-manager knows of this request
     # Full blocks' chained hashes, computed once here (the scheduler owns the seed): the
     # kv-cache-manager's prefix keys and the offload-store's keys.
@@ -117,13 +120,18 @@ class Request:
             return self.output_token_ids[start - n_prompt :]
         return [*self.spec.prompt_token_ids[start:], *self.output_token_ids]
 
+    @property
+    def block_ids(self) -> list[int]:
+        """Every group's table, group-major (a copy): how block ids travel to the runner."""
+        return [block_id for table in self.block_tables for block_id in table]
+
     def forget_placement(self) -> None:
         """Preempted or re-bound: no peer holds its KV or knows it any more (its tokens and hashes
         stay: recomputing them gives the same answer)."""
         self.known_to_runner = False
         self.num_computed_tokens = 0
         self.num_tokens_sent_to_kvm = 0
-        self.block_ids = []
+        self.block_tables = [[] for _ in self.block_tables]
 
     @property
     def trace_context(self) -> Any:

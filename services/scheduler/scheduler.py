@@ -55,19 +55,44 @@ class Scheduler:
         """
         self.config = config
         self.kv = kv
+        self._connector = offload
+        self.offload: OffloadConnector | None = None
+        self._offload_off = ""  # why the connector is not used ("" when it is, or there is none)
         self.info = info
-        # NOTE: offload keys are the prefix hashes, which exist only with prefix caching; without
-        # it the offload tier (and swap preemption) is off, and that is said, never silent.
-        self.offload = offload if config.enable_prefix_caching else None
-        if offload is not None and self.offload is None:
-            log.warning("prefix caching is off, so the offload-store is not used: no offload reloads, "
-                        "and preemption_mode=%s falls back to recompute", config.preemption_mode)
+        self.num_groups = 1
+        self.bind_runner(info)
         self.hash_seed = hash_seed
-        self.block_size = info.block_size
         self.queues = RequestQueues()
         self._step_id = 0
         self.last_kv_stats: KVCacheStats | None = None
         self.num_preemptions = 0
+
+    def bind_runner(self, info: RunnerInfo) -> None:
+        """Takes the runner's geometry: block size, KV cache groups, and whether offload can serve it.
+
+        NOTE: offload keys are the prefix hashes, which exist only with prefix caching; without it
+        the offload tier (and swap preemption) is off. It is off too for a model with a sliding-window
+        KV cache group: the store moves one block per hash by leading-prefix semantics, while such a
+        model holds one block per hash *per group* and a window group's blocks are neither leading
+        nor kept (docs/kv_layout.md). With the tier off, P/D publishing (a prefill replica's) is off
+        as well; a decode replica then recomputes the prompt, with the same answer. Both are said,
+        never silent.
+        """
+        self.info = info
+        self.block_size = info.block_size
+        self.num_groups = len(info.kv_group_windows)
+        offload = self._connector
+        windows = sorted({w for w in info.kv_group_windows if w is not None})
+        self.offload = offload if self.config.enable_prefix_caching and not windows else None
+        why = "" if offload is None or self.offload is not None else (
+            "prefix caching is off, so the offload-store is not used: no offload reloads, and "
+            f"preemption_mode={self.config.preemption_mode} falls back to recompute" if not windows else
+            f"the model has sliding-window KV cache groups (windows {windows}), so the offload-store is not "
+            "used: no offload reloads, no prefill publishing (P/D), and preemption_mode="
+            f"{self.config.preemption_mode} falls back to recompute")
+        if why and why != self._offload_off:  # said once per decision, not at every re-bind
+            log.warning("%s", why)
+        self._offload_off = why
 
     # ----------------------------------------------------------------- queues (queues.py)
     @property
@@ -212,7 +237,7 @@ class Scheduler:
             self.last_kv_stats = self.kv.free(*self.take_pending_frees())
         self._step_id += 1
         return build_step(self._step_id, scheduled, admitted, preempted, self.queues.take_runner_forget(),
-                          self.last_kv_stats)
+                          self.last_kv_stats, self.num_groups)
 
     def _kv_step(self, allocations: list[AllocationSpec]) -> StepResult:
         """One kv-cache-manager call (pending frees first); evicted cached blocks are saved
@@ -242,9 +267,10 @@ class Scheduler:
         blocks registered for tokens that will not be computed must not stay in the prefix cache.
         """
         if req.status is RequestStatus.RUNNING and self.config.preemption_mode == "swap" and self.offload is not None:
-            n_full = min(req.num_computed_tokens // self.block_size, len(req.block_ids))
+            table = req.block_tables[0]  # the only one: the offload tier is off for several groups
+            n_full = min(req.num_computed_tokens // self.block_size, len(table))
             hashes = self._block_hashes(req)[:n_full]
-            self.offload.save(list(zip(hashes, req.block_ids[: len(hashes)], strict=True)))
+            self.offload.save(list(zip(hashes, table[: len(hashes)], strict=True)))
         self.queues.release(req, rollback=rollback or was_admitting)
         if not was_admitting:  # a request admitted this step was never running: not a preemption
             req.num_preemptions += 1

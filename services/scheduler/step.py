@@ -44,15 +44,26 @@ class TokenEvent:
         return self.request.request_id
 
 
+def split_groups(block_ids: tuple[int, ...], num_groups: int) -> list[list[int]]:
+    """Group-major block ids (G equal runs, the kv-cache-manager's order) -> one list per group."""
+    n = len(block_ids) // num_groups
+    return [list(block_ids[g * n : (g + 1) * n]) for g in range(num_groups)]
+
+
 def build_step(step_id: int, scheduled: list[tuple[Request, AllocationResult]],
                admitted: list[tuple[Request, AllocationResult]], preempted: list[str],
-               finished_request_ids: list[str], kv_stats: KVCacheStats | None) -> ScheduledStep:
+               finished_request_ids: list[str], kv_stats: KVCacheStats | None,
+               num_groups: int = 1) -> ScheduledStep:
     """Records each request's new blocks and builds the runner's input for the step.
+
+    Block ids stay group-major on the way to the runner, exactly as the kv-cache-manager sent them
+    (a new request's G tables, a running request's G runs of new ids).
 
     Args:
         scheduled: running requests granted their slots (diffs for the runner).
         admitted: requests admitted this step (sent in full); one preempted since is skipped.
         finished_request_ids: requests the runner must forget first.
+        num_groups: KV cache groups (block tables per request).
     """
     new_reqs: list[NewRequestData] = []
     cached: list[CachedRequestData] = []
@@ -62,19 +73,23 @@ def build_step(step_id: int, scheduled: list[tuple[Request, AllocationResult]],
             request_id=req.request_id, new_block_ids=tuple(res.new_block_ids),
             num_computed_tokens=req.num_computed_tokens, num_new_tokens=res.num_new_tokens,
         ))
-        req.block_ids.extend(res.new_block_ids)
+        if num_groups == 1:
+            req.block_tables[0].extend(res.new_block_ids)
+        elif res.new_block_ids:
+            for table, run in zip(req.block_tables, split_groups(res.new_block_ids, num_groups), strict=True):
+                table.extend(run)
         req.num_tokens_sent_to_kvm = req.num_tokens
         num_scheduled[req.request_id] = res.num_new_tokens
     for req, res in admitted:
         if req.is_finished or req.status is not RequestStatus.RUNNING:
             continue
-        req.block_ids = list(res.new_block_ids)
+        req.block_tables = split_groups(res.new_block_ids, num_groups)
         req.num_computed_tokens = res.num_computed_tokens
         req.num_tokens_sent_to_kvm = req.num_tokens
         req.known_to_runner = True
         new_reqs.append(NewRequestData(
             request_id=req.request_id, token_ids=tuple(req.all_token_ids()),
-            num_prompt_tokens=req.num_prompt_tokens, block_ids=tuple(req.block_ids),
+            num_prompt_tokens=req.num_prompt_tokens, block_ids=tuple(res.new_block_ids),
             num_computed_tokens=req.num_computed_tokens, num_new_tokens=res.num_new_tokens,
             sampling=req.spec.sampling,
         ))

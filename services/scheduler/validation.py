@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 from services.model_runner.client import RunnerInfo
 from services.scheduler.config import SchedulerConfig
 from shared.auth import Tenant
 from shared.errors import InvalidArgument
+from shared.kv_layout import peak_blocks
 from shared.sampling_params import SamplingParams
 
 
@@ -42,7 +42,10 @@ def validate_request(
     if bad:
         raise InvalidArgument(f"prompt: token id {bad[0]} is outside the vocabulary [0, {info.vocab_size})")
     sampling.validate(info.vocab_size, config.max_logprobs)
-    blocks = math.ceil((len(prompt_token_ids) + max_tokens) / info.block_size)
+    num_tokens = len(prompt_token_ids) + max_tokens
+    # A window group holds only its window (plus one step's tokens), a full group every block.
+    blocks = sum(peak_blocks(window, info.block_size, num_tokens, config.max_num_batched_tokens)
+                 for window in info.kv_group_windows)
     usable = info.num_blocks - 1
     if blocks > usable:
         raise InvalidArgument(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from services.kv_cache_manager import convert
 from services.kv_cache_manager.config import CacheConfig
 from services.kv_cache_manager.types import (
@@ -47,6 +49,17 @@ def test_initialize_carries_geometry_pool_and_lease_but_no_seed() -> None:
     assert (msg.pool_id, msg.lease_seconds) == ("pool-1", 2.5)
     assert convert.config_from_pb(msg) == config
     assert "hash_seed" not in msg.DESCRIPTOR.fields_by_name
+    assert list(msg.kv_group_windows) == []  # one full group: the message of an all-full model is unchanged
+
+
+def test_initialize_carries_the_group_windows_and_refuses_a_negative_one() -> None:
+    config = CacheConfig(num_blocks=11, block_size=4, max_model_len=64, model_id="m", group_windows=(None, 16, 32))
+    msg = convert.config_to_pb(config, "pool-1", 2.5)
+    assert list(msg.kv_group_windows) == [0, 16, 32]
+    assert convert.config_from_pb(msg) == config
+    msg.kv_group_windows[1] = -1
+    with pytest.raises(ValueError, match="a window must be >= 0"):
+        convert.config_from_pb(msg)
 
 
 def test_lookup_table_and_events_round_trip() -> None:

@@ -33,6 +33,7 @@ class InitializeRequest(_message.Message):
     MODEL_ID_FIELD_NUMBER: _builtins.int
     POOL_ID_FIELD_NUMBER: _builtins.int
     LEASE_SECONDS_FIELD_NUMBER: _builtins.int
+    KV_GROUP_WINDOWS_FIELD_NUMBER: _builtins.int
     num_blocks: _builtins.int
     """Number of blocks in the pool, including the null block 0. Must be >= 2."""
     block_size: _builtins.int
@@ -47,6 +48,13 @@ class InitializeRequest(_message.Message):
     """
     lease_seconds: _builtins.float
     """How long the ownership lasts without a call from the owner; > 0."""
+    @_builtins.property
+    def kv_group_windows(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Per KV cache group its sliding window in tokens, 0 = full attention (ModelInfo.kv_group_windows);
+        empty = one full-attention group. Each request then has one block table per group, and block
+        ids travel group-major (docs/kv_layout.md, "Block tables per group (kv-cache-manager)").
+        """
+
     def __init__(
         self,
         *,
@@ -56,10 +64,11 @@ class InitializeRequest(_message.Message):
         model_id: _builtins.str = ...,
         pool_id: _builtins.str = ...,
         lease_seconds: _builtins.float = ...,
+        kv_group_windows: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "lease_seconds", b"lease_seconds", "max_model_len", b"max_model_len", "model_id", b"model_id", "num_blocks", b"num_blocks", "pool_id", b"pool_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "kv_group_windows", b"kv_group_windows", "lease_seconds", b"lease_seconds", "max_model_len", b"max_model_len", "model_id", b"model_id", "num_blocks", b"num_blocks", "pool_id", b"pool_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -253,7 +262,9 @@ class AllocationResult(_message.Message):
     @_builtins.property
     def new_block_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Blocks appended to the request's block table by this step (for a new request: its whole
-        table, prefix-cache hits first).
+        table, prefix-cache hits first). With several KV cache groups, group-major: a new request's
+        G tables one after another, all of one length (0 where a window group needs no block); a
+        running request's new blocks as G equal runs, one per group.
         """
 
     @_builtins.property
@@ -474,7 +485,7 @@ class LookupPrefixResponse(_message.Message):
     """
     @_builtins.property
     def block_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
-        """The cached blocks, in order (owner only)."""
+        """The cached blocks, in order (owner only); group-major with several KV cache groups."""
 
     def __init__(
         self,
@@ -525,7 +536,7 @@ class GetBlockTableResponse(_message.Message):
     """Tokens the manager knows for the request."""
     @_builtins.property
     def block_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
-        """Block ids in token order."""
+        """Block ids in token order; group-major with several KV cache groups (0 where a window slid past)."""
 
     @_builtins.property
     def block_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:

@@ -191,7 +191,8 @@ class KVCacheManagerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def SubscribeEvents(self, request, context):
-        """A stream of block stored / removed / cleared events, from the moment of subscription.
+        """A stream of block stored / removed / cleared events, from the moment of subscription. With
+        several KV cache groups, group 0's blocks only (as GetCachedBlocks and the evicted list).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

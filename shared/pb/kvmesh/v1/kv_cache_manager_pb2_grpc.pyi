@@ -77,7 +77,9 @@ class KVCacheManagerStub:
     CheckIntegrity: _grpc.UnaryUnaryMultiCallable[_kv_cache_manager_pb2.CheckIntegrityRequest, _kv_cache_manager_pb2.CheckIntegrityResponse]
     """Re-derives all accounting from scratch; INTERNAL with a description on any mismatch."""
     SubscribeEvents: _grpc.UnaryStreamMultiCallable[_kv_cache_manager_pb2.SubscribeEventsRequest, _kv_cache_manager_pb2.KVEventBatch]
-    """A stream of block stored / removed / cleared events, from the moment of subscription."""
+    """A stream of block stored / removed / cleared events, from the moment of subscription. With
+    several KV cache groups, group 0's blocks only (as GetCachedBlocks and the evicted list).
+    """
     GetCachedBlocks: _grpc.UnaryUnaryMultiCallable[_kv_cache_manager_pb2.GetCachedBlocksRequest, _kv_cache_manager_pb2.GetCachedBlocksResponse]
     """Read-only, open like SubscribeEvents: the hash of every block the prefix cache serves now,
     with the number of the last event batch published before it. A subscriber that takes this
@@ -132,7 +134,9 @@ class KVCacheManagerAsyncStub(KVCacheManagerStub):
     CheckIntegrity: _aio.UnaryUnaryMultiCallable[_kv_cache_manager_pb2.CheckIntegrityRequest, _kv_cache_manager_pb2.CheckIntegrityResponse]  # type: ignore[assignment]
     """Re-derives all accounting from scratch; INTERNAL with a description on any mismatch."""
     SubscribeEvents: _aio.UnaryStreamMultiCallable[_kv_cache_manager_pb2.SubscribeEventsRequest, _kv_cache_manager_pb2.KVEventBatch]  # type: ignore[assignment]
-    """A stream of block stored / removed / cleared events, from the moment of subscription."""
+    """A stream of block stored / removed / cleared events, from the moment of subscription. With
+    several KV cache groups, group 0's blocks only (as GetCachedBlocks and the evicted list).
+    """
     GetCachedBlocks: _aio.UnaryUnaryMultiCallable[_kv_cache_manager_pb2.GetCachedBlocksRequest, _kv_cache_manager_pb2.GetCachedBlocksResponse]  # type: ignore[assignment]
     """Read-only, open like SubscribeEvents: the hash of every block the prefix cache serves now,
     with the number of the last event batch published before it. A subscriber that takes this
@@ -244,7 +248,9 @@ class KVCacheManagerServicer(metaclass=_abc_1.ABCMeta):
         request: _kv_cache_manager_pb2.SubscribeEventsRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_kv_cache_manager_pb2.KVEventBatch], _abc.AsyncIterator[_kv_cache_manager_pb2.KVEventBatch]]:
-        """A stream of block stored / removed / cleared events, from the moment of subscription."""
+        """A stream of block stored / removed / cleared events, from the moment of subscription. With
+        several KV cache groups, group 0's blocks only (as GetCachedBlocks and the evicted list).
+        """
 
     @_abc_1.abstractmethod
     def GetCachedBlocks(
