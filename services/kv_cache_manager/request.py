@@ -15,6 +15,10 @@ every future query's window and went back to the pool (or were never needed, on 
 
     full group:    [ b1 ][ b2 ][ b3 ][ b4 ][ b5 ]
     window group:  [ 0  ][ 0  ][ b8 ][ b9 ][ b10]     num_skipped = 2
+    with a sink:   [ b6 ][ 0  ][ b8 ][ b9 ][ b10]     num_skipped = 2, sink blocks = 1
+
+With attention sinks (StreamingLLM) the group's first ``ceil(sinks / block_size)`` blocks are never
+freed: the null positions are ``sink blocks .. num_skipped - 1`` (shared/kv_layout.py's ``dead_range``).
 
 The hashes come from the scheduler (the seed's one owner, shared/hashing.py), with the tokens
 that complete their blocks; the manager never hashes. It keeps token ids only for blocks not yet
@@ -54,7 +58,8 @@ class RequestState:
         # One block table per KV cache group; ``blocks`` is group 0's (the only one of most models).
         self.tables: list[list[KVCacheBlock]] = tables if tables is not None else [[]]
         self.blocks: list[KVCacheBlock] = self.tables[0]
-        # Per group, leading positions that hold the null block (always 0 for a full group).
+        # Per group, the end of its positions that hold the null block (always 0 for a full group);
+        # they start at 0, or after the sink blocks with attention sinks.
         self.num_skipped = [0] * len(self.tables)
         self.num_computed_tokens = 0
         # Leading blocks already registered in the prefix map (or skipped as duplicates).

@@ -30,6 +30,7 @@ def model_info_to_proto(mi: ModelInfo) -> model_runner_pb2.ModelInfo:
         bos_token_id=mi.bos_token_id, dtype_reason=mi.dtype_reason,
         attention_backend_reason=mi.attention_backend_reason, pool_id=mi.pool_id,
         kv_group_windows=[window or 0 for window in mi.kv_group_windows],
+        kv_group_sink_tokens=list(mi.kv_group_sink_tokens),
     )
 
 
@@ -43,6 +44,7 @@ def model_info_from_proto(msg: model_runner_pb2.ModelInfo) -> ModelInfo:
         attention_backend=msg.attention_backend, bytes_per_block=msg.bytes_per_block, device=msg.device,
         dtype_reason=msg.dtype_reason, attention_backend_reason=msg.attention_backend_reason, pool_id=msg.pool_id,
         kv_group_windows=tuple(window or None for window in msg.kv_group_windows) or (None,),
+        kv_group_sink_tokens=tuple(msg.kv_group_sink_tokens) if any(msg.kv_group_sink_tokens) else (),
     )
 
 

@@ -90,3 +90,5 @@ class ModelInfo:
     # per KV cache group its sliding window, None = full attention (``shared/kv_layout.py``);
     # block ids travel group-major: every group's table, one after another, all of one length
     kv_group_windows: tuple[int | None, ...] = (None,)
+    # per KV cache group its attention-sink tokens (StreamingLLM mode, docs/kv_layout.md); empty = none
+    kv_group_sink_tokens: tuple[int, ...] = ()

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from services.model_runner.attention.base import AttentionBackend, AttentionMetadata
+from services.model_runner.attention.streaming import StreamingAttention
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,8 @@ class ForwardContext:
             given (fp8 calibration); None in normal serving.
         group_metas: every KV cache group's metadata, in group order (``meta`` is the first);
             empty: one group, ``meta``.
+        streaming: the attention-sinks mode's attention (``attention/streaming.py``): keys are
+            then written unrotated and attended by it; None in every other mode.
     """
 
     kv_cache: torch.Tensor
@@ -36,6 +39,7 @@ class ForwardContext:
     backend: AttentionBackend
     kv_amax: torch.Tensor | None = None
     group_metas: tuple[AttentionMetadata, ...] = ()
+    streaming: StreamingAttention | None = None
 
     def group_meta(self, group: int) -> AttentionMetadata:
         """The metadata of KV cache group ``group`` (its block tables, slots and window)."""
