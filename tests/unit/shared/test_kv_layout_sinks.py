@@ -1,0 +1,32 @@
+"""shared/kv_layout.py's attention-sinks facts: the sinks group, the dead middle, the peak blocks."""
+
+from __future__ import annotations
+
+import pytest
+
+from shared.kv_layout import KVGroup, dead_range, kv_groups, peak_blocks, sink_blocks, with_sinks
+
+
+def test_with_sinks_makes_one_window_group_of_every_layer_or_refuses() -> None:
+    assert with_sinks(kv_groups([None] * 3), 16, 4) == (KVGroup(16, (0, 1, 2), 4),)
+    with pytest.raises(ValueError, match=r"sliding windows \[8\]"):
+        with_sinks(kv_groups([None, 8]), 16, 4)
+    with pytest.raises(ValueError, match="window >= 1 and sink_tokens >= 1"):
+        with_sinks(kv_groups([None]), 16, 0)
+
+
+def test_dead_range_starts_after_the_sink_blocks() -> None:
+    assert sink_blocks(4, 4) == 1 and sink_blocks(5, 4) == 2 and sink_blocks(0, 4) == 0
+    # k 4, W 8, bs 4, a step at 20: keys 13..20 are the window, so blocks 1 and 2 (tokens 4..11) are dead.
+    assert dead_range(8, 4, 4, 20) == (1, 3)
+    assert dead_range(8, 0, 4, 20) == (0, 3)  # no sinks: the leading run
+    assert dead_range(8, 4, 4, 8) == (1, 1)  # nothing dead yet
+    assert dead_range(8, 6, 4, 20) == (2, 3)  # block 1 holds sinks 4, 5
+    assert dead_range(None, 0, 4, 100) == (0, 0)
+
+
+def test_peak_blocks_counts_the_sink_blocks() -> None:
+    # ceil(k / bs) + ceil((W - 1 + n) / bs) + 1, at most the full count
+    assert peak_blocks(16, 4, 1000, 8, 4) == 1 + 6 + 1
+    assert peak_blocks(16, 4, 1000, 8) == 6 + 1
+    assert peak_blocks(16, 4, 12, 8, 4) == 3
