@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from services.model_runner.attention.base import AttentionMetadata
+from services.model_runner.attention.base import AttentionMetadata, first_visible_key
 from shared.errors import InvalidArgument
 from shared.kv_layout import sink_blocks
 
@@ -143,9 +143,22 @@ def first_live_block(first_query_pos: int, window: int | None, block_size: int) 
     """The first block a query at ``first_query_pos`` or later can see: 0 for full attention;
     with a window, the block of key ``first_query_pos - window + 1`` (transformers' rule: a query
     at ``p`` sees keys ``p - window < j <= p``). Blocks before it may hold anything."""
-    if window is None:
-        return 0
-    return max(0, first_query_pos - window + 1) // block_size
+    return first_visible_key(first_query_pos, window) // block_size
+
+
+def extend_tables(request_id: str, tables: Sequence[int], new_ids: Sequence[int], groups: int) -> list[int]:
+    """Each group's table of ``tables`` with its run of ``new_ids`` appended (both group-major).
+
+    Raises:
+        InvalidArgument: ``new_ids`` does not split into ``groups`` equal runs.
+    """
+    if groups == 1:
+        return [*tables, *new_ids]
+    if len(new_ids) % groups:
+        raise InvalidArgument(f"{request_id}: {len(new_ids)} new block ids do not split into {groups} equal runs "
+                              "(one per KV cache group)")  # fmt: skip
+    old, new = len(tables) // groups, len(new_ids) // groups
+    return [b for g in range(groups) for b in (*tables[g * old : (g + 1) * old], *new_ids[g * new : (g + 1) * new])]
 
 
 def check_token_ids(token_ids: np.ndarray, request_id: str, vocab_size: int) -> None:

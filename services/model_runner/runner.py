@@ -25,7 +25,13 @@ import torch
 
 from services.model_runner.attention.base import AttentionBackend, AttentionMetadata
 from services.model_runner.attention.streaming import StreamingAttention
-from services.model_runner.input_batch import PoolGeometry, ScheduledRequest, check_token_ids, prepare_inputs
+from services.model_runner.input_batch import (
+    PoolGeometry,
+    ScheduledRequest,
+    check_token_ids,
+    extend_tables,
+    prepare_inputs,
+)
 from services.model_runner.kv_pool import KVPool
 from services.model_runner.model.config import ModelConfig
 from services.model_runner.model.context import ForwardContext
@@ -200,7 +206,7 @@ class ModelRunner:
                     f"{cached.request_id}: num_computed_tokens {cached.num_computed_tokens} does not match "
                     f"the runner's {state.num_computed_tokens}"
                 )
-            blocks = self._extend_tables(cached.request_id, state.block_ids, cached.new_block_ids)
+            blocks = extend_tables(cached.request_id, state.block_ids, cached.new_block_ids, len(self.groups))
             planned.append(
                 _Planned(
                     cached.request_id,
@@ -211,17 +217,6 @@ class ModelRunner:
                 )
             )
         return planned
-
-    def _extend_tables(self, request_id: str, tables: Sequence[int], new_ids: Sequence[int]) -> list[int]:
-        """Each group's table with its run of ``new_ids`` appended (both group-major)."""
-        groups = len(self.groups)
-        if groups == 1:
-            return [*tables, *new_ids]
-        if len(new_ids) % groups:
-            raise InvalidArgument(f"{request_id}: {len(new_ids)} new block ids do not split into {groups} equal "
-                                  "runs (one per KV cache group)")  # fmt: skip
-        old, new = len(tables) // groups, len(new_ids) // groups
-        return [b for g in range(groups) for b in (*tables[g * old : (g + 1) * old], *new_ids[g * new : (g + 1) * new])]
 
     @staticmethod
     def _check_unique(request_id: str, seen: set[str]) -> None:

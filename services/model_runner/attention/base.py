@@ -23,12 +23,15 @@ read K/V there: not just mask them, skip them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Generic, Protocol, TypeVar
 
 import torch
 
 from services.model_runner.native import NativeKernels
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -98,3 +101,33 @@ class AttentionBackend(Protocol):
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim], query's dtype
         """Causal varlen attention of each sequence's new tokens over its cached context."""
         ...
+
+
+def first_visible_key(position: int, window: int | None) -> int:
+    """The first key a query at ``position`` sees: 0, or with a window ``position - window + 1``
+    (transformers' ``sliding_window_overlay``: keys ``p - window < j <= p``)."""
+    return 0 if window is None else max(0, position - window + 1)
+
+
+STEP_CACHE = 8  # step metadata remembered per backend: one per KV cache group of the current step
+
+
+class MetaCache(Generic[T]):
+    """What a step's metadata derives to, per metadata object (one per KV cache group), built once.
+
+    A step's metadata is never mutated, so identity is the key; the last :data:`STEP_CACHE`
+    entries are kept, enough for every group of a step (layers of different groups interleave).
+    """
+
+    def __init__(self) -> None:
+        self._entries: list[tuple[object, T]] = []
+
+    def get(self, key: object, build: Callable[[], T]) -> T:
+        for seen, value in self._entries:
+            if seen is key:
+                return value
+        value = build()
+        self._entries.append((key, value))
+        if len(self._entries) > STEP_CACHE:
+            self._entries.pop(0)
+        return value

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from services.model_runner.attention.base import AttentionMetadata
+from services.model_runner.attention.base import AttentionMetadata, MetaCache
 from services.model_runner.attention.torch_backend import Chunk, TorchAttentionBackend, make_chunks
 from services.model_runner.native import NativeKernels, is_cpu_fp32, load_kernels
 
@@ -37,6 +37,7 @@ class NativeDecodePlan:
     max_len: int
     chunks: list[Chunk]
     chunk_tables: tuple[torch.Tensor, ...] = ()  # [nb] int32 block ids of each chunk, for the prefill kernel
+    window: int = 0  # the group's sliding window as the kernels take it, 0 = full attention
 
 
 class CpuAttentionBackend(TorchAttentionBackend):
@@ -60,7 +61,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
         self.batch_invariant = batch_invariant
         # None when the kernels cannot be built here: every call then takes the torch path.
         self.native_kernels: NativeKernels | None = load_kernels(portable)
-        self._native_plan: tuple[AttentionMetadata, NativeDecodePlan] | None = None
+        self._native_plans: MetaCache[NativeDecodePlan] = MetaCache()
 
     def write_kv(
         self,
@@ -116,7 +117,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
                 plan.seq_lens.data_ptr(), plan.rows.data_ptr(), n,
                 out.data_ptr(), out.stride(0),
                 num_heads, k_cache.shape[2], head_dim, k_cache.shape[1],
-                plan.max_len, softmax_scale,
+                plan.max_len, softmax_scale, plan.window,
             )  # fmt: skip
             if status != 0:
                 raise RuntimeError(f"native paged decode failed with status {status}")
@@ -138,14 +139,15 @@ class CpuAttentionBackend(TorchAttentionBackend):
                 k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0),
                 table.data_ptr(), num_q, chunk.seq_len,
                 out.data_ptr() + chunk.start * out.stride(0) * out.element_size(), out.stride(0),
-                num_heads, k_cache.shape[2], head_dim, k_cache.shape[1], softmax_scale,
+                num_heads, k_cache.shape[2], head_dim, k_cache.shape[1], softmax_scale, plan.window,
             )  # fmt: skip
             if status == -2:
                 raise RuntimeError("native prefill attention could not allocate its buffers")
             if status != 0:
                 rest.append(chunk)
         if rest:
-            self._attend_chunks(query, k_cache, v_cache, rest, out, softmax_scale, k_scale, v_scale)
+            window = plan.window or None
+            self._attend_chunks(query, k_cache, v_cache, rest, out, softmax_scale, k_scale, v_scale, window)
 
     def decode_only_plan(self, meta: AttentionMetadata, block_size: int, num_tokens: int) -> NativeDecodePlan | None:
         """The step's native decode plan when the kernels are built and every one of the
@@ -159,35 +161,36 @@ class CpuAttentionBackend(TorchAttentionBackend):
         return plan if not plan.chunks and plan.rows.shape[0] == num_tokens else None
 
     def _plan_native(self, meta: AttentionMetadata, block_size: int) -> NativeDecodePlan:
-        cached = self._native_plan
-        if cached is not None and cached[0] is meta:
-            return cached[1]
-        starts: list[int] = meta.query_start_loc.tolist()
-        seq_lens: list[int] = meta.seq_lens.tolist()
-        tables = meta.block_tables.to(torch.int32)
-        if self.batch_invariant:
-            # Every query row is a decode of its own position: row j of a q-row chunk at the end
-            # of a seq_len context sees seq_len - q + 1 + j keys.
-            seqs = [i for i in range(len(seq_lens)) for _ in range(starts[i], starts[i + 1])]
-            rows = list(range(starts[-1])) if starts else []
-            lens = [seq_lens[i] - (starts[i + 1] - r) + 1 for r, i in zip(rows, seqs, strict=True)]
-            chunks: list[Chunk] = []
-        else:
-            seqs = [i for i in range(len(seq_lens)) if starts[i + 1] - starts[i] == 1]
-            rows, lens = [starts[i] for i in seqs], [seq_lens[i] for i in seqs]
-            chunks = make_chunks(meta, starts, seq_lens, block_size)
-        if seqs != list(range(len(seq_lens))):
-            tables = tables[torch.tensor(seqs, dtype=torch.long)]
-        plan = NativeDecodePlan(
-            rows=torch.tensor(rows, dtype=torch.int32),
-            seq_lens=torch.tensor(lens, dtype=torch.int32),
-            tables=tables.contiguous(),
-            max_len=max(lens, default=0),
-            chunks=chunks,
-            chunk_tables=tuple(c.block_ids[0].to(torch.int32).contiguous() for c in chunks),
-        )
-        self._native_plan = (meta, plan)
-        return plan
+        return self._native_plans.get(meta, lambda: _native_plan(meta, block_size, self.batch_invariant))
+
+
+def _native_plan(meta: AttentionMetadata, block_size: int, batch_invariant: bool) -> NativeDecodePlan:
+    """The native decode arrays of one step's metadata (see :meth:`CpuAttentionBackend._plan_native`)."""
+    starts: list[int] = meta.query_start_loc.tolist()
+    seq_lens: list[int] = meta.seq_lens.tolist()
+    tables = meta.block_tables.to(torch.int32)
+    if batch_invariant:
+        # Every query row is a decode of its own position: row j of a q-row chunk at the end
+        # of a seq_len context sees seq_len - q + 1 + j keys.
+        seqs = [i for i in range(len(seq_lens)) for _ in range(starts[i], starts[i + 1])]
+        rows = list(range(starts[-1])) if starts else []
+        lens = [seq_lens[i] - (starts[i + 1] - r) + 1 for r, i in zip(rows, seqs, strict=True)]
+        chunks: list[Chunk] = []
+    else:
+        seqs = [i for i in range(len(seq_lens)) if starts[i + 1] - starts[i] == 1]
+        rows, lens = [starts[i] for i in seqs], [seq_lens[i] for i in seqs]
+        chunks = make_chunks(meta, starts, seq_lens, block_size)
+    if seqs != list(range(len(seq_lens))):
+        tables = tables[torch.tensor(seqs, dtype=torch.long)]
+    return NativeDecodePlan(
+        rows=torch.tensor(rows, dtype=torch.int32),
+        seq_lens=torch.tensor(lens, dtype=torch.int32),
+        tables=tables.contiguous(),
+        max_len=max(lens, default=0),
+        chunks=chunks,
+        chunk_tables=tuple(c.block_ids[0].to(torch.int32).contiguous() for c in chunks),
+        window=meta.window or 0,
+    )
 
 
 def _rows_contiguous(x: torch.Tensor) -> bool:

@@ -12,6 +12,10 @@ with the causal mask shifted so that query ``i`` of a chunk at position ``p`` se
     query 1:   x x x x x x .        position 5
     query 2:   x x x x x x x        position 6
 
+A window (``AttentionMetadata.window``) narrows both: a sequence's gather starts at the block of
+its first visible key (blocks before it are never read: they may be freed and reused), and the
+mask also hides the keys of that first block that lie before each query's window.
+
 fp8 caches (``torch.float8_e4m3fn``) store ``x / scale`` saturated at +-448 and read back
 ``cache * scale`` in the query's dtype.
 """
@@ -23,14 +27,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from services.model_runner.attention.base import AttentionMetadata
+from services.model_runner.attention.base import AttentionMetadata, MetaCache, first_visible_key
 from services.model_runner.native import NativeKernels
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
 DECODE_GROUP_BYTES = 4 << 20  # gathered K of one decode group (V as much again): stays in the L2/L3 caches
-
-
 class TorchAttentionBackend:
     """The :class:`~services.model_runner.attention.base.AttentionBackend` of plain torch ops.
 
@@ -54,8 +56,8 @@ class TorchAttentionBackend:
                 shaped so").
         """
         self.group_bytes = group_bytes
-        self._plan: tuple[AttentionMetadata, _Plan] | None = None
-        self._writes: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor] | None = None
+        self._plans: MetaCache[_Plan] = MetaCache()
+        self._writes: MetaCache[tuple[torch.Tensor | None, torch.Tensor]] = MetaCache()
         self._scratch: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
 
     def write_kv(
@@ -69,13 +71,12 @@ class TorchAttentionBackend:
         v_scale: float = 1.0,
     ) -> None:
         """Stores K/V at their slots; rows whose slot is -1 (padding) are not written."""
-        writes = self._writes
-        if writes is None or writes[0] is not slot_mapping:  # once per step, like the plan
+        def build() -> tuple[torch.Tensor | None, torch.Tensor]:  # once per step and group, like the plan
             valid = slot_mapping >= 0
             everything = bool(valid.all())
-            writes = (slot_mapping, None if everything else valid, slot_mapping if everything else slot_mapping[valid])
-            self._writes = writes
-        _, keep, slots = writes
+            return None if everything else valid, slot_mapping if everything else slot_mapping[valid]
+
+        keep, slots = self._writes.get(slot_mapping, build)
         if keep is not None:
             key, value = key[keep], value[keep]
         _store(k_cache, key, slots, k_scale)
@@ -102,11 +103,11 @@ class TorchAttentionBackend:
                 query[rows].unsqueeze(2),  # [n, H, 1, D]
                 k.transpose(1, 2),  # [n, KV, S, D]
                 v.transpose(1, 2),
-                attn_mask=group.mask,  # [n, 1, 1, S], None when no sequence is shorter than S
+                attn_mask=group.mask,  # [n, 1, 1, S], None when every sequence sees all S keys
                 scale=softmax_scale,
                 enable_gqa=True,
             ).squeeze(2)  # [n, H, D]
-        self._attend_chunks(query, k_cache, v_cache, plan.chunks, out, softmax_scale, k_scale, v_scale)
+        self._attend_chunks(query, k_cache, v_cache, plan.chunks, out, softmax_scale, k_scale, v_scale, meta.window)
         return out
 
     def _attend_chunks(
@@ -119,20 +120,19 @@ class TorchAttentionBackend:
         softmax_scale: float,
         k_scale: float,
         v_scale: float,
+        window: int | None = None,
     ) -> None:
         """The multi-row sequences (prefill chunks), one gather and one SDPA call each."""
         for chunk in chunks:
             k = self._gather(k_cache, chunk.block_ids, chunk.seq_len, query.dtype, k_scale, 0)[0]  # [S, KV, D]
             v = self._gather(v_cache, chunk.block_ids, chunk.seq_len, query.dtype, v_scale, 1)[0]  # [S, KV, D]
-            out[chunk.start : chunk.end] = _causal_chunk(query[chunk.start : chunk.end], k, v, softmax_scale)
+            out[chunk.start : chunk.end] = _causal_chunk(query[chunk.start : chunk.end], k, v, softmax_scale, window)
 
     def _plan_for(self, meta: AttentionMetadata, k_cache: torch.Tensor) -> _Plan:
-        cached = self._plan
-        if cached is None or cached[0] is not meta:
-            bytes_per_token = k_cache.shape[2] * k_cache.shape[3] * k_cache.element_size()
-            cached = (meta, _make_plan(meta, k_cache.shape[1], max(1, self.group_bytes // bytes_per_token)))
-            self._plan = cached
-        return cached[1]
+        bytes_per_token = k_cache.shape[2] * k_cache.shape[3] * k_cache.element_size()
+        return self._plans.get(
+            meta, lambda: _make_plan(meta, k_cache.shape[1], max(1, self.group_bytes // bytes_per_token))
+        )
 
     def _gather(
         self,
@@ -171,9 +171,11 @@ class _DecodeGroup:
 
     Attributes:
         rows: their query rows; None when they are the consecutive rows ``first .. first + count``.
-        block_ids: ``[n, nb]`` int64, their block tables cut to the ``nb`` blocks ``max_len`` needs.
-        max_len: the longest context of the group.
-        mask: ``[n, 1, 1, max_len]`` bool, False past each sequence's length; None if none is shorter.
+        block_ids: ``[n, nb]`` int64, their block tables from each one's first visible block (0
+            with full attention), cut to the ``nb`` blocks ``max_len`` needs.
+        max_len: the longest context of the group, counted from each one's first visible block.
+        mask: ``[n, 1, 1, max_len]`` bool, False past each sequence's length and before its window;
+            None if every sequence sees all ``max_len`` keys.
     """
 
     rows: torch.Tensor | None
@@ -189,12 +191,16 @@ class Chunk:
     """A sequence with several query rows ``start:end`` over its first ``seq_len`` keys.
 
     Public because the ``cpu`` backend plans its multi-row sequences with :func:`make_chunks` too.
+    With a window, ``block_ids`` start at the block of the first query's first visible key
+    (``first_block``) and ``seq_len`` counts keys from there: the window rule is the same in
+    these shifted positions, and no block before them is read.
     """
 
     start: int
     end: int
     seq_len: int
     block_ids: torch.Tensor  # [1, nb] int64
+    first_block: int = 0
 
 
 @dataclass(frozen=True)
@@ -218,27 +224,44 @@ def _make_plan(meta: AttentionMetadata, block_size: int, group_tokens: int) -> _
     device = meta.block_tables.device
     tables = meta.block_tables.long()  # [B, W]
     decodes = [i for i in range(len(seq_lens)) if starts[i + 1] - starts[i] == 1]
+    # per sequence: its first visible key, the block it lies in, and its keys counted from that block
+    first_key = [first_visible_key(n - 1, meta.window) for n in seq_lens]
+    first_block = [key // block_size for key in first_key]
+    local = [n - b * block_size for n, b in zip(seq_lens, first_block, strict=True)]
     groups: list[_DecodeGroup] = []
     i = 0
     while i < len(decodes):
-        members, longest = [decodes[i]], seq_lens[decodes[i]]
+        members, longest = [decodes[i]], local[decodes[i]]
         i += 1
         while i < len(decodes) and (
-            len(members) < 2 or max(longest, seq_lens[decodes[i]]) * (len(members) + 1) <= group_tokens
+            len(members) < 2 or max(longest, local[decodes[i]]) * (len(members) + 1) <= group_tokens
         ):
-            longest = max(longest, seq_lens[decodes[i]])
+            longest = max(longest, local[decodes[i]])
             members.append(decodes[i])
             i += 1
         rows = [starts[m] for m in members]
         index = torch.tensor(members, device=device)
+        nb = -(-longest // block_size)
         mask = None
-        if any(seq_lens[m] != longest for m in members):
-            valid = torch.arange(longest, device=device)[None, :] < meta.seq_lens[index][:, None]  # [n, S]
+        skipped = [first_key[m] - first_block[m] * block_size for m in members]  # keys before the window
+        if any(local[m] != longest for m in members) or any(skipped):
+            keys = torch.arange(longest, device=device)[None, :]
+            ends = torch.tensor([local[m] for m in members], device=device)[:, None]
+            valid = (keys < ends) & (keys >= torch.tensor(skipped, device=device)[:, None])  # [n, S]
             mask = valid[:, None, None, :]
+        if any(first_block[m] for m in members):
+            # NOTE: each row from its own first visible block; past its table's width, the null block
+            # (never visible: the mask hides it).
+            firsts = torch.tensor([first_block[m] for m in members], device=device)[:, None]
+            cols = firsts + torch.arange(nb, device=device)  # [n, nb]
+            inside = tables[index[:, None], cols.clamp(max=tables.shape[1] - 1)]
+            block_ids = torch.where(cols < tables.shape[1], inside, 0).contiguous()
+        else:
+            block_ids = tables[index, :nb].contiguous()
         consecutive = rows == list(range(rows[0], rows[0] + len(rows)))
         groups.append(_DecodeGroup(
             rows=None if consecutive else torch.tensor(rows, device=device), first=rows[0], count=len(rows),
-            block_ids=tables[index, : -(-longest // block_size)].contiguous(), max_len=longest, mask=mask,
+            block_ids=block_ids, max_len=longest, mask=mask,
         ))  # fmt: skip
     return _Plan(groups, make_chunks(meta, starts, seq_lens, block_size))
 
@@ -246,22 +269,30 @@ def _make_plan(meta: AttentionMetadata, block_size: int, group_tokens: int) -> _
 def make_chunks(meta: AttentionMetadata, starts: list[int], seq_lens: list[int], block_size: int) -> list[Chunk]:
     """One :class:`Chunk` per sequence with several query rows (``starts``/``seq_lens`` as host lists)."""
     tables = meta.block_tables
-    return [
-        Chunk(starts[i], starts[i + 1], seq_len, tables[i : i + 1, : -(-seq_len // block_size)].long())
-        for i, seq_len in enumerate(seq_lens)
-        if starts[i + 1] - starts[i] > 1
-    ]
+    chunks = []
+    for i, seq_len in enumerate(seq_lens):
+        num_q = starts[i + 1] - starts[i]
+        if num_q > 1:
+            first = first_visible_key(seq_len - num_q, meta.window) // block_size
+            block_ids = tables[i : i + 1, first : -(-seq_len // block_size)].long()
+            chunks.append(Chunk(starts[i], starts[i + 1], seq_len - first * block_size, block_ids, first))
+    return chunks
 
 
-def _causal_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float) -> torch.Tensor:
+def _causal_chunk(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, window: int | None = None
+) -> torch.Tensor:
     """``q`` ``[Q, H, D]`` are the last ``Q`` positions of ``k``/``v`` ``[S, KV, D]``; returns ``[Q, H, D]``."""
     num_q, seq_len = q.shape[0], k.shape[0]
     mask = None
-    if num_q != seq_len:
+    if num_q != seq_len or (window is not None and window < seq_len):
         # NOTE: SDPA's is_causal aligns the mask top-left; a chunk after cached context needs it
         # bottom-right: query i sits at position seq_len - num_q + i.
-        query_pos = torch.arange(seq_len - num_q, seq_len, device=q.device)  # [Q]
-        mask = torch.arange(seq_len, device=q.device)[None, :] <= query_pos[:, None]  # [Q, S]
+        query_pos = torch.arange(seq_len - num_q, seq_len, device=q.device)[:, None]  # [Q, 1]
+        keys = torch.arange(seq_len, device=q.device)[None, :]
+        mask = keys <= query_pos  # [Q, S]
+        if window is not None:
+            mask &= keys > query_pos - window
     o = F.scaled_dot_product_attention(
         q.transpose(0, 1).unsqueeze(0),  # [1, H, Q, D]
         k.transpose(0, 1).unsqueeze(0),  # [1, KV, S, D]

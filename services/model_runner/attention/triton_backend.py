@@ -57,4 +57,5 @@ class TritonAttentionBackend:
             softmax_scale,
             k_scale,
             v_scale,
+            window=meta.window,
         )

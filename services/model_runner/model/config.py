@@ -22,6 +22,7 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[bool, str]] = {
     "LlamaForCausalLM": (False, "llama"),
     "MistralForCausalLM": (False, "mistral"),
     "Qwen2ForCausalLM": (True, "qwen2"),
+    "Qwen3ForCausalLM": (False, "qwen3"),
 }
 _BY_MODEL_TYPE = {model_type: arch for arch, (_, model_type) in SUPPORTED_ARCHITECTURES.items()}
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -62,6 +63,7 @@ class ModelConfig:
     qkv_bias: bool = False
     o_bias: bool = False
     mlp_bias: bool = False
+    qk_norm: bool = False  # Qwen3: an RMSNorm over each query and key head before rotary
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     sliding_window: int | None = None  # None = full attention at every length
@@ -130,7 +132,7 @@ class ModelConfig:
         head_dim = hf.get("head_dim") or int(hf["hidden_size"]) // num_heads
         attention_bias = bool(hf.get("attention_bias", False))
         sliding_window = hf.get("sliding_window")
-        if arch == "Qwen2ForCausalLM" and not hf.get("use_sliding_window", False):
+        if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not hf.get("use_sliding_window", False):
             sliding_window = None
         num_layers = int(hf["num_hidden_layers"])
         layer_types = hf.get("layer_types")
@@ -163,6 +165,7 @@ class ModelConfig:
             qkv_bias=implied_qkv_bias or attention_bias,
             o_bias=attention_bias,
             mlp_bias=bool(hf.get("mlp_bias", False)),
+            qk_norm=arch == "Qwen3ForCausalLM",
             bos_token_id=None if bos is None else int(bos),
             eos_token_ids=eos_ids,
             sliding_window=None if sliding_window is None else int(sliding_window),

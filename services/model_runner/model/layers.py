@@ -197,6 +197,9 @@ class Attention(nn.Module):
             shard_sizes=(self.q_size, self.kv_size, self.kv_size),
         )
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.o_bias)
+        # Qwen3: each query and key head RMS-normed over head_dim before rotary
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext
@@ -205,6 +208,9 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x)  # [T, (H + 2 * KV) * D]
         # NOTE: q and k are adjacent in qkv, so one rotary call serves both heads at once.
         qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q_heads, k_heads = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+            qk = torch.cat((self.q_norm(q_heads), self.k_norm(k_heads)), dim=1)  # [T, H + KV, D]
         if ctx.streaming is None:
             q, k = self.rotate(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)  # [T, H/KV, D]
         else:

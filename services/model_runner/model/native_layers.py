@@ -143,6 +143,8 @@ def decode_stack(model: DecoderModel, kernels: NativeKernels) -> NativeDecodeSta
     described: list[StackLayer] = []
     for layer in layers:
         a, m = layer.self_attn, layer.mlp
+        if a.q_norm is not None:
+            return None  # Qwen3's per-head q/k norms are not in decode_stack.c
         packed = [x.packed for x in (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj)]
         native = [w for w in packed if w is not None and w.mode == packed_mode]
         norms = (layer.input_layernorm, layer.post_attention_layernorm)

@@ -78,7 +78,7 @@ class _Shape(ctypes.Structure):
     _fields_ = [
         *((name, _I64) for name in (
             "hidden", "num_heads", "num_kv_heads", "head_dim", "intermediate", "block_size", "block_stride",
-            "num_slots", "bf16",
+            "num_slots", "bf16", "window",
         )),
         ("eps", ctypes.c_float),
         ("scale", ctypes.c_float),
@@ -120,7 +120,7 @@ class NativeDecodeStack:
             entry.o, entry.o_bias = _packed(layer.o)
             entry.gate_up, entry.gate_up_bias = _packed(layer.gate_up)
             entry.down, entry.down_bias = _packed(layer.down)
-        self._cache_key: tuple[int, tuple[int, ...]] = (0, ())  # the pool self._layers points into
+        self._cache_key: tuple[int, tuple[int, ...], int] = (0, (), 0)  # the pool self._layers points into
         self._shape = _Shape()
 
     def run(
@@ -129,9 +129,8 @@ class NativeDecodeStack:
         """``(last layer's MLP output, residual)`` for the embeddings ``x`` ``[T, hidden]``, or
         None when this step is not one the stack runs (the caller then runs the layers)."""
         backend, cache = ctx.backend, ctx.kv_cache
-        window = ctx.meta.window
-        if len(ctx.group_metas) > 1 or (window is not None and window < ctx.meta.max_seq_len):
-            return None  # one KV cache group of full attention only (docs/kv_layout.md)
+        if len(ctx.group_metas) > 1:
+            return None  # one KV cache group only: per-group tables per layer go per layer (docs/kv_layout.md)
         if (not isinstance(backend, CpuAttentionBackend) or ctx.kv_amax is not None or not is_cpu_fp32(cache)
                 or not cache.is_contiguous() or not is_cpu_fp32(x) or not x.is_contiguous()
                 or not is_cpu_fp32(cos) or not cos.is_contiguous() or not sin.is_contiguous()):  # fmt: skip
@@ -143,7 +142,7 @@ class NativeDecodeStack:
         slots = ctx.meta.slot_mapping
         if slots.dtype != torch.int64 or not slots.is_contiguous():
             return None
-        self._bind_cache(cache)
+        self._bind_cache(cache, plan.window)
         out, residual = x, torch.empty_like(x)  # x is this forward's own embedding: overwritten
         d = self._dims
         scratch = [torch.empty(tokens, n, dtype=torch.float32) for n in (
@@ -159,9 +158,10 @@ class NativeDecodeStack:
             raise RuntimeError(f"native decode stack failed with status {status}")
         return out, residual
 
-    def _bind_cache(self, cache: torch.Tensor) -> None:
-        """Points each layer at its K/V halves of ``cache`` ``[L, 2, blocks, block_size, KV, D]``."""
-        key = (cache.data_ptr(), tuple(cache.shape))
+    def _bind_cache(self, cache: torch.Tensor, window: int) -> None:
+        """Points each layer at its K/V halves of ``cache`` ``[L, 2, blocks, block_size, KV, D]``;
+        ``window``: the one KV cache group's (0 = full attention)."""
+        key = (cache.data_ptr(), tuple(cache.shape), window)
         if key == self._cache_key:
             return
         for i in range(self._num_layers):
@@ -171,7 +171,7 @@ class NativeDecodeStack:
         s = self._dims
         self._shape = _Shape(
             s.hidden, s.num_heads, s.num_kv_heads, s.head_dim, s.intermediate, block_size,
-            cache.stride(2), num_blocks * block_size, int(s.bf16), s.eps, s.scale,
+            cache.stride(2), num_blocks * block_size, int(s.bf16), window, s.eps, s.scale,
         )  # fmt: skip
         self._cache_key = key
 

@@ -1,8 +1,9 @@
-"""The decoder-only transformer shared by Llama, Mistral and Qwen2 checkpoints.
+"""The decoder-only transformer shared by Llama, Mistral, Qwen2 and Qwen3 checkpoints.
 
 Parameter names mirror Hugging Face's (``model.layers.N.self_attn...``) except for the merged
 projections (``qkv_proj``, ``gate_up_proj``), so the loader's name map stays a few lines long.
-The three architectures differ only in config flags (qkv bias, tied embeddings, head_dim, rope).
+The architectures differ only in config flags (qkv bias, tied embeddings, head_dim, rope, Qwen3's
+per-head q/k norms).
 """
 
 from __future__ import annotations

@@ -177,7 +177,7 @@ def load_kernels(portable: bool = False) -> NativeKernels | None:
             _PTR, _PTR, _I64,  # seq_lens, rows, num_seqs
             _PTR, _I64,  # out, out_row_stride
             _I64, _I64, _I64, _I64,  # num_heads, num_kv_heads, head_dim, block_size
-            _I64, _F32,  # max_seq_len, scale
+            _I64, _F32, _I64,  # max_seq_len, scale, window (0 = full attention)
         ]),
         prefill_attention=_bind(lib, "kvmesh_prefill_attention_f32", ctypes.c_int, [
             _PTR, _I64,  # q (the chunk's first row), q_row_stride
@@ -185,6 +185,7 @@ def load_kernels(portable: bool = False) -> NativeKernels | None:
             _PTR, _I64, _I64,  # table (int32), num_q, seq_len
             _PTR, _I64,  # out (the chunk's first row), out_row_stride
             _I64, _I64, _I64, _I64, _F32,  # num_heads, num_kv_heads, head_dim, block_size, scale
+            _I64,  # window (0 = full attention)
         ]),
         write_kv=_bind(lib, "kvmesh_write_kv_f32", _I64, [
             _PTR, _I64, _PTR, _I64,  # key, key_row_stride, value, value_row_stride

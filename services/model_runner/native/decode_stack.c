@@ -41,6 +41,7 @@ typedef struct {
     int64_t hidden, num_heads, num_kv_heads, head_dim, intermediate;
     int64_t block_size, block_stride, num_slots;  /* block_stride: floats from one block to the next */
     int64_t bf16;  /* 1: every projection packed for gemm_bf16.c (bf16 mode), 0: for gemm.c */
+    int64_t window;  /* every layer's sliding window (one KV cache group), 0 = full attention */
     float eps, scale;
 } KvmStackShape;
 
@@ -93,7 +94,7 @@ int kvmesh_decode_stack_f32(const KvmLayer *layers, int64_t num_layers, const Kv
         const int status = kvmesh_paged_decode_f32(
             step->qk, qk_size, w->k_cache, w->v_cache, shape->block_stride, step->tables, step->table_stride,
             step->seq_lens, step->rows, t, step->attn, q_size, shape->num_heads, shape->num_kv_heads, d,
-            shape->block_size, step->max_seq_len, shape->scale);
+            shape->block_size, step->max_seq_len, shape->scale, shape->window);
         if (status != 0) return status;
         failed = linear(shape, step->attn, q_size, t, q_size, w->o, hidden, w->o_bias, step->x);
         if (failed) return 100 - failed;

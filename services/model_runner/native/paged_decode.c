@@ -12,6 +12,10 @@
  *   k/v cache    [num_blocks, bs, KV, D]   one layer's half of the pool; token stride KV * D
  *   tables       [num_seqs, width] int32   block ids (0 = null block, never read past seq_len)
  *
+ * Window: with window > 0 a sequence of len keys attends to keys len - window .. len - 1 only
+ * (transformers' rule for the query at len - 1), and its blocks before that are never read: a
+ * sliding-window KV cache group frees them, so they may hold another request's data.
+ *
  * Memory: decode attention is memory-bound, and block tables are scattered, so the hardware
  * prefetcher (which stops at 4 KB pages) restarts at every block. The next block's lines are
  * prefetched in software, a few per unit of work, spread over the current block: issuing a whole
@@ -92,15 +96,17 @@ static inline void prefetch_step(Prefetcher *p) {
 
 /* A whole sequence, every head: each block (all KV heads: block_size * token_stride floats,
  * contiguous) is read from memory once, the next one prefetched while this one is used.
- * Scratch: scores [num_heads][len], acc [num_heads][nd * 16]. */
+ * Scratch: scores [num_heads][len - first], acc [num_heads][nd * 16]. */
 static inline __attribute__((always_inline)) void attend_seq_avx512(
     const float *q_row, float *o_row, const float *k_cache, const float *v_cache, int64_t block_stride,
-    const int32_t *table, int64_t len, int64_t num_heads, int64_t group, const int nd, int64_t token_stride,
-    int64_t block_size, float scale, float *scores, float *qbuf, float *acc, const float *next_k)
+    const int32_t *table, int64_t first, int64_t len, int64_t num_heads, int64_t group, const int nd,
+    int64_t token_stride, int64_t block_size, float scale, float *scores, float *qbuf, float *acc,
+    const float *next_k)
 {
-    const int64_t head_dim = (int64_t)nd * 16, num_kv = num_heads / group;
+    /* keys first .. len - 1; scores [num_heads][n_keys] from key first */
+    const int64_t head_dim = (int64_t)nd * 16, num_kv = num_heads / group, n_keys = len - first;
     const int64_t block_bytes = block_size * token_stride * (int64_t)sizeof(float);
-    const int64_t num_blocks = (len + block_size - 1) / block_size;
+    const int64_t b0 = first / block_size, num_blocks = (len + block_size - 1) / block_size;
     const __m512 vscale = _mm512_set1_ps(scale);
     for (int64_t i = 0; i < num_heads * head_dim; i += 16)
         _mm512_storeu_ps(qbuf + i, _mm512_mul_ps(_mm512_loadu_ps(q_row + i), vscale));
@@ -108,16 +114,16 @@ static inline __attribute__((always_inline)) void attend_seq_avx512(
     for (int64_t h = 0; h < num_heads; h++) maxv[h] = -3.0e38f;
 
     /* 1. scores */
-    prefetch_block(k_cache + (int64_t)table[0] * block_stride, block_bytes);
-    for (int64_t b = 0; b < num_blocks; b++) {
-        const int64_t t0 = b * block_size;
+    prefetch_block(k_cache + (int64_t)table[b0] * block_stride, block_bytes);
+    for (int64_t b = b0; b < num_blocks; b++) {
+        const int64_t t0 = b * block_size, lo = first > t0 ? first - t0 : 0;
         const float *kb = k_cache + (int64_t)table[b] * block_stride;
         const int64_t nblk = len - t0 < block_size ? len - t0 : block_size;
         /* the last K block prefetches the first V block (docs/model_runner.md) */
         Prefetcher pf = prefetcher(b + 1 < num_blocks ? k_cache + (int64_t)table[b + 1] * block_stride
-                                   : v_cache + (int64_t)table[0] * block_stride,
-                                   block_bytes, ((nblk + 15) / 16) * num_heads);
-        for (int64_t c0 = 0; c0 < nblk; c0 += 16) {
+                                   : v_cache + (int64_t)table[b0] * block_stride,
+                                   block_bytes, ((nblk - lo + 15) / 16) * num_heads);
+        for (int64_t c0 = lo; c0 < nblk; c0 += 16) {
             const int n = (int)(nblk - c0 < 16 ? nblk - c0 : 16);
             const __mmask16 live = (__mmask16)((1u << n) - 1u);
             for (int64_t h = 0; h < num_heads; h++) {
@@ -138,7 +144,7 @@ static inline __attribute__((always_inline)) void attend_seq_avx512(
                     }
                 }
                 const __m512 sc = transpose_sum16(part);
-                _mm512_mask_storeu_ps(scores + h * len + t0 + c0, live, sc);
+                _mm512_mask_storeu_ps(scores + h * n_keys + t0 + c0 - first, live, sc);
                 const float m = _mm512_mask_reduce_max_ps(live, sc);
                 if (m > maxv[h]) maxv[h] = m;
             }
@@ -147,11 +153,11 @@ static inline __attribute__((always_inline)) void attend_seq_avx512(
     /* 2. softmax numerators in place */
     float inv_sum[MAX_HEADS];
     for (int64_t h = 0; h < num_heads; h++) {
-        float *sh = scores + h * len;
+        float *sh = scores + h * n_keys;
         const __m512 m = _mm512_set1_ps(maxv[h]);
         __m512 sum = _mm512_setzero_ps();
-        for (int64_t t = 0; t < len; t += 16) {
-            const __mmask16 live = len - t >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (len - t)) - 1u);
+        for (int64_t t = 0; t < n_keys; t += 16) {
+            const __mmask16 live = n_keys - t >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n_keys - t)) - 1u);
             const __m512 e = exp512_neg(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, sh + t), m));
             _mm512_mask_storeu_ps(sh + t, live, e);
             sum = _mm512_mask_add_ps(sum, live, sum, e);
@@ -160,26 +166,26 @@ static inline __attribute__((always_inline)) void attend_seq_avx512(
     }
     /* 3. weighted V: per block and KV head, that head group's accumulators live in registers */
     for (int64_t i = 0; i < num_heads * head_dim; i += 16) _mm512_storeu_ps(acc + i, _mm512_setzero_ps());
-    for (int64_t b = 0; b < num_blocks; b++) {
-        const int64_t t0 = b * block_size;
+    for (int64_t b = b0; b < num_blocks; b++) {
+        const int64_t t0 = b * block_size, lo = first > t0 ? first - t0 : 0;
         const float *vb = v_cache + (int64_t)table[b] * block_stride;
         const int64_t nblk = len - t0 < block_size ? len - t0 : block_size;
         /* the last V block prefetches the first K block of this thread's next sequence */
         Prefetcher pf = prefetcher(b + 1 < num_blocks ? v_cache + (int64_t)table[b + 1] * block_stride : next_k,
-                                   block_bytes, num_kv * nblk);
+                                   block_bytes, num_kv * (nblk - lo));
         for (int64_t kvh = 0; kvh < num_kv; kvh++) {
             __m512 a[MAX_GROUP][MAX_HEAD_DIM / 16];
             float *ah = acc + kvh * group * head_dim;
             for (int64_t g = 0; g < group; g++)
                 for (int j = 0; j < nd; j++) a[g][j] = _mm512_loadu_ps(ah + g * head_dim + j * 16);
-            const float *sk = scores + kvh * group * len + t0;
-            for (int64_t o = 0; o < nblk; o++) {
+            const float *sk = scores + kvh * group * n_keys + (t0 + lo - first);  /* key t0 + lo */
+            for (int64_t o = lo; o < nblk; o++) {
                 prefetch_step(&pf);
                 const float *v = vb + o * token_stride + kvh * head_dim;
                 __m512 vv[MAX_HEAD_DIM / 16];
                 for (int j = 0; j < nd; j++) vv[j] = _mm512_loadu_ps(v + j * 16);
                 for (int64_t g = 0; g < group; g++) {
-                    const __m512 p = _mm512_set1_ps(sk[g * len + o]);
+                    const __m512 p = _mm512_set1_ps(sk[g * n_keys + o - lo]);
                     for (int j = 0; j < nd; j++) a[g][j] = _mm512_fmadd_ps(p, vv[j], a[g][j]);
                 }
             }
@@ -206,31 +212,33 @@ static inline const float *token_row(const float *cache, const int32_t *table, i
 /* One (sequence, KV head), portable C: the fallback without AVX-512 or for odd head sizes. */
 static void attend_portable(
     const float *qs, float *os, const float *k_cache, const float *v_cache, int64_t block_stride,
-    const int32_t *table, int64_t len, int64_t group, int64_t head_dim, int64_t token_stride,
+    const int32_t *table, int64_t first, int64_t len, int64_t group, int64_t head_dim, int64_t token_stride,
     int64_t block_size, int64_t kv_offset, float scale, float *scores)
 {
+    /* keys first .. len - 1; scores [group][n] from key first */
+    const int64_t n = len - first;
     float qv[MAX_GROUP][MAX_HEAD_DIM];
     for (int64_t g = 0; g < group; g++)
         for (int64_t d = 0; d < head_dim; d++) qv[g][d] = qs[g * head_dim + d] * scale;
     float maxv[MAX_GROUP];
     for (int64_t g = 0; g < group; g++) maxv[g] = -3.0e38f;
-    for (int64_t t = 0; t < len; t++) {
+    for (int64_t t = first; t < len; t++) {
         const float *k = token_row(k_cache, table, t, block_size, block_stride, token_stride, kv_offset);
         for (int64_t g = 0; g < group; g++) {
             float acc = 0.0f;
             #pragma omp simd reduction(+:acc)
             for (int64_t d = 0; d < head_dim; d++) acc += qv[g][d] * k[d];
-            scores[g * len + t] = acc;
+            scores[g * n + t - first] = acc;
             if (acc > maxv[g]) maxv[g] = acc;
         }
     }
     float inv_sum[MAX_GROUP];
     for (int64_t g = 0; g < group; g++) {
-        float *sg = scores + g * len;
+        float *sg = scores + g * n;
         const float m = maxv[g];
         float sum = 0.0f;
         #pragma omp simd reduction(+:sum)
-        for (int64_t t = 0; t < len; t++) {
+        for (int64_t t = 0; t < n; t++) {
             const float e = exp_neg(sg[t] - m);
             sg[t] = e;
             sum += e;
@@ -240,10 +248,10 @@ static void attend_portable(
     float acc[MAX_GROUP][MAX_HEAD_DIM];
     for (int64_t g = 0; g < group; g++)
         for (int64_t d = 0; d < head_dim; d++) acc[g][d] = 0.0f;
-    for (int64_t t = 0; t < len; t++) {
+    for (int64_t t = first; t < len; t++) {
         const float *v = token_row(v_cache, table, t, block_size, block_stride, token_stride, kv_offset);
         for (int64_t g = 0; g < group; g++) {
-            const float p = scores[g * len + t];
+            const float p = scores[g * n + t - first];
             #pragma omp simd
             for (int64_t d = 0; d < head_dim; d++) acc[g][d] += p * v[d];
         }
@@ -252,8 +260,13 @@ static void attend_portable(
         for (int64_t d = 0; d < head_dim; d++) os[g * head_dim + d] = acc[g][d] * inv_sum[g];
 }
 
+/* The first key a sequence of len keys attends to: 0, or with a window len - window. */
+static inline int64_t first_key(int64_t len, int64_t window) {
+    return window > 0 && len > window ? len - window : 0;
+}
+
 /* Returns 0, -1 for an unsupported shape (too many query heads per KV head, head_dim > 256),
- * -2 when a thread could not allocate its score buffer. */
+ * -2 when a thread could not allocate its score buffer. window: 0 = full attention. */
 int kvmesh_paged_decode_f32(
     const float *q, int64_t q_row_stride,
     const float *k_cache, const float *v_cache, int64_t block_stride,
@@ -261,7 +274,7 @@ int kvmesh_paged_decode_f32(
     const int32_t *seq_lens, const int32_t *rows, int64_t num_seqs,
     float *out, int64_t out_row_stride,
     int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-    int64_t max_seq_len, float scale)
+    int64_t max_seq_len, float scale, int64_t window)
 {
     if (num_kv_heads <= 0 || num_heads % num_kv_heads) return -1;
     const int64_t group = num_heads / num_kv_heads;
@@ -292,7 +305,9 @@ int kvmesh_paged_decode_f32(
                 if (scores == NULL || qbuf == NULL || acc == NULL) continue;
                 const int64_t ns = paired_run_after(&run, s);
                 const float *next_k = ns >= 0 && seq_lens[ns] > 0
-                    ? k_cache + (int64_t)tables[ns * table_stride] * block_stride : NULL;
+                    ? k_cache + (int64_t)tables[ns * table_stride + first_key(seq_lens[ns], window) / block_size]
+                          * block_stride
+                    : NULL;
                 const int64_t len = seq_lens[s];
                 const float *qs = q + (int64_t)rows[s] * q_row_stride;
                 float *os = out + (int64_t)rows[s] * out_row_stride;
@@ -301,15 +316,17 @@ int kvmesh_paged_decode_f32(
                     continue;
                 }
                 const int32_t *table = tables + s * table_stride;
+                const int64_t first = first_key(len, window);
                 if (head_dim == 64)
-                    attend_seq_avx512(qs, os, k_cache, v_cache, block_stride, table, len, num_heads, group, 4,
-                                      token_stride, block_size, scale, scores, qbuf, acc, next_k);
+                    attend_seq_avx512(qs, os, k_cache, v_cache, block_stride, table, first, len, num_heads, group,
+                                      4, token_stride, block_size, scale, scores, qbuf, acc, next_k);
                 else if (head_dim == 128)
-                    attend_seq_avx512(qs, os, k_cache, v_cache, block_stride, table, len, num_heads, group, 8,
-                                      token_stride, block_size, scale, scores, qbuf, acc, next_k);
+                    attend_seq_avx512(qs, os, k_cache, v_cache, block_stride, table, first, len, num_heads, group,
+                                      8, token_stride, block_size, scale, scores, qbuf, acc, next_k);
                 else
-                    attend_seq_avx512(qs, os, k_cache, v_cache, block_stride, table, len, num_heads, group,
-                                      (int)(head_dim / 16), token_stride, block_size, scale, scores, qbuf, acc, next_k);
+                    attend_seq_avx512(qs, os, k_cache, v_cache, block_stride, table, first, len, num_heads, group,
+                                      (int)(head_dim / 16), token_stride, block_size, scale, scores, qbuf, acc,
+                                      next_k);
             }
             free(scores);
             free(qbuf);
@@ -340,8 +357,8 @@ int kvmesh_paged_decode_f32(
             }
             const int32_t *table = tables + s * table_stride;
             const int64_t kv_offset = kvh * head_dim;
-            attend_portable(qs, os, k_cache, v_cache, block_stride, table, len, group, head_dim, token_stride,
-                            block_size, kv_offset, scale, scores);
+            attend_portable(qs, os, k_cache, v_cache, block_stride, table, first_key(len, window), len, group,
+                            head_dim, token_stride, block_size, kv_offset, scale, scores);
         }
         free(scores);
     }

@@ -6,7 +6,10 @@
  * runs the same FLOPs as small register-blocked GEMMs (docs/model_runner.md, "Prefill").
  *
  * What it computes: query token i of the chunk (num_q tokens, the last of a seq_len-token context)
- * sees keys 0 .. seq_len - num_q + i, as SDPA with a bottom-right causal mask does.
+ * sees keys 0 .. seq_len - num_q + i, as SDPA with a bottom-right causal mask does. With a window
+ * (window > 0) the query at position p sees keys p - window + 1 .. p only (transformers' rule), and
+ * no key before the first query's window is gathered: a sliding-window KV cache group frees those
+ * blocks, so they may hold another request's data.
  *
  * How: K and V of each KV head are gathered once from the paged cache, K transposed in 16-key
  * tiles ([D][16]); then each work item is RT (query token, head) rows of one KV head: scores for
@@ -14,8 +17,8 @@
  * weighted V sum per row (each V vector loaded once for the RT rows).
  *
  * Numerics: bitwise paged_decode.c's for the same row (its dot-product order, see score_rows; the
- * same softmax over the row's own length in 16-key steps from key 0; the weighted sum over keys in
- * order, masked past the row's length; the same exp): a row's bits depend only on its query, its
+ * same softmax over the row's own keys in 16-key steps from its first key; the weighted sum over
+ * keys in order, masked outside the row's keys; the same exp): a row's bits depend only on its query, its
  * keys and its length, not on the rows beside it, the chunk's split, the thread, or whether the
  * position is computed as a prefill row or as a decode. So chunked prefill, prefix-cache hits and
  * preemption's recompute give a cold run's bits (tests/kernels/test_native_prefill_attention.py).
@@ -66,48 +69,57 @@ static inline __attribute__((always_inline)) void score_rows(const float *kb, co
     }
 }
 
+/* kt, vc hold the gathered keys from key kstart on (local index = key - kstart); ctx0 is the first
+ * query's position; sc rows hold each row's scores from its own first key (sc[-16..-1] exist). */
 static void attend_tile(const float *kt, const float *vc, const float *q, int64_t q_row_stride, float *out,
-                        int64_t out_row_stride, int64_t group, int64_t kvh, int64_t ctx0,
-                        int64_t row0, int64_t rows_total, int64_t head_dim, float scale, float *qs, float *sc,
-                        int64_t sc_stride)
+                        int64_t out_row_stride, int64_t group, int64_t kvh, int64_t ctx0, int64_t kstart,
+                        int64_t window, int64_t row0, int64_t rows_total, int64_t head_dim, float scale, float *qs,
+                        float *sc, int64_t sc_stride)
 {
     const int nd = (int)(head_dim / 16);
-    int64_t len[RT], tok[RT], head[RT];
-    int64_t max_len = 0, min_len = INT64_MAX;
+    int64_t len[RT], lo[RT], tok[RT], head[RT];  /* a row's keys: local lo[r] .. len[r] - 1 */
+    int64_t max_len = 0, min_len = INT64_MAX, min_lo = INT64_MAX, max_lo = 0;
     for (int r = 0; r < RT; r++) {
         const int64_t row = row0 + r < rows_total ? row0 + r : rows_total - 1;  /* padding repeats the last */
         tok[r] = row / group;
         head[r] = kvh * group + row % group;
-        len[r] = ctx0 + tok[r] + 1;
+        const int64_t pos = ctx0 + tok[r];
+        len[r] = pos + 1 - kstart;
+        lo[r] = (window > 0 && pos + 1 > window ? pos + 1 - window : 0) - kstart;
         if (len[r] > max_len) max_len = len[r];
         if (len[r] < min_len) min_len = len[r];
+        if (lo[r] < min_lo) min_lo = lo[r];
+        if (lo[r] > max_lo) max_lo = lo[r];
         const float *src = q + tok[r] * q_row_stride + head[r] * head_dim;
         for (int64_t d = 0; d < head_dim; d++) qs[r * head_dim + d] = src[d] * scale;
     }
     /* 1. scores, 16 keys at a time */
     float maxv[RT];
     for (int r = 0; r < RT; r++) maxv[r] = -3.0e38f;
-    for (int64_t t0 = 0; t0 < max_len; t0 += 16) {
+    for (int64_t t0 = min_lo / 16 * 16; t0 < max_len; t0 += 16) {
         const float *kb = kt + (t0 / 16) * head_dim * 16;
         __m512 a[RT];
         for (int h = 0; h < RT; h += RH) score_rows(kb, qs + h * head_dim, head_dim, nd, a + h);
         for (int r = 0; r < RT; r++) {
             const int64_t n = len[r] - t0;
-            if (n <= 0) continue;
-            const __mmask16 live = n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1u);
-            _mm512_mask_storeu_ps(sc + r * sc_stride + t0, live, a[r]);
+            if (n <= 0 || t0 + 16 <= lo[r]) continue;
+            const __mmask16 below = lo[r] > t0 ? (__mmask16)((1u << (lo[r] - t0)) - 1u) : (__mmask16)0;
+            const __mmask16 live = (n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1u)) & (__mmask16)~below;
+            /* lane l is key t0 + l: stored at its index from the row's first key (t0 - lo[r] >= -15) */
+            _mm512_mask_storeu_ps(sc + r * sc_stride + (t0 - lo[r]), live, a[r]);
             const float m = _mm512_mask_reduce_max_ps(live, a[r]);
             if (m > maxv[r]) maxv[r] = m;
         }
     }
-    /* 2. softmax numerators in place, per row over its own length */
+    /* 2. softmax numerators in place, per row over its own keys */
     float inv_sum[RT];
     for (int r = 0; r < RT; r++) {
         float *sr = sc + r * sc_stride;
+        const int64_t n_keys = len[r] - lo[r];
         const __m512 m = _mm512_set1_ps(maxv[r]);
         __m512 sum = _mm512_setzero_ps();
-        for (int64_t t = 0; t < len[r]; t += 16) {
-            const __mmask16 live = len[r] - t >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (len[r] - t)) - 1u);
+        for (int64_t t = 0; t < n_keys; t += 16) {
+            const __mmask16 live = n_keys - t >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n_keys - t)) - 1u);
             const __m512 e = exp512_neg(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, sr + t), m));
             _mm512_mask_storeu_ps(sr + t, live, e);
             sum = _mm512_mask_add_ps(sum, live, sum, e);
@@ -118,17 +130,26 @@ static void attend_tile(const float *kt, const float *vc, const float *q, int64_
     for (int j = 0; j < nd; j++) {
         __m512 acc[RT];
         for (int r = 0; r < RT; r++) acc[r] = _mm512_setzero_ps();
-        /* keys every row sees, then the few (at most RT) that only the later rows see: the same
-         * fused multiply-adds in the same order for each row, only the mask differs */
-        int64_t t = 0;
-        for (; t < min_len; t++) {
-            const __m512 v = _mm512_loadu_ps(vc + t * head_dim + j * 16);
-            for (int r = 0; r < RT; r++) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(sc[r * sc_stride + t]), v, acc[r]);
-        }
-        for (; t < max_len; t++) {
+        /* keys only the earlier rows' windows hold, keys every row sees, then the few that only the
+         * later rows see: the same fused multiply-adds in the same order for each row, only the
+         * mask differs */
+        const int64_t shared_end = min_len > max_lo ? min_len : max_lo;
+        for (int64_t t = min_lo; t < max_lo; t++) {
             const __m512 v = _mm512_loadu_ps(vc + t * head_dim + j * 16);
             for (int r = 0; r < RT; r++)
-                if (t < len[r]) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(sc[r * sc_stride + t]), v, acc[r]);
+                if (t >= lo[r] && t < len[r])
+                    acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(sc[r * sc_stride + t - lo[r]]), v, acc[r]);
+        }
+        for (int64_t t = max_lo; t < min_len; t++) {
+            const __m512 v = _mm512_loadu_ps(vc + t * head_dim + j * 16);
+            for (int r = 0; r < RT; r++)
+                acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(sc[r * sc_stride + t - lo[r]]), v, acc[r]);
+        }
+        for (int64_t t = shared_end; t < max_len; t++) {
+            const __m512 v = _mm512_loadu_ps(vc + t * head_dim + j * 16);
+            for (int r = 0; r < RT; r++)
+                if (t >= lo[r] && t < len[r])
+                    acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(sc[r * sc_stride + t - lo[r]]), v, acc[r]);
         }
         for (int r = 0; r < RT; r++) {
             if (row0 + r >= rows_total) continue;
@@ -144,13 +165,15 @@ int kvmesh_prefill_attention_f32(
     const float *k_cache, const float *v_cache, int64_t block_stride,
     const int32_t *table, int64_t num_q, int64_t seq_len,
     float *out, int64_t out_row_stride,
-    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale)
+    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, int64_t window)
 {
 #if defined(__AVX512F__)
     if (num_kv_heads <= 0 || num_heads % num_kv_heads || head_dim % 16 || head_dim > PF_MAX_DIM) return -1;
     if (num_q <= 0 || seq_len < num_q) return num_q <= 0 ? 0 : -1;
     const int64_t group = num_heads / num_kv_heads, token_stride = num_kv_heads * head_dim;
-    const int64_t tiles = (seq_len + 15) / 16, padded = tiles * 16;
+    /* the first query's first key: nothing before it is gathered (window 0 = full attention) */
+    const int64_t ctx0 = seq_len - num_q, kstart = window > 0 && ctx0 + 1 > window ? ctx0 + 1 - window : 0;
+    const int64_t n_keys = seq_len - kstart, tiles = (n_keys + 15) / 16, padded = tiles * 16;
     /* per KV head: K transposed in 16-key tiles [tiles][D][16], V contiguous [seq_len][D] */
     float *kt = (float *)calloc((size_t)(num_kv_heads * padded * head_dim), sizeof(float));
     float *vc = (float *)malloc(sizeof(float) * (size_t)(num_kv_heads * padded * head_dim));
@@ -159,22 +182,25 @@ int kvmesh_prefill_attention_f32(
         free(vc);
         return -2;
     }
-    for (int64_t t = 0; t < seq_len; t++) {
+    for (int64_t t = kstart; t < seq_len; t++) {
         const int64_t off = (int64_t)table[t / block_size] * block_stride + (t % block_size) * token_stride;
+        const int64_t u = t - kstart;  /* local index */
         for (int64_t h = 0; h < num_kv_heads; h++) {
             const float *ks = k_cache + off + h * head_dim, *vs = v_cache + off + h * head_dim;
-            float *kd = kt + h * padded * head_dim + (t / 16) * head_dim * 16 + (t % 16);
+            float *kd = kt + h * padded * head_dim + (u / 16) * head_dim * 16 + (u % 16);
             for (int64_t d = 0; d < head_dim; d++) kd[d * 16] = ks[d];
-            memcpy(vc + (h * padded + t) * head_dim, vs, sizeof(float) * (size_t)head_dim);
+            memcpy(vc + (h * padded + u) * head_dim, vs, sizeof(float) * (size_t)head_dim);
         }
     }
     const int64_t rows = num_q * group, per_head = (rows + RT - 1) / RT, items = num_kv_heads * per_head;
-    const int64_t sc_stride = padded, ctx0 = seq_len - num_q;
+    const int64_t sc_stride = padded;
     int failed = 0;
     #pragma omp parallel if (items > 1)
     {
         float *qs = (float *)malloc(sizeof(float) * (size_t)(RT * head_dim));
-        float *sc = (float *)malloc(sizeof(float) * (size_t)(RT * sc_stride));
+        /* 16 floats before the rows: a row's first (masked) store may start up to 15 before it */
+        float *sc_buf = (float *)malloc(sizeof(float) * (size_t)(RT * sc_stride + 16));
+        float *sc = sc_buf == NULL ? NULL : sc_buf + 16;
         if (qs == NULL || sc == NULL) {
             #pragma omp atomic write
             failed = 1;
@@ -185,10 +211,11 @@ int kvmesh_prefill_attention_f32(
             if (qs == NULL || sc == NULL) continue;
             const int64_t h = item % num_kv_heads, tile = per_head - 1 - item / num_kv_heads;
             attend_tile(kt + h * padded * head_dim, vc + h * padded * head_dim, q, q_row_stride, out,
-                        out_row_stride, group, h, ctx0, tile * RT, rows, head_dim, scale, qs, sc, sc_stride);
+                        out_row_stride, group, h, ctx0, kstart, window, tile * RT, rows, head_dim, scale, qs, sc,
+                        sc_stride);
         }
         free(qs);
-        free(sc);
+        free(sc_buf);
     }
     free(kt);
     free(vc);
@@ -196,7 +223,7 @@ int kvmesh_prefill_attention_f32(
 #else
     (void)q; (void)q_row_stride; (void)k_cache; (void)v_cache; (void)block_stride; (void)table; (void)num_q;
     (void)seq_len; (void)out; (void)out_row_stride; (void)num_heads; (void)num_kv_heads; (void)head_dim;
-    (void)block_size; (void)scale;
+    (void)block_size; (void)scale; (void)window;
     return -1;
 #endif
 }

@@ -181,3 +181,16 @@ def test_mistral_window_does_not_cap_max_model_len() -> None:
     assert config.layer_windows == (4096,) and [g.window for g in config.kv_groups] == [4096]
     with pytest.raises(UnsupportedModelError, match="multiple"):
         ModelConfig.from_hf_dict({**hf, "num_key_value_heads": 3, "num_attention_heads": 4})
+
+
+def test_qwen3_has_per_head_qk_norms_and_its_window_only_with_use_sliding_window() -> None:
+    hf = {
+        "architectures": ["Qwen3ForCausalLM"], "vocab_size": 10, "hidden_size": 8, "intermediate_size": 8,
+        "num_hidden_layers": 2, "num_attention_heads": 2, "head_dim": 16, "max_position_embeddings": 64,
+        "sliding_window": 8, "use_sliding_window": False, "layer_types": ["full_attention", "sliding_attention"],
+    }  # fmt: skip
+    config = ModelConfig.from_hf_dict(hf)
+    assert config.qk_norm and not config.qkv_bias and config.head_dim == 16
+    assert config.layer_windows == (None, None) and len(config.kv_groups) == 1
+    windowed = ModelConfig.from_hf_dict({**hf, "use_sliding_window": True})
+    assert windowed.layer_windows == (None, 8) and [g.window for g in windowed.kv_groups] == [None, 8]

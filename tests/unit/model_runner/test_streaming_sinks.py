@@ -16,6 +16,7 @@ import pytest
 import torch
 from transformers import PreTrainedModel
 
+from services.model_runner.client import RunnerInfo
 from services.model_runner.config import RunnerConfig
 from services.model_runner.convert import model_info_from_proto, model_info_to_proto
 from services.model_runner.factory import build_runner, make_backend
@@ -24,7 +25,6 @@ from services.model_runner.kv_pool import KVPool, bytes_per_block, kv_dtype_for
 from services.model_runner.loader import load_model
 from services.model_runner.runner import ModelRunner
 from services.model_runner.streaming import STREAMING_MAX_MODEL_LEN
-from services.model_runner.client import RunnerInfo
 from shared.errors import FailedPrecondition, InvalidArgument
 from tests.unit.model_runner.conftest import BLOCK_SIZE, MiniScheduler, SimRequest
 from tests.unit.model_runner.streaming_reference import streaming_generate

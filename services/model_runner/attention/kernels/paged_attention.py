@@ -4,7 +4,10 @@ The batch is the flat varlen layout of ``AttentionMetadata``: sequence ``s`` own
 ``query_start_loc[s]:query_start_loc[s+1]`` (its new tokens) and ``seq_lens[s]`` cached tokens (its
 new ones included, already written). Query row ``i`` of a sequence sits at absolute position
 ``p = seq_len - query_len + i`` and attends, causally, to keys ``0..p``. A decode is simply a
-sequence with one query row, so prefill chunks and decodes share one launch.
+sequence with one query row, so prefill chunks and decodes share one launch. With a sliding
+``window`` (> 0), row ``p`` sees keys ``p - window < j <= p`` only (transformers' rule), and the key
+loop starts at the tile's first row's first key: no block before it is read (a window KV cache
+group frees those blocks; they may hold another request's data).
 
 Work split (one program per query tile per kv head)::
 
@@ -69,6 +72,7 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]
     qk_scale,  # fp32: softmax_scale * k_scale * log2(e)
     v_scale,  # fp32
     num_seqs,
+    window,  # sliding window in tokens, 0 = full attention
     stride_qt,
     stride_qh,
     stride_qd,
@@ -130,12 +134,14 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]
     l_i = tl.zeros([BLOCK_M], tl.float32)  # running softmax denominator
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
 
-    # The tile's last row sees keys up to context_len + (last q_pos); never past seq_len.
+    # The tile's last row sees keys up to context_len + (last q_pos); never past seq_len. With a
+    # window its first row sees keys from context_len + q_tile * BLOCK_Q - window + 1 on.
     num_keys = tl.minimum(seq_len, context_len + (q_tile + 1) * BLOCK_Q)
+    first_key = tl.where(window > 0, tl.maximum(context_len + q_tile * BLOCK_Q - window + 1, 0), 0)
     block_table = block_tables_ptr + seq.to(tl.int64) * stride_bts
-    for start_n in range(0, num_keys, TILE_N):
+    for start_n in range(first_key, num_keys, TILE_N):
         k_pos = start_n + offs_n  # [TILE_N]
-        k_mask = k_pos < num_keys  # [TILE_N]
+        k_mask = k_pos < num_keys  # [TILE_N], never below first_key
         block = tl.load(block_table + (k_pos // BLOCK_SIZE) * stride_btb, mask=k_mask, other=0)
         block = block.to(tl.int64)  # [TILE_N] NOTE: int64, cache offsets can pass 2**31
         in_block = k_pos % BLOCK_SIZE  # [TILE_N]
@@ -152,7 +158,8 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]
         # NOTE: DOT_FP32 is constexpr, so only the taken branch is compiled.
         s = tl.dot(q, k.to(tl.float32), input_precision="ieee") if DOT_FP32 else tl.dot(q, k.to(q.dtype))
         s = s * qk_scale  # [BLOCK_M, TILE_N] fp32, log2 domain
-        visible = (k_pos[None, :] <= abs_pos[:, None]) & k_mask[None, :]
+        in_window = (window == 0) | (k_pos[None, :] > abs_pos[:, None] - window)
+        visible = (k_pos[None, :] <= abs_pos[:, None]) & k_mask[None, :] & in_window
         s = tl.where(visible, s, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -178,7 +185,7 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]
         acc = acc * alpha[:, None] + pv
         m_i = m_new
 
-    l_i = tl.where(l_i == 0.0, 1.0, l_i)  # padding rows only; real rows always see key 0
+    l_i = tl.where(l_i == 0.0, 1.0, l_i)  # padding rows only; real rows always see their own key
     out = acc * (v_scale / l_i)[:, None]
     tl.store(
         out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :] * stride_od,
@@ -204,6 +211,7 @@ def paged_attention(
     v_scale: float = 1.0,
     *,
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
+    window: int | None = None,
     block_m: int | None = None,
     tile_n: int = 32,
     dot_fp32: bool | None = None,
@@ -216,6 +224,8 @@ def paged_attention(
         max_query_len: longest query in the batch; only picks the tile height (no device sync).
         k_scale, v_scale: dequantisation scales of an fp8 cache (cache value * scale = real value).
         out: optional preallocated output.
+        window: sliding window in tokens (a query at ``p`` sees keys ``p - window < j <= p``);
+            None = full attention.
         block_m: rows per query tile (query tokens x padded head group); power of two >= 16, raised
             to the head group if smaller. Default: 16, or 64 when a query fills >= 64 rows.
         tile_n: keys per inner-loop step; power of two >= 16, independent of the cache block size.
@@ -272,6 +282,7 @@ def paged_attention(
         float(softmax_scale * k_scale * LOG2E),
         float(v_scale),
         num_seqs,
+        int(window or 0),
         *query.stride(),
         *out.stride(),
         *k_cache.stride(),
@@ -300,9 +311,11 @@ def paged_attention_ref(
     softmax_scale: float,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    window: int | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim], query's dtype; padding rows zero
     """Plain-torch twin of :func:`paged_attention` (the tests' reference): per sequence, gather
-    its keys/values through the block table and run dense causal attention in fp32."""
+    its keys/values through the block table and run dense causal attention in fp32 (with a
+    window, masked to keys ``p - window < j <= p``; this reference reads every block)."""
     out = torch.zeros_like(query)
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = query.shape[1] // num_kv_heads
@@ -320,7 +333,10 @@ def paged_attention_ref(
         q = query[q_start:q_end].float()  # [q_len, num_heads, dim]
         scores = torch.einsum("qhd,khd->hqk", q, k) * softmax_scale  # [num_heads, q_len, seq_len]
         q_abs = torch.arange(seq_len - q_len, seq_len, device=query.device)
-        hidden = torch.arange(seq_len, device=query.device)[None, :] > q_abs[:, None]  # [q_len, seq_len]
+        keys = torch.arange(seq_len, device=query.device)[None, :]
+        hidden = keys > q_abs[:, None]  # [q_len, seq_len]
+        if window is not None:
+            hidden |= keys <= q_abs[:, None] - window
         scores = scores.masked_fill(hidden, float("-inf"))
         out[q_start:q_end] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).to(query.dtype)
     return out
