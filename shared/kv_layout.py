@@ -162,11 +162,13 @@ def peak_blocks(window: int | None, block_size: int, num_tokens: int, max_step_t
 
     A full group holds a block per ``block_size`` tokens. A window group, at a step that starts at
     ``p`` and schedules ``n <= max_step_tokens`` tokens, holds blocks ``dead_blocks(p)`` to
-    ``ceil((p + n) / block_size) - 1``: at most ``ceil((window - 1 + n) / block_size) + 1`` (the +1
-    for a window that straddles a block boundary), plus ``sink_blocks(sink_tokens)`` with attention
-    sinks, and never more than the full count.
+    ``ceil((p + n) / block_size) - 1``: the ``window - 1 + n`` tokens from the first visible key on,
+    starting anywhere in a block, so at most ``ceil((window - 1 + n + block_size - 1) / block_size)``
+    (at most one more than ``ceil((window - 1 + n) / block_size)``), plus ``sink_blocks(sink_tokens)``
+    with attention sinks, and never more than the full count.
     """
     full = -(-num_tokens // block_size)
     if window is None:
         return full
-    return min(full, sink_blocks(sink_tokens, block_size) + -(-(window - 1 + max_step_tokens) // block_size) + 1)
+    span = -(-(window - 1 + max_step_tokens + block_size - 1) // block_size)
+    return min(full, sink_blocks(sink_tokens, block_size) + span)

@@ -432,7 +432,7 @@ class KVCacheManager:
     def cached_block_hashes(self) -> tuple[BlockHash, ...]:
         """Every hash the prefix cache serves now (in use or free): a snapshot's contents.
 
-        Group 0's map, the one the events speak of (docs/kv_layout.md, "Block tables per group")."""
+        Group 0's map, the one the events speak of (docs/design.md, "Block tables per group (kv-cache-manager)")."""
         return tuple(self._pool.cached)
 
     def get_block_table(self, request_id: str) -> BlockTable:

@@ -60,7 +60,7 @@ def validate_step(requests: Mapping[str, RequestState], free_request_ids: Sequen
 
     ``has_windows``: some KV cache group slides a window; external (offload-store) blocks are then
     refused, since they name blocks by their leading-prefix hashes, one KV per hash, and a window
-    group's KV is neither leading nor kept (docs/kv_layout.md, "Block tables per group").
+    group's KV is neither leading nor kept (docs/design.md, "Block tables per group (kv-cache-manager)").
 
     NOTE: a new request's prefix hit is only known while the step runs (an earlier allocation of
     the same step may register blocks), so its hashes are checked against the most the step can

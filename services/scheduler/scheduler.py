@@ -74,9 +74,9 @@ class Scheduler:
         the offload tier (and swap preemption) is off. It is off too for a model with a sliding-window
         KV cache group: the store moves one block per hash by leading-prefix semantics, while such a
         model holds one block per hash *per group* and a window group's blocks are neither leading
-        nor kept (docs/kv_layout.md). With the tier off, P/D publishing (a prefill replica's) is off
-        as well; a decode replica then recomputes the prompt, with the same answer. Both are said,
-        never silent.
+        nor kept (docs/design.md, "Block tables per group"). With the tier off, P/D publishing (a
+        prefill replica's) is off as well; a decode replica then recomputes the prompt, with the
+        same answer. Both are said, never silent.
         """
         self.info = info
         self.block_size = info.block_size

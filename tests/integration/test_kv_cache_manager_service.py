@@ -345,3 +345,26 @@ def test_sigterm_ends_event_streams_cleanly_and_exits_zero() -> None:
             assert received == []
     finally:
         assert proc.stop() == 0
+
+
+def test_a_hybrid_pool_over_grpc_has_group_major_tables_and_refuses_a_negative_window(
+        stub: pb_grpc.KVCacheManagerStub) -> None:
+    """Initialize with a full group and a window group of 32: the tables of both groups travel
+    group-major, a window slides its dead blocks back to the pool, a bad window is INVALID_ARGUMENT."""
+    msg = init_request(num_blocks=21)
+    msg.kv_group_windows[:] = [0, 32]
+    stub.Initialize(msg, timeout=TIMEOUT)
+    ra = step(stub, [], [new("a", A)]).results[0]
+    assert list(ra.new_block_ids) == [1, 2, 3, 4, 5, 6, 7, 8]
+    # A decode at 55: the window group's position 0 (tokens 0..15, all below 55 - 31) is dead;
+    # position 1 (16..31) still holds keys 24..31 of the window.
+    dec = pb.Allocation(request_id="a", new_token_ids=[9], num_new_tokens=1)
+    rd = step(stub, [], [dec])
+    assert (list(rd.results[0].new_block_ids), rd.stats.num_free_blocks) == ([], 13)
+    table = stub.GetBlockTable(pb.GetBlockTableRequest(request_id="a"), timeout=TIMEOUT)
+    assert list(table.block_ids) == [1, 2, 3, 4, 0, 6, 7, 8]
+    assert stub.CheckIntegrity(pb.CheckIntegrityRequest(), timeout=TIMEOUT).ok
+    msg.kv_group_windows[:] = [0, -1]
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Initialize(msg, timeout=TIMEOUT)
+    assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT

@@ -26,7 +26,20 @@ def test_dead_range_starts_after_the_sink_blocks() -> None:
 
 
 def test_peak_blocks_counts_the_sink_blocks() -> None:
-    # ceil(k / bs) + ceil((W - 1 + n) / bs) + 1, at most the full count
-    assert peak_blocks(16, 4, 1000, 8, 4) == 1 + 6 + 1
-    assert peak_blocks(16, 4, 1000, 8) == 6 + 1
+    # ceil(k / bs) + ceil((W - 1 + n + bs - 1) / bs), at most the full count
+    assert peak_blocks(16, 4, 1000, 8, 4) == 1 + 7
+    assert peak_blocks(16, 4, 1000, 8) == 7
     assert peak_blocks(16, 4, 12, 8, 4) == 3
+
+
+@pytest.mark.parametrize(("window", "sinks", "bs", "chunk"), [
+    (16, 4, 4, 8), (14, 0, 4, 1), (14, 5, 4, 1), (5, 3, 4, 3), (32, 20, 16, 16), (1, 1, 4, 1), (13, 0, 4, 2),
+])
+def test_peak_blocks_is_the_most_any_step_holds_with_sinks(window: int, sinks: int, bs: int, chunk: int) -> None:
+    """Every step start p and size n <= chunk, by the rule spelled out: the blocks with a token the
+    step's queries can see (j < sinks, or p - window + 1 <= j < p + n). (14, 0, 4, 1) is a window
+    straddling two block boundaries: tokens 3..16 are 5 blocks."""
+    num_tokens = 30 * bs + window + chunk + sinks
+    most = max(len({j // bs for j in range(p + n) if j < sinks or j >= p - window + 1})
+               for p in range(num_tokens) for n in range(1, min(chunk, num_tokens - p) + 1))
+    assert peak_blocks(window, bs, num_tokens, chunk, sinks) == most

@@ -53,7 +53,7 @@ class InitializeRequest(_message.Message):
     def kv_group_windows(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Per KV cache group its sliding window in tokens, 0 = full attention (ModelInfo.kv_group_windows);
         empty = one full-attention group. Each request then has one block table per group, and block
-        ids travel group-major (docs/kv_layout.md, "Block tables per group (kv-cache-manager)").
+        ids travel group-major (docs/design.md, "Block tables per group (kv-cache-manager)").
         """
 
     @_builtins.property
