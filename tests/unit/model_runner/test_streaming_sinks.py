@@ -3,7 +3,7 @@
 The reference (``streaming_reference.py``) is written on transformers' own modules, one token at a
 time over a dense cache; the runner runs the paged pool with chunked prefill and batched decodes.
 Streams go far past ``sinks + window`` (where the rule starts to drop, and the outputs differ from
-``generate()``). The bounded-memory test over the kv-cache-manager is tests/unit/scheduler/test_streaming_sinks.py.
+``generate()``). The bounded-memory test over the kv-cache-manager is tests/unit/scheduler/test_sinks_engine.py.
 """
 
 from __future__ import annotations
