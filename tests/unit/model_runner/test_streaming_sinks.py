@@ -166,3 +166,36 @@ def test_the_factory_picks_torch_and_refuses_other_backends(checkpoint: Callable
         assert info.attention_backend_reason == "auto: attention sinks (streaming_sinks) run on the torch backend only"
     finally:
         runner.pool.close()
+
+
+def test_attention_reads_only_the_visible_keys() -> None:
+    """Every slot a query cannot see (the freed middle, the null block that pads a short row, other
+    requests' blocks) set to NaN: the output is bitwise the same."""
+    from services.model_runner.attention.base import AttentionMetadata
+    from services.model_runner.attention.streaming import StreamingAttention, visible_slots
+    from services.model_runner.model.config import RopeConfig
+    from services.model_runner.model.layers import RotaryEmbedding, apply_rotary
+
+    g = torch.Generator().manual_seed(0)
+    k_cache, v_cache = torch.randn(2, 40, BLOCK_SIZE, 2, 8, generator=g).unbind(0)  # [blocks, bs, KV, D]
+    tables = torch.randperm(39, generator=g)[:36].add(1).view(3, 12).int()  # three sequences, 12 blocks each
+    starts, lens = [0, 5, 6, 7], [45, 30, 6]  # a chunk of 5 rows, a decode far past k + W, a short decode
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(7, dtype=torch.int64), query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        seq_lens=torch.tensor(lens, dtype=torch.int32), block_tables=tables, max_query_len=5, max_seq_len=45,
+        window=WINDOW,
+    )  # fmt: skip
+    rotary = RotaryEmbedding(RopeConfig(), 8, 64)
+    attention = StreamingAttention(rotary.cos, rotary.sin, SINKS, WINDOW)
+    query = torch.randn(7, 4, 8, generator=g)
+    before = attention.forward(query, k_cache, v_cache, meta, 0.3, apply_rotary)
+    slots, valid = visible_slots(starts, lens, tables.numpy().astype("int64"), BLOCK_SIZE, SINKS, WINDOW)
+    assert valid.sum(1).tolist() == [20] * 6 + [6]  # k + W keys per row far past k + W, else every key
+    assert slots[6, 6:].tolist() == [0] * 14  # the short row's padding: the null block
+    assert slots[5, :4].tolist() == [int(tables[1, 0]) * BLOCK_SIZE + j for j in range(4)]  # the sinks first
+    seen = torch.zeros(40 * BLOCK_SIZE, dtype=torch.bool)
+    seen[torch.from_numpy(slots[valid])] = True
+    for cache in (k_cache, v_cache):
+        cache.view(-1, 2, 8)[~seen] = float("nan")
+    fresh = StreamingAttention(rotary.cos, rotary.sin, SINKS, WINDOW)
+    assert torch.equal(fresh.forward(query, k_cache, v_cache, meta, 0.3, apply_rotary), before)

@@ -10,6 +10,7 @@ StreamingLLM reference (``tests/unit/model_runner/streaming_reference.py``).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,13 +19,15 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from services.kv_cache_manager.client import InProcessKVCache
-from services.model_runner.client import InProcessRunner
+from services.model_runner.client import InProcessRunner, RunnerInfo
 from services.model_runner.config import RunnerConfig
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.engine import Engine
 from services.scheduler.inprocess import InProcessSuite
 from services.scheduler.request import Request, RequestSpec
 from services.scheduler.stream import OutputStream, build_spec
+from services.scheduler.validation import validate_request
+from shared.errors import InvalidArgument
 from shared.sampling_params import SamplingParams
 from tests.unit.model_runner.conftest import build_checkpoint
 from tests.unit.model_runner.streaming_reference import streaming_generate
@@ -154,3 +157,15 @@ def test_the_engine_thread_streams_it_too(folder: Path, hf: PreTrainedModel) -> 
     finally:
         suite.close()
     assert suite.manager.stats().num_free_blocks == 11
+
+
+def test_admission_counts_the_sink_blocks() -> None:
+    """A stream fits when its peak fits: ceil(k / bs) + ceil((W - 1 + chunk + bs - 1) / bs) blocks."""
+    config = SchedulerConfig(max_num_batched_tokens=BUDGET)
+    info = RunnerInfo(model_id="m", vocab_size=320, max_model_len=2**31 - 1, eos_token_ids=(), num_blocks=8,
+                      block_size=BS, kv_group_windows=(WINDOW,), kv_group_sink_tokens=(SINKS,))
+    with pytest.raises(InvalidArgument, match="needs 8 KV blocks but the whole pool has 7"):
+        validate_request([5] * 40, SamplingParams(), 100_000, info, config)
+    validate_request([5] * 40, SamplingParams(), 100_000, dataclasses.replace(info, num_blocks=9), config)
+    # Without the sink the same window needs one block less.
+    validate_request([5] * 40, SamplingParams(), 100_000, dataclasses.replace(info, kv_group_sink_tokens=()), config)
