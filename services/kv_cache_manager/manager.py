@@ -280,12 +280,13 @@ class KVCacheManager:
         num_computed = state.num_computed_tokens
         total = num_computed + spec.num_new_tokens
         num_fresh = max(0, -(-total // bs) - len(state.blocks))  # per group
-        dead = self._dead_blocks(state, num_computed) if self._window_groups else []
-        num_freed = sum(1 for _, block in dead if block.ref_cnt == 1)
+        dead = state.dead_blocks(self._window_groups, bs, num_computed, self._sinks) if self._window_groups else []
+        num_freed = sum(1 for block in dead if block.ref_cnt == 1)
         if num_fresh * num_groups > self._pool.num_free_blocks + num_freed:
             return AllocationResult(spec.request_id, AllocationStatus.OUT_OF_BLOCKS)
         if dead:
-            self._free_dead(state, dead, num_computed)
+            state.skip_dead(self._window_groups, bs, num_computed, self._pool.null_block, self._sinks)
+            self._pool.free_blocks(dead)
         state.append(spec.new_token_ids, spec.block_hashes)
         fresh = self._get_new_blocks(num_fresh * num_groups, evicted, events) if num_fresh else []
         for g, table in enumerate(state.tables):
@@ -299,29 +300,6 @@ class KVCacheManager:
             num_computed_tokens=num_computed,
             num_new_tokens=spec.num_new_tokens,
         )
-
-    def _dead_blocks(self, state: RequestState, position: int) -> list[tuple[int, KVCacheBlock]]:
-        """(group, block) of every window-group block that is dead at ``position`` and still held,
-        latest position first (so the earliest is freed last and evicted last, as a tail-first free)."""
-        bs = self._block_size
-        out: list[tuple[int, KVCacheBlock]] = []
-        for g, window in self._window_groups:
-            table = state.tables[g]
-            end = dead_range(window, self._sinks[g], bs, position)[1]
-            out += [(g, table[i]) for i in range(end - 1, state.num_skipped[g] - 1, -1)]
-        return out
-
-    def _free_dead(self, state: RequestState, dead: list[tuple[int, KVCacheBlock]], position: int) -> None:
-        """Puts the null block where ``dead`` (:meth:`_dead_blocks` at ``position``) was and frees it."""
-        null = self._pool.null_block
-        bs = self._block_size
-        for g, window in self._window_groups:
-            table = state.tables[g]
-            end = dead_range(window, self._sinks[g], bs, position)[1]
-            for i in range(state.num_skipped[g], end):
-                table[i] = null
-            state.num_skipped[g] = max(end, state.num_skipped[g])
-        self._pool.free_blocks([block for _, block in dead])
 
     def _find_hit(self, hashes: Sequence[BlockHash], token_ids: Sequence[int] | None,
                   max_blocks: int) -> tuple[int, list[list[KVCacheBlock]]]:
@@ -385,12 +363,15 @@ class KVCacheManager:
         for i in range(start, end):
             if cache_block(blocks[i], hashes[i], tokens[i - start]):
                 stored.append(i)
+        null = self._pool.null_block
         for g in range(1, self._num_groups):
-            # NOTE: a window group's position here is never the null block: positions at or past
-            # num_cached_blocks were allocated fresh and cannot be dead before the next step.
+            # NOTE: a window group's position here is never the null block (positions at or past
+            # num_cached_blocks were allocated fresh and die at a later step at the earliest); the
+            # check keeps the null block out of every map even so.
             table = state.tables[g]
             for i in range(start, end):
-                cache_block(table[i], hashes[i], tokens[i - start], g)
+                if table[i] is not null:
+                    cache_block(table[i], hashes[i], tokens[i - start], g)
         state.mark_cached(end, bs)
         if events is not None and stored:
             self._stored_events(state, stored, events)

@@ -32,6 +32,7 @@ from collections.abc import Sequence
 
 from services.kv_cache_manager.block_pool import KVCacheBlock
 from shared.hashing import BlockHash
+from shared.kv_layout import dead_range
 
 
 class RequestState:
@@ -83,3 +84,28 @@ class RequestState:
         """Blocks up to ``end`` are registered: their tokens now live in the blocks, not here."""
         del self.tail_token_ids[: (end - self.num_cached_blocks) * block_size]
         self.num_cached_blocks = end
+
+    def dead_blocks(self, window_groups: Sequence[tuple[int, int]], block_size: int,
+                    position: int, sinks: Sequence[int] = ()) -> list[KVCacheBlock]:
+        """The window groups' blocks still held that are dead for a step starting at ``position``.
+
+        Latest position first, so the earliest is freed last and so evicted last (as a tail-first
+        free). ``window_groups``: (group, window) of each window group; ``sinks``: per group its
+        attention-sink tokens (empty = none), whose blocks never die (``dead_range``).
+        """
+        out: list[KVCacheBlock] = []
+        for g, window in window_groups:
+            table = self.tables[g]
+            end = dead_range(window, sinks[g] if sinks else 0, block_size, position)[1]
+            out += [table[i] for i in range(end - 1, self.num_skipped[g] - 1, -1)]
+        return out
+
+    def skip_dead(self, window_groups: Sequence[tuple[int, int]], block_size: int, position: int,
+                  null: KVCacheBlock, sinks: Sequence[int] = ()) -> None:
+        """Puts ``null`` where :meth:`dead_blocks` found blocks (the caller frees those)."""
+        for g, window in window_groups:
+            table = self.tables[g]
+            end = dead_range(window, sinks[g] if sinks else 0, block_size, position)[1]
+            for i in range(self.num_skipped[g], end):
+                table[i] = null
+            self.num_skipped[g] = max(end, self.num_skipped[g])
