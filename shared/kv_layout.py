@@ -23,6 +23,15 @@ all groups draw from one pool::
 
 A window group's blocks that slid out of every query's window go back to the pool, which is where
 the memory is saved; the full groups keep every block.
+
+**Attention sinks** (StreamingLLM, opt-in, changes outputs; docs/kv_layout.md, "Attention sinks
+(StreamingLLM)"): every layer in one window group that also keeps its first ``sink_tokens`` tokens.
+Its dead blocks are then a *middle* range: the first ``ceil(sink_tokens / block_size)`` blocks never
+die (:func:`dead_range`)::
+
+    sink_tokens 4, window 8, block_size 4, a step starting at position 20:
+    blocks:  [ 0-3 ][ 4-7 ][ 8-11 ][12-15][16-19][20-23]
+              sink    dead   dead    live   live   live     (keys 13..20 are the window)
 """
 
 from __future__ import annotations
@@ -31,8 +40,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 __all__ = [
-    "INT4_GROUP", "KVGroup", "dead_blocks", "gqa_kv_bytes_per_token", "int4_group_size", "int4_row_bytes",
-    "kv_groups", "layers_per_group", "mla_kv_bytes_per_token", "peak_blocks",
+    "INT4_GROUP", "KVGroup", "dead_blocks", "dead_range", "gqa_kv_bytes_per_token", "int4_group_size",
+    "int4_row_bytes", "kv_groups", "layers_per_group", "mla_kv_bytes_per_token", "peak_blocks", "sink_blocks",
+    "with_sinks",
 ]
 
 INT4_GROUP = 32  # channels per INT4 scale (smaller heads use one group per head), see int4_group_size
@@ -89,10 +99,13 @@ class KVGroup:
             full attention.
         layers: the model's layer indices, ascending; ``layers[j]`` lives in slot ``j`` of the
             pool's layer dimension.
+        sink_tokens: attention sinks (StreamingLLM): a query also sees the first ``sink_tokens``
+            tokens, whose blocks are never freed; 0 = none (only with a window, :func:`with_sinks`).
     """
 
     window: int | None
     layers: tuple[int, ...]
+    sink_tokens: int = 0
 
 
 def kv_groups(layer_windows: Sequence[int | None]) -> tuple[KVGroup, ...]:
@@ -127,6 +140,39 @@ def layers_per_group(groups: Sequence[KVGroup]) -> int:
     return max(len(group.layers) for group in groups)
 
 
+def with_sinks(groups: Sequence[KVGroup], window: int, sink_tokens: int) -> tuple[KVGroup, ...]:
+    """The attention-sinks layout of a model whose layers all use full attention: one group of every
+    layer with ``window`` and ``sink_tokens`` (the pool slots stay those of the full layout).
+
+    Raises:
+        ValueError: some layer has a sliding window of its own, or a count below 1.
+    """
+    if window < 1 or sink_tokens < 1:
+        raise ValueError(f"attention sinks need window >= 1 and sink_tokens >= 1, got {window} and {sink_tokens}")
+    windowed = [g.window for g in groups if g.window is not None]
+    if windowed:
+        raise ValueError(f"attention sinks need every layer on full attention; this model has sliding windows "
+                         f"{sorted(set(windowed))}")
+    layers = tuple(sorted(layer for g in groups for layer in g.layers))
+    return (KVGroup(window, layers, sink_tokens),)
+
+
+def sink_blocks(sink_tokens: int, block_size: int) -> int:
+    """Leading blocks that hold a sink token: ``ceil(sink_tokens / block_size)``; they never die."""
+    return -(-sink_tokens // block_size)
+
+
+def dead_range(window: int | None, sink_tokens: int, block_size: int, position: int) -> tuple[int, int]:
+    """``(first, end)``: the blocks ``first .. end - 1`` of a group no query at ``position`` or
+    later can see (empty when ``end == first``).
+
+    Without sinks this is ``(0, dead_blocks(...))``. With sinks a block is dead when all its tokens
+    are ``>= sink_tokens`` and ``< position - window + 1``, so the range starts after the sink blocks.
+    """
+    first = sink_blocks(sink_tokens, block_size) if window is not None else 0
+    return first, max(first, dead_blocks(window, block_size, position))
+
+
 def dead_blocks(window: int | None, block_size: int, position: int) -> int:
     """Leading blocks of a group that no query at ``position`` or later can see.
 
@@ -139,16 +185,19 @@ def dead_blocks(window: int | None, block_size: int, position: int) -> int:
     return max(0, (position - window + 1) // block_size)
 
 
-def peak_blocks(window: int | None, block_size: int, num_tokens: int, max_step_tokens: int) -> int:
+def peak_blocks(window: int | None, block_size: int, num_tokens: int, max_step_tokens: int,
+                sink_tokens: int = 0) -> int:
     """The most blocks one request of ``num_tokens`` tokens holds in one group at any step.
 
     A full group holds a block per ``block_size`` tokens. A window group, at a step that starts at
     ``p`` and schedules ``n <= max_step_tokens`` tokens, holds blocks ``dead_blocks(p)`` to
     ``ceil((p + n) / block_size) - 1``: the ``window - 1 + n`` tokens from the first visible key on,
     starting anywhere in a block, so at most ``ceil((window - 1 + n + block_size - 1) / block_size)``
-    (at most one more than ``ceil((window - 1 + n) / block_size)``), and never more than the full count.
+    (at most one more than ``ceil((window - 1 + n) / block_size)``), plus ``sink_blocks(sink_tokens)``
+    with attention sinks, and never more than the full count.
     """
     full = -(-num_tokens // block_size)
     if window is None:
         return full
-    return min(full, -(-(window + max_step_tokens + block_size - 3) // block_size))
+    span = -(-(window - 1 + max_step_tokens + block_size - 1) // block_size)
+    return min(full, sink_blocks(sink_tokens, block_size) + span)

@@ -25,6 +25,10 @@ class CacheConfig:
     # Per KV cache group its sliding window in tokens, None = full attention (the runner's
     # ``ModelInfo.kv_group_windows``, shared/kv_layout.py): one block table per group per request.
     group_windows: tuple[int | None, ...] = (None,)
+    # Per KV cache group its attention-sink tokens (``ModelInfo.kv_group_sink_tokens``; StreamingLLM,
+    # docs/kv_layout.md): a window group's first ``ceil(sinks / block_size)`` blocks are never freed.
+    # Empty = no group has sinks.
+    group_sink_tokens: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:
@@ -37,6 +41,17 @@ class CacheConfig:
             raise ValueError("group_windows needs at least one group (None = full attention)")
         if any(w is not None and w < 1 for w in self.group_windows):
             raise ValueError(f"group_windows {self.group_windows}: a window must be >= 1 (None = full)")
+        sinks = self.group_sink_tokens
+        if sinks and len(sinks) != len(self.group_windows):
+            raise ValueError(f"group_sink_tokens {sinks}: one entry per KV cache group ({len(self.group_windows)})")
+        for sink, window in zip(sinks, self.group_windows, strict=False):
+            if sink < 0 or (sink and window is None):
+                raise ValueError(f"group_sink_tokens {sinks}: sink tokens must be >= 0, and only a window group "
+                                 f"has them (windows {self.group_windows})")
+
+    def sink_tokens(self, group: int) -> int:
+        """Group ``group``'s attention-sink tokens (0 = none)."""
+        return self.group_sink_tokens[group] if self.group_sink_tokens else 0
 
     @property
     def num_groups(self) -> int:

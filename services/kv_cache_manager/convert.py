@@ -40,7 +40,8 @@ def config_to_pb(config: CacheConfig, pool_id: str, lease_seconds: float) -> pb.
                                 max_model_len=config.max_model_len, model_id=config.model_id,
                                 pool_id=pool_id, lease_seconds=lease_seconds,
                                 kv_group_windows=[] if config.group_windows == (None,)
-                                else [w or 0 for w in config.group_windows])
+                                else [w or 0 for w in config.group_windows],
+                                kv_group_sink_tokens=list(config.group_sink_tokens))
 
 
 def config_from_pb(msg: pb.InitializeRequest) -> CacheConfig:
@@ -49,7 +50,8 @@ def config_from_pb(msg: pb.InitializeRequest) -> CacheConfig:
         raise ValueError(f"kv_group_windows {list(msg.kv_group_windows)}: a window must be >= 0 (0 = full)")
     return CacheConfig(num_blocks=msg.num_blocks, block_size=msg.block_size, max_model_len=msg.max_model_len,
                        model_id=msg.model_id,
-                       group_windows=tuple([w or None for w in msg.kv_group_windows]) or (None,))
+                       group_windows=tuple([w or None for w in msg.kv_group_windows]) or (None,),
+                       group_sink_tokens=tuple(msg.kv_group_sink_tokens) if any(msg.kv_group_sink_tokens) else ())
 
 
 def spec_to_pb(spec: AllocationSpec) -> pb.Allocation:

@@ -12,24 +12,29 @@ from collections.abc import Iterable, Sequence
 from services.kv_cache_manager.block_pool import BlockPool
 from services.kv_cache_manager.request import RequestState
 from shared.errors import IntegrityError
+from shared.kv_layout import sink_blocks
 
 
-def _check_tables(pool: BlockPool, req: RequestState, windows: Sequence[int | None], refs: Counter[int]) -> None:
-    """One table per group, all of one length; the null block exactly at a window group's skipped head."""
+def _check_tables(pool: BlockPool, req: RequestState, windows: Sequence[int | None], sinks: Sequence[int],
+                  block_size: int, refs: Counter[int]) -> None:
+    """One table per group, all of one length; the null block exactly at a window group's skipped
+    head (after its sink blocks, with attention sinks)."""
     rid = req.request_id
     if len(req.tables) != len(windows) or req.tables[0] is not req.blocks:
         raise IntegrityError(f"request {rid!r}: {len(req.tables)} block tables for {len(windows)} groups")
     for g, table in enumerate(req.tables):
         skipped = req.num_skipped[g]
+        first = sink_blocks(sinks[g], block_size) if sinks else 0
         if len(table) != len(req.blocks):
             raise IntegrityError(f"request {rid!r}: group {g} has {len(table)} blocks, group 0 {len(req.blocks)}")
         if skipped and windows[g] is None:
             raise IntegrityError(f"request {rid!r}: full group {g} skips {skipped} blocks")
         for i, block in enumerate(table):
-            if (block is pool.null_block) != (i < skipped):
-                where = "holds the null block" if i >= skipped else "holds a block it skipped"
+            dead = first <= i < skipped
+            if (block is pool.null_block) != dead:
+                where = "holds the null block" if not dead else "holds a block it skipped"
                 raise IntegrityError(f"request {rid!r}: group {g} position {i} {where}")
-            if i < skipped:
+            if dead:
                 continue
             if not 0 < block.block_id < len(pool.blocks) or pool.blocks[block.block_id] is not block:
                 raise IntegrityError(f"request {rid!r} holds a block not in the pool: {block!r}")
@@ -39,12 +44,12 @@ def _check_tables(pool: BlockPool, req: RequestState, windows: Sequence[int | No
 
 
 def _check_requests(pool: BlockPool, requests: Iterable[RequestState], block_size: int,
-                    windows: Sequence[int | None]) -> Counter[int]:
+                    windows: Sequence[int | None], sinks: Sequence[int]) -> Counter[int]:
     """Per-request invariants; returns how many live tables reference each block id."""
     refs: Counter[int] = Counter()
     for req in requests:
         rid = req.request_id
-        _check_tables(pool, req, windows, refs)
+        _check_tables(pool, req, windows, sinks, block_size, refs)
         if not 0 <= req.num_computed_tokens <= req.num_tokens:
             raise IntegrityError(f"request {rid!r}: {req.num_computed_tokens} computed of {req.num_tokens}")
         expected_blocks = -(-req.num_computed_tokens // block_size)
@@ -59,7 +64,7 @@ def _check_requests(pool: BlockPool, requests: Iterable[RequestState], block_siz
 
 
 def check_integrity(pool: BlockPool, requests: Iterable[RequestState], block_size: int,
-                    windows: Sequence[int | None] = (None,)) -> None:
+                    windows: Sequence[int | None] = (None,), sinks: Sequence[int] = ()) -> None:
     """Raises :class:`IntegrityError` describing the first inconsistency found.
 
     Checks: every non-null block is either referenced (``ref_cnt > 0``) or in the free queue,
@@ -74,7 +79,7 @@ def check_integrity(pool: BlockPool, requests: Iterable[RequestState], block_siz
     in_queue = {block.block_id for block in pool.free_queue.walk()}
     if 0 in in_queue:
         raise IntegrityError("the null block is in the free queue")
-    refs = _check_requests(pool, requests, block_size, windows)
+    refs = _check_requests(pool, requests, block_size, windows, sinks)
     for block in pool.blocks[1:]:
         bid = block.block_id
         if block.ref_cnt != refs[bid]:

@@ -50,7 +50,7 @@ from services.kv_cache_manager.types import (
 from services.kv_cache_manager.validation import validate_free, validate_hashes, validate_step
 from shared.errors import FailedPrecondition, InvalidArgument, NotFound
 from shared.hashing import BlockHash
-from shared.kv_layout import dead_blocks
+from shared.kv_layout import dead_range
 
 _OK = AllocationStatus.OK
 
@@ -74,6 +74,8 @@ class KVCacheManager:
         self._num_groups = len(config.group_windows)
         # (group, window) of every window group: the only ones that free blocks as they go.
         self._window_groups = [(g, w) for g, w in enumerate(config.group_windows) if w is not None]
+        # Per group its attention-sink tokens (StreamingLLM): its dead blocks are a middle range.
+        self._sinks = tuple(config.sink_tokens(g) for g in range(self._num_groups))
         self._pool = BlockPool(config.num_blocks, self._num_groups)
         self._requests: dict[str, RequestState] = {}
         self._prefix_queries = self._prefix_hits = 0
@@ -244,7 +246,7 @@ class KVCacheManager:
         tables = [hit_tables[g] + fresh[g * num_fresh : (g + 1) * num_fresh] for g in range(num_groups)]
         state = RequestState(spec.request_id, num_tokens, tokens[num_hit * bs :], hashes, num_hit, tables)
         for g, window in self._window_groups:
-            state.num_skipped[g] = dead_blocks(window, bs, num_hit * bs)
+            state.num_skipped[g] = dead_range(window, self._sinks[g], bs, num_hit * bs)[1]
         state.num_computed_tokens = num_computed + num_new
         self._requests[spec.request_id] = state
         self._cache_full_blocks(state, (num_computed + num_new) // bs, events)
@@ -278,12 +280,12 @@ class KVCacheManager:
         num_computed = state.num_computed_tokens
         total = num_computed + spec.num_new_tokens
         num_fresh = max(0, -(-total // bs) - len(state.blocks))  # per group
-        dead = state.dead_blocks(self._window_groups, bs, num_computed) if self._window_groups else []
+        dead = state.dead_blocks(self._window_groups, bs, num_computed, self._sinks) if self._window_groups else []
         num_freed = sum(1 for block in dead if block.ref_cnt == 1)
         if num_fresh * num_groups > self._pool.num_free_blocks + num_freed:
             return AllocationResult(spec.request_id, AllocationStatus.OUT_OF_BLOCKS)
         if dead:
-            state.skip_dead(self._window_groups, bs, num_computed, self._pool.null_block)
+            state.skip_dead(self._window_groups, bs, num_computed, self._pool.null_block, self._sinks)
             self._pool.free_blocks(dead)
         state.append(spec.new_token_ids, spec.block_hashes)
         fresh = self._get_new_blocks(num_fresh * num_groups, evicted, events) if num_fresh else []
@@ -305,7 +307,8 @@ class KVCacheManager:
         if self._num_groups == 1 and not self._window_groups:
             hits = self.get_computed_blocks(hashes, token_ids, max_blocks)
             return len(hits), [hits]
-        return find_longest_hit(self._pool, self._windows, hashes, token_ids, max_blocks, self._block_size)
+        return find_longest_hit(self._pool, self._windows, hashes, token_ids, max_blocks, self._block_size,
+                                self._sinks)
 
     def get_computed_blocks(self, hashes: Sequence[BlockHash], token_ids: Sequence[int] | None,
                             max_blocks: int) -> list[KVCacheBlock]:
@@ -459,7 +462,7 @@ class KVCacheManager:
 
     def check_integrity(self) -> None:
         """Re-derives the accounting; raises IntegrityError on any mismatch."""
-        check_integrity(self._pool, self._requests.values(), self._block_size, self._windows)
+        check_integrity(self._pool, self._requests.values(), self._block_size, self._windows, self._sinks)
 
     # ------------------------------------------------------------------ events
 

@@ -15,6 +15,10 @@ every future query's window and went back to the pool (or were never needed, on 
 
     full group:    [ b1 ][ b2 ][ b3 ][ b4 ][ b5 ]
     window group:  [ 0  ][ 0  ][ b8 ][ b9 ][ b10]     num_skipped = 2
+    with a sink:   [ b6 ][ 0  ][ b8 ][ b9 ][ b10]     num_skipped = 2, sink blocks = 1
+
+With attention sinks (StreamingLLM) the group's first ``ceil(sinks / block_size)`` blocks are never
+freed: the null positions are ``sink blocks .. num_skipped - 1`` (shared/kv_layout.py's ``dead_range``).
 
 The hashes come from the scheduler (the seed's one owner, shared/hashing.py), with the tokens
 that complete their blocks; the manager never hashes. It keeps token ids only for blocks not yet
@@ -28,7 +32,7 @@ from collections.abc import Sequence
 
 from services.kv_cache_manager.block_pool import KVCacheBlock
 from shared.hashing import BlockHash
-from shared.kv_layout import dead_blocks
+from shared.kv_layout import dead_range
 
 
 class RequestState:
@@ -55,7 +59,8 @@ class RequestState:
         # One block table per KV cache group; ``blocks`` is group 0's (the only one of most models).
         self.tables: list[list[KVCacheBlock]] = tables if tables is not None else [[]]
         self.blocks: list[KVCacheBlock] = self.tables[0]
-        # Per group, leading positions that hold the null block (always 0 for a full group).
+        # Per group, the end of its positions that hold the null block (always 0 for a full group);
+        # they start at 0, or after the sink blocks with attention sinks.
         self.num_skipped = [0] * len(self.tables)
         self.num_computed_tokens = 0
         # Leading blocks already registered in the prefix map (or skipped as duplicates).
@@ -81,24 +86,26 @@ class RequestState:
         self.num_cached_blocks = end
 
     def dead_blocks(self, window_groups: Sequence[tuple[int, int]], block_size: int,
-                    position: int) -> list[KVCacheBlock]:
+                    position: int, sinks: Sequence[int] = ()) -> list[KVCacheBlock]:
         """The window groups' blocks still held that are dead for a step starting at ``position``.
 
         Latest position first, so the earliest is freed last and so evicted last (as a tail-first
-        free). ``window_groups``: (group, window) of each window group.
+        free). ``window_groups``: (group, window) of each window group; ``sinks``: per group its
+        attention-sink tokens (empty = none), whose blocks never die (``dead_range``).
         """
         out: list[KVCacheBlock] = []
         for g, window in window_groups:
             table = self.tables[g]
-            out += [table[i] for i in range(dead_blocks(window, block_size, position) - 1, self.num_skipped[g] - 1, -1)]
+            end = dead_range(window, sinks[g] if sinks else 0, block_size, position)[1]
+            out += [table[i] for i in range(end - 1, self.num_skipped[g] - 1, -1)]
         return out
 
     def skip_dead(self, window_groups: Sequence[tuple[int, int]], block_size: int, position: int,
-                  null: KVCacheBlock) -> None:
+                  null: KVCacheBlock, sinks: Sequence[int] = ()) -> None:
         """Puts ``null`` where :meth:`dead_blocks` found blocks (the caller frees those)."""
         for g, window in window_groups:
             table = self.tables[g]
-            end = dead_blocks(window, block_size, position)
+            end = dead_range(window, sinks[g] if sinks else 0, block_size, position)[1]
             for i in range(self.num_skipped[g], end):
                 table[i] = null
             self.num_skipped[g] = max(end, self.num_skipped[g])

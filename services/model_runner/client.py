@@ -49,6 +49,7 @@ class RunnerInfo:
     dtype_reason: str = ""
     attention_backend_reason: str = ""
     kv_group_windows: tuple[int | None, ...] = (None,)  # per KV cache group its window, None = full
+    kv_group_sink_tokens: tuple[int, ...] = ()  # per KV cache group its attention-sink tokens; empty = none
 
     @classmethod
     def from_model_info(cls, mi: ModelInfo) -> RunnerInfo:
@@ -58,7 +59,7 @@ class RunnerInfo:
             eos_token_ids=tuple(mi.eos_token_ids), num_blocks=mi.num_blocks, block_size=mi.block_size,
             pool_id=mi.pool_id, dtype=mi.dtype, attention_backend=mi.attention_backend,
             dtype_reason=mi.dtype_reason, attention_backend_reason=mi.attention_backend_reason,
-            kv_group_windows=mi.kv_group_windows,
+            kv_group_windows=mi.kv_group_windows, kv_group_sink_tokens=mi.kv_group_sink_tokens,
         )
 
 

@@ -44,6 +44,14 @@ class RunnerConfig:
             preemption then give bitwise a cold run's numbers, not only its greedy tokens, and
             every step runs the one-call native stack; prefill attention is slower (see
             docs/model_runner.md, "auto").
+        streaming_sinks, streaming_window: attention-sinks mode (StreamingLLM) for endless streams,
+            server-wide and opt-in: each request keeps its first ``streaming_sinks`` tokens and
+            its last ``streaming_window`` tokens of KV, the middle blocks go back to the pool, and
+            positions are those within the cache (docs/kv_layout.md, "Attention sinks
+            (StreamingLLM)"). It CHANGES OUTPUTS once a sequence passes ``sinks + window``
+            tokens: not a parity mode. Both set (> 0) or neither (0); torch attention only,
+            models whose layers all use full attention, ``sinks + window <=
+            max_position_embeddings``; ``max_model_len`` is then unbounded by the model.
     """
 
     model_dir: str = ""
@@ -61,6 +69,8 @@ class RunnerConfig:
     quantization: str = "none"
     pack_tied_head: bool = True
     batch_invariant: bool = False
+    streaming_sinks: int = 0
+    streaming_window: int = 0
 
     def __post_init__(self) -> None:
         if self.quantization not in ("none", "int8", "fp16"):
@@ -71,3 +81,13 @@ class RunnerConfig:
             raise ValueError(f"kv_cache_dtype must be auto, fp8_e4m3 or int4, got {self.kv_cache_dtype!r}")
         if self.kv_cache_hadamard and self.kv_cache_dtype != "int4":
             raise ValueError("kv_cache_hadamard needs kv_cache_dtype int4")
+        if self.streaming_sinks < 0 or self.streaming_window < 0 or (self.streaming_sinks > 0) != (
+            self.streaming_window > 0
+        ):
+            raise ValueError(f"streaming_sinks and streaming_window must both be > 0 (attention sinks) or both 0, "
+                             f"got {self.streaming_sinks} and {self.streaming_window}")
+
+    @property
+    def streaming(self) -> bool:
+        """Whether attention-sinks mode is on."""
+        return self.streaming_sinks > 0

@@ -31,6 +31,7 @@ def model_info_to_proto(mi: ModelInfo) -> model_runner_pb2.ModelInfo:
         attention_backend_reason=mi.attention_backend_reason, pool_id=mi.pool_id,
         kv_group_windows=[window or 0 for window in mi.kv_group_windows],
         kv_layout=mi.kv_layout, kv_bytes_per_token=mi.kv_bytes_per_token,
+        kv_group_sink_tokens=list(mi.kv_group_sink_tokens),
     )
 
 
@@ -45,6 +46,7 @@ def model_info_from_proto(msg: model_runner_pb2.ModelInfo) -> ModelInfo:
         dtype_reason=msg.dtype_reason, attention_backend_reason=msg.attention_backend_reason, pool_id=msg.pool_id,
         kv_group_windows=tuple(window or None for window in msg.kv_group_windows) or (None,),
         kv_layout=msg.kv_layout or "gqa", kv_bytes_per_token=msg.kv_bytes_per_token,
+        kv_group_sink_tokens=tuple(msg.kv_group_sink_tokens) if any(msg.kv_group_sink_tokens) else (),
     )
 
 

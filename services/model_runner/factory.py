@@ -22,6 +22,7 @@ from services.model_runner.loader import load_model, parse_dtype
 from services.model_runner.model.config import ModelConfig
 from services.model_runner.native import load_kernels
 from services.model_runner.runner import ModelRunner
+from services.model_runner.streaming import check_streaming
 from shared.errors import FailedPrecondition
 from shared.kv_layout import layers_per_group
 
@@ -183,11 +184,14 @@ def build_runner(config: RunnerConfig, flags: Iterable[str] | None = None) -> Mo
     device = resolve_device(config.device)
     cpu = cpu_flags() if flags is None else frozenset(flags)
     mcfg0 = ModelConfig.from_dir(config.model_dir)
-    bf16_kernels = _bf16_kernels(config, device, cpu, mcfg0)
+    bf16_kernels = not config.streaming and _bf16_kernels(config, device, cpu, mcfg0)
     mla = mcfg0.kv_layout == "mla"
     dtype_choice = select_dtype(config.dtype, device.type, cpu, config.quantization, bf16_kernels=bf16_kernels,
                                 mla=mla)
-    backend_choice = _select_backend(config.attention_backend, device, dtype_choice.value, mcfg0, bf16_kernels)
+    if config.streaming:
+        backend_choice = streaming_backend(config, mcfg0)
+    else:
+        backend_choice = _select_backend(config.attention_backend, device, dtype_choice.value, mcfg0, bf16_kernels)
     # bf16 mode on the native kernels: fp32 weights as loaded, packed to bf16 by prepare_model
     native_bf16 = dtype_choice.value == "bfloat16" and bf16_kernels and backend_choice.value == "cpu"
     dtype = torch.float32 if native_bf16 else parse_dtype(dtype_choice.value)
@@ -212,12 +216,32 @@ def build_runner(config: RunnerConfig, flags: Iterable[str] | None = None) -> Mo
         max_model_len=config.max_model_len or None, quantization=config.quantization,
         pack_tied_head=config.pack_tied_head, dtype_reason=dtype_choice.reason,
         attention_backend_reason=backend_choice.reason, gemm_dtype="bfloat16" if native_bf16 else "float32",
+        streaming_sinks=config.streaming_sinks, streaming_window=config.streaming_window,
     )
     if pool.is_fp8:
         core.calibrate_kv_scales()
     if config.warmup:
         core.warmup()
     return core
+
+
+def streaming_backend(config: RunnerConfig, mcfg: ModelConfig) -> Choice:
+    """Attention-sinks mode's backend: torch, the only one with its attention (``auto`` picks it).
+
+    Checked before the weights load, so a bad setting fails fast (the runner checks again).
+
+    Raises:
+        FailedPrecondition: ``triton`` or ``cpu`` asked explicitly, or a model / KV dtype the mode
+            does not take (``streaming.check_streaming``).
+    """
+    if config.attention_backend not in ("auto", "torch"):
+        raise FailedPrecondition(f"attention sinks (streaming_sinks={config.streaming_sinks}) run on the torch "
+                                 f"attention backend only, not {config.attention_backend!r}: set "
+                                 "KVMESH_RUNNER_ATTENTION_BACKEND to auto or torch")
+    check_streaming(mcfg, "torch", config.kv_cache_dtype, config.streaming_sinks, config.streaming_window)
+    if config.attention_backend == "torch":
+        return Choice("torch", "set explicitly")
+    return Choice("torch", "auto: attention sinks (streaming_sinks) run on the torch backend only")
 
 
 def _select_backend(requested: str, device: torch.device, dtype: str, mcfg: ModelConfig,

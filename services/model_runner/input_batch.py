@@ -19,7 +19,8 @@ group-major (group 0's table, then group 1's, ..., all of one length); each grou
 slots and block tables, the rest is shared. A sliding-window group's table may hold any id, the
 null block 0 included, at blocks that lie wholly before the window of the step's first query
 (``num_computed_tokens - window + 1``): the kv-cache-manager freed them, and no query of the step
-reads them.
+reads them. With attention sinks (StreamingLLM) the group's sink blocks stay live too: only the
+middle blocks may be 0, and the table grows past the pool's size over an endless stream.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import torch
 
 from services.model_runner.attention.base import AttentionMetadata, first_visible_key
 from shared.errors import InvalidArgument
+from shared.kv_layout import sink_blocks
 
 
 @dataclass(frozen=True)
@@ -54,11 +56,18 @@ class PoolGeometry:
     vocab_size: int
     max_model_len: int
     group_windows: tuple[int | None, ...] = (None,)  # per KV cache group its window, None = full
+    group_sink_tokens: tuple[int, ...] = ()  # per KV cache group its attention-sink tokens; empty = none
 
     @property
     def max_blocks_per_seq(self) -> int:
-        """Longest block table one sequence can need."""
-        return min(-(-self.max_model_len // self.block_size), self.num_blocks - 1)
+        """Longest block table one sequence can need: with attention sinks ``max_model_len``'s
+        blocks (the freed middle stays in the table as 0s), else also at most the pool's."""
+        blocks = -(-self.max_model_len // self.block_size)
+        return blocks if any(self.group_sink_tokens) else min(blocks, self.num_blocks - 1)
+
+    def sink_blocks(self, group: int) -> int:
+        """Leading blocks of ``group`` that are always live (its sink tokens' blocks)."""
+        return sink_blocks(self.group_sink_tokens[group], self.block_size) if self.group_sink_tokens else 0
 
 
 @dataclass(frozen=True)
@@ -118,8 +127,9 @@ def validate_request(req: ScheduledRequest, geometry: PoolGeometry) -> None:
     for group, window in enumerate(geometry.group_windows):
         table = req.block_ids[group * width : group * width + needed]
         live = first_live_block(computed, window, geometry.block_size)
+        sinks = geometry.sink_blocks(group)
         for position, block_id in enumerate(table):
-            if position >= live and not 0 < block_id < geometry.num_blocks:
+            if (position >= live or position < sinks) and not 0 < block_id < geometry.num_blocks:
                 where = "" if groups == 1 else f" (KV cache group {group}, block {position})"
                 raise InvalidArgument(
                     f"{rid}: block id {block_id}{where} is outside the pool [1, {geometry.num_blocks})"

@@ -7,6 +7,11 @@ so a bad request (or a failed forward) leaves every request as it was.
 
 Block tables are kept per KV cache group (``shared/kv_layout.py``), group-major as they travel:
 a cached request's new block ids are one equal run per group, appended to that group's table.
+
+Attention-sinks mode (``streaming_sinks``/``streaming_window``, StreamingLLM; docs/kv_layout.md):
+every layer is one window group that keeps its sink tokens, attention goes through
+``attention/streaming.py``, the model rotates each query at its cache position, and
+``max_model_len`` no longer bounds a stream by the model's positions (:data:`STREAMING_MAX_MODEL_LEN`).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import numpy as np
 import torch
 
 from services.model_runner.attention.base import AttentionBackend, AttentionMetadata
+from services.model_runner.attention.streaming import StreamingAttention
 from services.model_runner.input_batch import (
     PoolGeometry,
     ScheduledRequest,
@@ -32,6 +38,7 @@ from services.model_runner.model.context import ForwardContext
 from services.model_runner.model.transformer import CausalLM
 from services.model_runner.model.transforms import prepare_model
 from services.model_runner.sampler import RequestSamplingState, sample
+from services.model_runner.streaming import STREAMING_MAX_MODEL_LEN, check_streaming
 from services.model_runner.types import ModelInfo, NewRequestData, SampledToken, StepInput, StepOutput
 from shared.errors import FailedPrecondition, InvalidArgument
 from shared.kv_layout import layers_per_group
@@ -73,6 +80,8 @@ class ModelRunner:
         dtype_reason: str = "",
         attention_backend_reason: str = "",
         gemm_dtype: str = "float32",
+        streaming_sinks: int = 0,
+        streaming_window: int = 0,
     ):
         """
         Args:
@@ -88,6 +97,13 @@ class ModelRunner:
                 the backend (reported by :meth:`model_info`).
             gemm_dtype: ``bfloat16`` for bf16 mode on the native kernels (fp32 weights as
                 loaded, packed to bf16; see :func:`prepare_model`), else ``float32``.
+            streaming_sinks, streaming_window: attention-sinks mode's ``k`` and ``W`` (both > 0),
+                or 0 and 0 (``RunnerConfig``); ``max_model_len`` then defaults to, and may exceed
+                the model's positions up to, :data:`STREAMING_MAX_MODEL_LEN`.
+
+        Raises:
+            FailedPrecondition: attention sinks asked for a model, backend or KV dtype they do
+                not take (:func:`check_streaming`).
         """
         planes, heads, dim = model.config.kv_cache_geometry
         if (pool.shape[1], *pool.shape[4:]) != (planes, heads, row_elements(dim, pool.dtype)):
@@ -105,12 +121,20 @@ class ModelRunner:
         self.device = pool.tensor.device
         self.max_model_len = min(max_model_len or self.config.max_model_len, self.config.max_model_len)
         self.groups = self.config.kv_groups
+        self.streaming: StreamingAttention | None = None
+        if streaming_sinks or streaming_window:
+            self.groups = check_streaming(self.config, backend.name, pool.kv_cache_dtype, streaming_sinks,
+                                          streaming_window)  # fmt: skip
+            rotary = model.model.rotary
+            self.streaming = StreamingAttention(rotary.cos, rotary.sin, streaming_sinks, streaming_window)
+            self.max_model_len = min(max_model_len or STREAMING_MAX_MODEL_LEN, STREAMING_MAX_MODEL_LEN)
         if pool.shape[0] != layers_per_group(self.groups):
             raise ValueError(f"the pool has {pool.shape[0]} layer slots, this model's KV cache groups need "
                              f"{layers_per_group(self.groups)}")  # fmt: skip
         self.group_windows = tuple(group.window for group in self.groups)
+        self.group_sink_tokens = tuple(g.sink_tokens for g in self.groups) if self.streaming is not None else ()
         self.geometry = PoolGeometry(pool.num_blocks, pool.block_size, self.config.vocab_size, self.max_model_len,
-                                     self.group_windows)  # fmt: skip
+                                     self.group_windows, self.group_sink_tokens)  # fmt: skip
         self._requests: dict[str, _Request] = {}
         self._reasons = (dtype_reason, attention_backend_reason)
 
@@ -138,7 +162,8 @@ class ModelRunner:
         if planned:
             batch = prepare_inputs([p.scheduled for p in planned], self.geometry, self.device)
             with torch.inference_mode():
-                hidden = self.model(batch.input_ids, batch.positions, self._context(batch.metas))  # [T, hidden]
+                positions = self._rotary_positions(batch.positions)
+                hidden = self.model(batch.input_ids, positions, self._context(batch.metas))  # [T, hidden]
                 logits = self.model.compute_logits(hidden[batch.logits_indices])  # [N, V] float32
                 results = sample(logits, [planned[i].state.sampling for i in batch.sampling_requests])
             for i, (token_id, logprobs) in zip(batch.sampling_requests, results, strict=True):
@@ -221,7 +246,13 @@ class ModelRunner:
 
     def _context(self, metas: Sequence[AttentionMetadata]) -> ForwardContext:
         return ForwardContext(self.pool.tensor, self.pool.layer_scales(), metas[0], self.backend,
-                              group_metas=tuple(metas), kv_rotation=self.pool.rotation)  # fmt: skip
+                              group_metas=tuple(metas), kv_rotation=self.pool.rotation,
+                              streaming=self.streaming)  # fmt: skip
+
+    def _rotary_positions(self, positions: torch.Tensor) -> torch.Tensor:
+        """The positions the model rotates by: the text positions, or in attention-sinks mode each
+        query's cache position (``attention/streaming.py``)."""
+        return positions if self.streaming is None else self.streaming.rotary_positions(positions)
 
     def model_info(self) -> ModelInfo:
         """Model and pool geometry, for the scheduler and the kv-cache-manager to size themselves."""
@@ -249,6 +280,7 @@ class ModelRunner:
             kv_layout=cfg.kv_layout,
             kv_bytes_per_token=float(cfg.kv_bytes_per_token(self.pool.tensor.element_size())),
             kv_group_windows=self.group_windows,
+            kv_group_sink_tokens=self.group_sink_tokens,
         )
 
     def warmup(self, num_tokens: int = 64, num_decodes: int = 4) -> float:
@@ -275,7 +307,7 @@ class ModelRunner:
             input_ids = torch.zeros(sum(lens), dtype=torch.int64, device=self.device)
             positions = (seq_lens.repeat_interleave(q_lens) - 1).to(device=self.device, dtype=torch.int64)
             with torch.inference_mode():
-                hidden = self.model(input_ids, positions, self._context(metas))
+                hidden = self.model(input_ids, self._rotary_positions(positions), self._context(metas))
                 logits = self.model.compute_logits(hidden[-len(lens) :])
                 sample(logits, [RequestSamplingState.create(SamplingParams(), [0]) for _ in lens])
         if self.device.type == "cuda":
@@ -314,3 +346,4 @@ class ModelRunner:
             self.model(batch.input_ids, batch.positions, ctx)
         self.pool.calibrate(amax)
         return amax.cpu()
+

@@ -94,3 +94,5 @@ class ModelInfo:
     # plane of latent + rotary key: num_kv_heads 1, head_dim = kv_lora_rank + qk_rope_head_dim)
     kv_layout: str = "gqa"
     kv_bytes_per_token: float = 0.0  # across all layers, shared/kv_layout.py's formula
+    # per KV cache group its attention-sink tokens (StreamingLLM mode, docs/kv_layout.md); empty = none
+    kv_group_sink_tokens: tuple[int, ...] = ()

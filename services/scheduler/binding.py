@@ -80,7 +80,7 @@ class SuiteBinding:
         seed = prefix_hash_seed(self.config, info)
         cache = CacheConfig(num_blocks=info.num_blocks, block_size=info.block_size,
                             max_model_len=info.max_model_len, model_id=info.model_id,
-                            group_windows=info.kv_group_windows)
+                            group_windows=info.kv_group_windows, group_sink_tokens=info.kv_group_sink_tokens)
         self.runner.bind(info.pool_id)
         kept = self.kv.initialize(cache, info.pool_id)
         sched = self.scheduler

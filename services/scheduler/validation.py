@@ -43,9 +43,11 @@ def validate_request(
         raise InvalidArgument(f"prompt: token id {bad[0]} is outside the vocabulary [0, {info.vocab_size})")
     sampling.validate(info.vocab_size, config.max_logprobs)
     num_tokens = len(prompt_token_ids) + max_tokens
-    # A window group holds only its window (plus one step's tokens), a full group every block.
-    blocks = sum(peak_blocks(window, info.block_size, num_tokens, config.max_num_batched_tokens)
-                 for window in info.kv_group_windows)
+    # A window group holds only its window (plus one step's tokens, plus its sink blocks with
+    # attention sinks), a full group every block.
+    sinks = info.kv_group_sink_tokens or (0,) * len(info.kv_group_windows)
+    blocks = sum(peak_blocks(window, info.block_size, num_tokens, config.max_num_batched_tokens, sink)
+                 for window, sink in zip(info.kv_group_windows, sinks, strict=True))
     usable = info.num_blocks - 1
     if blocks > usable:
         raise InvalidArgument(

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from services.model_runner.attention.base import AttentionBackend, AttentionMetadata
+from services.model_runner.attention.streaming import StreamingAttention
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,8 @@ class ForwardContext:
             empty: one group, ``meta``.
         kv_rotation: ``[G, G]`` Hadamard matrix when the INT4 cache stores K/V rotated (the
             attention layers then rotate Q, K, V and the output, ``attention/int4.py``); else None.
+        streaming: the attention-sinks mode's attention (``attention/streaming.py``): keys are
+            then written unrotated and attended by it; None in every other mode.
     """
 
     kv_cache: torch.Tensor
@@ -39,6 +42,7 @@ class ForwardContext:
     kv_amax: torch.Tensor | None = None
     group_metas: tuple[AttentionMetadata, ...] = ()
     kv_rotation: torch.Tensor | None = None
+    streaming: StreamingAttention | None = None
 
     def group_meta(self, group: int) -> AttentionMetadata:
         """The metadata of KV cache group ``group`` (its block tables, slots and window)."""

@@ -180,7 +180,8 @@ class Attention(nn.Module):
 
     The layer's K/V live in slot ``kv_slot`` of the pool, addressed through the block tables of
     its KV cache group ``kv_group`` (``ModelConfig.kv_groups``), whose metadata also carries the
-    layer's sliding window.
+    layer's sliding window. In attention-sinks mode (``ctx.streaming``) only the query is rotated
+    here (``cos``/``sin`` are then of its cache position) and the key is cached unrotated.
     """
 
     def __init__(self, config: ModelConfig, layer_idx: int):
@@ -217,7 +218,11 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q_heads, k_heads = qk.split([self.num_heads, self.num_kv_heads], dim=1)
             qk = torch.cat((self.q_norm(q_heads), self.k_norm(k_heads)), dim=1)  # [T, H + KV, D]
-        q, k = self.rotate(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)  # [T, H/KV, D]
+        if ctx.streaming is None:
+            q, k = self.rotate(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)  # [T, H/KV, D]
+        else:
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+            q = self.rotate(q, cos, sin)
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KV, D]
         if ctx.kv_amax is not None:
             amax = torch.stack((k.abs().amax(), v.abs().amax())).float()  # [2]
@@ -228,7 +233,10 @@ class Attention(nn.Module):
         k_scale, v_scale = ctx.kv_scales[self.layer_idx]
         meta = ctx.group_meta(self.kv_group)
         ctx.backend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
-        out = ctx.backend.forward(q, k_cache, v_cache, meta, self.scale, k_scale, v_scale)  # [T, H, D]
+        if ctx.streaming is not None:
+            out = ctx.streaming.forward(q, k_cache, v_cache, meta, self.scale, self.rotate)
+        else:
+            out = ctx.backend.forward(q, k_cache, v_cache, meta, self.scale, k_scale, v_scale)  # [T, H, D]
         if ctx.kv_rotation is not None:
             out = rotate_groups(out, ctx.kv_rotation)  # H H = I
         return self.o_proj(out.reshape(num_tokens, self.q_size))

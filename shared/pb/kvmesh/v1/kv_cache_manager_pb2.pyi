@@ -34,6 +34,7 @@ class InitializeRequest(_message.Message):
     POOL_ID_FIELD_NUMBER: _builtins.int
     LEASE_SECONDS_FIELD_NUMBER: _builtins.int
     KV_GROUP_WINDOWS_FIELD_NUMBER: _builtins.int
+    KV_GROUP_SINK_TOKENS_FIELD_NUMBER: _builtins.int
     num_blocks: _builtins.int
     """Number of blocks in the pool, including the null block 0. Must be >= 2."""
     block_size: _builtins.int
@@ -55,6 +56,13 @@ class InitializeRequest(_message.Message):
         ids travel group-major (docs/design.md, "Block tables per group (kv-cache-manager)").
         """
 
+    @_builtins.property
+    def kv_group_sink_tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Per KV cache group its attention-sink tokens (ModelInfo.kv_group_sink_tokens; StreamingLLM):
+        a window group's first ceil(sinks / block_size) blocks are never freed, the dead ones are the
+        middle. Empty or all 0 = no sinks; otherwise one entry per group, > 0 only for a window group.
+        """
+
     def __init__(
         self,
         *,
@@ -65,10 +73,11 @@ class InitializeRequest(_message.Message):
         pool_id: _builtins.str = ...,
         lease_seconds: _builtins.float = ...,
         kv_group_windows: _abc.Iterable[_builtins.int] | None = ...,
+        kv_group_sink_tokens: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "kv_group_windows", b"kv_group_windows", "lease_seconds", b"lease_seconds", "max_model_len", b"max_model_len", "model_id", b"model_id", "num_blocks", b"num_blocks", "pool_id", b"pool_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "kv_group_sink_tokens", b"kv_group_sink_tokens", "kv_group_windows", b"kv_group_windows", "lease_seconds", b"lease_seconds", "max_model_len", b"max_model_len", "model_id", b"model_id", "num_blocks", b"num_blocks", "pool_id", b"pool_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

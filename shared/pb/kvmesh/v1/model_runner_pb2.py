@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from shared.pb.kvmesh.v1 import common_pb2 as kvmesh_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ckvmesh/v1/model_runner.proto\x12\tkvmesh.v1\x1a\x16kvmesh/v1/common.proto\"\x15\n\x13GetModelInfoRequest\"\xec\x03\n\tModelInfo\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x15\n\rmax_model_len\x18\x04 \x01(\x05\x12\x15\n\reos_token_ids\x18\x05 \x03(\x05\x12\x12\n\nnum_blocks\x18\x06 \x01(\x05\x12\x12\n\nblock_size\x18\x07 \x01(\x05\x12\x12\n\nnum_layers\x18\x08 \x01(\x05\x12\x14\n\x0cnum_kv_heads\x18\t \x01(\x05\x12\x10\n\x08head_dim\x18\n \x01(\x05\x12\r\n\x05\x64type\x18\x0b \x01(\t\x12\x16\n\x0ekv_cache_dtype\x18\x0c \x01(\t\x12\x19\n\x11\x61ttention_backend\x18\r \x01(\t\x12\x17\n\x0f\x62ytes_per_block\x18\x0e \x01(\x03\x12\x0e\n\x06\x64\x65vice\x18\x0f \x01(\t\x12\x14\n\x0c\x62os_token_id\x18\x10 \x01(\x05\x12\x0f\n\x07pool_id\x18\x11 \x01(\t\x12\x14\n\x0c\x64type_reason\x18\x14 \x01(\t\x12 \n\x18\x61ttention_backend_reason\x18\x15 \x01(\t\x12\x18\n\x10kv_group_windows\x18\x16 \x03(\x05\x12\x11\n\tkv_layout\x18\x1e \x01(\t\x12\x1a\n\x12kv_bytes_per_token\x18\x1f \x01(\x01\"\x0f\n\rWarmupRequest\"!\n\x0eWarmupResponse\x12\x0f\n\x07seconds\x18\x01 \x01(\x02\"\xc7\x01\n\x0eNewRequestData\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\x05\x12\x11\n\tblock_ids\x18\x04 \x03(\x05\x12\x1b\n\x13num_computed_tokens\x18\x05 \x01(\x05\x12\x16\n\x0enum_new_tokens\x18\x06 \x01(\x05\x12+\n\x08sampling\x18\x07 \x01(\x0b\x32\x19.kvmesh.v1.SamplingParams\"s\n\x11\x43\x61\x63hedRequestData\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rnew_block_ids\x18\x02 \x03(\x05\x12\x1b\n\x13num_computed_tokens\x18\x03 \x01(\x05\x12\x16\n\x0enum_new_tokens\x18\x04 \x01(\x05\"\xd9\x01\n\x0e\x45xecuteRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12/\n\x0cnew_requests\x18\x02 \x03(\x0b\x32\x19.kvmesh.v1.NewRequestData\x12\x35\n\x0f\x63\x61\x63hed_requests\x18\x03 \x03(\x0b\x32\x1c.kvmesh.v1.CachedRequestData\x12\x1c\n\x14\x66inished_request_ids\x18\x04 \x03(\t\x12\x18\n\x10\x65xpected_pool_id\x18\x05 \x01(\t\x12\x16\n\x0ereset_requests\x18\x06 \x01(\x08\"b\n\x0cSampledToken\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08token_id\x18\x02 \x01(\x05\x12,\n\x08logprobs\x18\x03 \x01(\x0b\x32\x1a.kvmesh.v1.SampledLogprobs\"v\n\x0f\x45xecuteResponse\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12(\n\x07sampled\x18\x02 \x03(\x0b\x32\x17.kvmesh.v1.SampledToken\x12\x17\n\x0f\x66orward_seconds\x18\x03 \x01(\x02\x12\x0f\n\x07pool_id\x18\x04 \x01(\t\"\x18\n\x16GetKVPoolHandleRequest\"l\n\x11\x43opyBlocksRequest\x12\x11\n\tblock_ids\x18\x01 \x03(\x05\x12.\n\x07staging\x18\x02 \x01(\x0b\x32\x1d.kvmesh.v1.SharedTensorHandle\x12\x14\n\x0cstaging_rows\x18\x03 \x03(\x05\";\n\x12\x43opyBlocksResponse\x12\x12\n\nnum_blocks\x18\x01 \x01(\x05\x12\x11\n\tnum_bytes\x18\x02 \x01(\x03\x32\xc4\x03\n\x0bModelRunner\x12\x44\n\x0cGetModelInfo\x12\x1e.kvmesh.v1.GetModelInfoRequest\x1a\x14.kvmesh.v1.ModelInfo\x12=\n\x06Warmup\x12\x18.kvmesh.v1.WarmupRequest\x1a\x19.kvmesh.v1.WarmupResponse\x12@\n\x07\x45xecute\x12\x19.kvmesh.v1.ExecuteRequest\x1a\x1a.kvmesh.v1.ExecuteResponse\x12S\n\x0fGetKVPoolHandle\x12!.kvmesh.v1.GetKVPoolHandleRequest\x1a\x1d.kvmesh.v1.SharedTensorHandle\x12L\n\rCopyBlocksOut\x12\x1c.kvmesh.v1.CopyBlocksRequest\x1a\x1d.kvmesh.v1.CopyBlocksResponse\x12K\n\x0c\x43opyBlocksIn\x12\x1c.kvmesh.v1.CopyBlocksRequest\x1a\x1d.kvmesh.v1.CopyBlocksResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ckvmesh/v1/model_runner.proto\x12\tkvmesh.v1\x1a\x16kvmesh/v1/common.proto\"\x15\n\x13GetModelInfoRequest\"\x8a\x04\n\tModelInfo\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x15\n\rmax_model_len\x18\x04 \x01(\x05\x12\x15\n\reos_token_ids\x18\x05 \x03(\x05\x12\x12\n\nnum_blocks\x18\x06 \x01(\x05\x12\x12\n\nblock_size\x18\x07 \x01(\x05\x12\x12\n\nnum_layers\x18\x08 \x01(\x05\x12\x14\n\x0cnum_kv_heads\x18\t \x01(\x05\x12\x10\n\x08head_dim\x18\n \x01(\x05\x12\r\n\x05\x64type\x18\x0b \x01(\t\x12\x16\n\x0ekv_cache_dtype\x18\x0c \x01(\t\x12\x19\n\x11\x61ttention_backend\x18\r \x01(\t\x12\x17\n\x0f\x62ytes_per_block\x18\x0e \x01(\x03\x12\x0e\n\x06\x64\x65vice\x18\x0f \x01(\t\x12\x14\n\x0c\x62os_token_id\x18\x10 \x01(\x05\x12\x0f\n\x07pool_id\x18\x11 \x01(\t\x12\x14\n\x0c\x64type_reason\x18\x14 \x01(\t\x12 \n\x18\x61ttention_backend_reason\x18\x15 \x01(\t\x12\x18\n\x10kv_group_windows\x18\x16 \x03(\x05\x12\x11\n\tkv_layout\x18\x1e \x01(\t\x12\x1a\n\x12kv_bytes_per_token\x18\x1f \x01(\x01\x12\x1c\n\x14kv_group_sink_tokens\x18\x17 \x03(\x05\"\x0f\n\rWarmupRequest\"!\n\x0eWarmupResponse\x12\x0f\n\x07seconds\x18\x01 \x01(\x02\"\xc7\x01\n\x0eNewRequestData\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\x05\x12\x11\n\tblock_ids\x18\x04 \x03(\x05\x12\x1b\n\x13num_computed_tokens\x18\x05 \x01(\x05\x12\x16\n\x0enum_new_tokens\x18\x06 \x01(\x05\x12+\n\x08sampling\x18\x07 \x01(\x0b\x32\x19.kvmesh.v1.SamplingParams\"s\n\x11\x43\x61\x63hedRequestData\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rnew_block_ids\x18\x02 \x03(\x05\x12\x1b\n\x13num_computed_tokens\x18\x03 \x01(\x05\x12\x16\n\x0enum_new_tokens\x18\x04 \x01(\x05\"\xd9\x01\n\x0e\x45xecuteRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12/\n\x0cnew_requests\x18\x02 \x03(\x0b\x32\x19.kvmesh.v1.NewRequestData\x12\x35\n\x0f\x63\x61\x63hed_requests\x18\x03 \x03(\x0b\x32\x1c.kvmesh.v1.CachedRequestData\x12\x1c\n\x14\x66inished_request_ids\x18\x04 \x03(\t\x12\x18\n\x10\x65xpected_pool_id\x18\x05 \x01(\t\x12\x16\n\x0ereset_requests\x18\x06 \x01(\x08\"b\n\x0cSampledToken\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08token_id\x18\x02 \x01(\x05\x12,\n\x08logprobs\x18\x03 \x01(\x0b\x32\x1a.kvmesh.v1.SampledLogprobs\"v\n\x0f\x45xecuteResponse\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12(\n\x07sampled\x18\x02 \x03(\x0b\x32\x17.kvmesh.v1.SampledToken\x12\x17\n\x0f\x66orward_seconds\x18\x03 \x01(\x02\x12\x0f\n\x07pool_id\x18\x04 \x01(\t\"\x18\n\x16GetKVPoolHandleRequest\"l\n\x11\x43opyBlocksRequest\x12\x11\n\tblock_ids\x18\x01 \x03(\x05\x12.\n\x07staging\x18\x02 \x01(\x0b\x32\x1d.kvmesh.v1.SharedTensorHandle\x12\x14\n\x0cstaging_rows\x18\x03 \x03(\x05\";\n\x12\x43opyBlocksResponse\x12\x12\n\nnum_blocks\x18\x01 \x01(\x05\x12\x11\n\tnum_bytes\x18\x02 \x01(\x03\x32\xc4\x03\n\x0bModelRunner\x12\x44\n\x0cGetModelInfo\x12\x1e.kvmesh.v1.GetModelInfoRequest\x1a\x14.kvmesh.v1.ModelInfo\x12=\n\x06Warmup\x12\x18.kvmesh.v1.WarmupRequest\x1a\x19.kvmesh.v1.WarmupResponse\x12@\n\x07\x45xecute\x12\x19.kvmesh.v1.ExecuteRequest\x1a\x1a.kvmesh.v1.ExecuteResponse\x12S\n\x0fGetKVPoolHandle\x12!.kvmesh.v1.GetKVPoolHandleRequest\x1a\x1d.kvmesh.v1.SharedTensorHandle\x12L\n\rCopyBlocksOut\x12\x1c.kvmesh.v1.CopyBlocksRequest\x1a\x1d.kvmesh.v1.CopyBlocksResponse\x12K\n\x0c\x43opyBlocksIn\x12\x1c.kvmesh.v1.CopyBlocksRequest\x1a\x1d.kvmesh.v1.CopyBlocksResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,27 +35,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETMODELINFOREQUEST']._serialized_start=67
   _globals['_GETMODELINFOREQUEST']._serialized_end=88
   _globals['_MODELINFO']._serialized_start=91
-  _globals['_MODELINFO']._serialized_end=583
-  _globals['_WARMUPREQUEST']._serialized_start=585
-  _globals['_WARMUPREQUEST']._serialized_end=600
-  _globals['_WARMUPRESPONSE']._serialized_start=602
-  _globals['_WARMUPRESPONSE']._serialized_end=635
-  _globals['_NEWREQUESTDATA']._serialized_start=638
-  _globals['_NEWREQUESTDATA']._serialized_end=837
-  _globals['_CACHEDREQUESTDATA']._serialized_start=839
-  _globals['_CACHEDREQUESTDATA']._serialized_end=954
-  _globals['_EXECUTEREQUEST']._serialized_start=957
-  _globals['_EXECUTEREQUEST']._serialized_end=1174
-  _globals['_SAMPLEDTOKEN']._serialized_start=1176
-  _globals['_SAMPLEDTOKEN']._serialized_end=1274
-  _globals['_EXECUTERESPONSE']._serialized_start=1276
-  _globals['_EXECUTERESPONSE']._serialized_end=1394
-  _globals['_GETKVPOOLHANDLEREQUEST']._serialized_start=1396
-  _globals['_GETKVPOOLHANDLEREQUEST']._serialized_end=1420
-  _globals['_COPYBLOCKSREQUEST']._serialized_start=1422
-  _globals['_COPYBLOCKSREQUEST']._serialized_end=1530
-  _globals['_COPYBLOCKSRESPONSE']._serialized_start=1532
-  _globals['_COPYBLOCKSRESPONSE']._serialized_end=1591
-  _globals['_MODELRUNNER']._serialized_start=1594
-  _globals['_MODELRUNNER']._serialized_end=2046
+  _globals['_MODELINFO']._serialized_end=613
+  _globals['_WARMUPREQUEST']._serialized_start=615
+  _globals['_WARMUPREQUEST']._serialized_end=630
+  _globals['_WARMUPRESPONSE']._serialized_start=632
+  _globals['_WARMUPRESPONSE']._serialized_end=665
+  _globals['_NEWREQUESTDATA']._serialized_start=668
+  _globals['_NEWREQUESTDATA']._serialized_end=867
+  _globals['_CACHEDREQUESTDATA']._serialized_start=869
+  _globals['_CACHEDREQUESTDATA']._serialized_end=984
+  _globals['_EXECUTEREQUEST']._serialized_start=987
+  _globals['_EXECUTEREQUEST']._serialized_end=1204
+  _globals['_SAMPLEDTOKEN']._serialized_start=1206
+  _globals['_SAMPLEDTOKEN']._serialized_end=1304
+  _globals['_EXECUTERESPONSE']._serialized_start=1306
+  _globals['_EXECUTERESPONSE']._serialized_end=1424
+  _globals['_GETKVPOOLHANDLEREQUEST']._serialized_start=1426
+  _globals['_GETKVPOOLHANDLEREQUEST']._serialized_end=1450
+  _globals['_COPYBLOCKSREQUEST']._serialized_start=1452
+  _globals['_COPYBLOCKSREQUEST']._serialized_end=1560
+  _globals['_COPYBLOCKSRESPONSE']._serialized_start=1562
+  _globals['_COPYBLOCKSRESPONSE']._serialized_end=1621
+  _globals['_MODELRUNNER']._serialized_start=1624
+  _globals['_MODELRUNNER']._serialized_end=2076
 # @@protoc_insertion_point(module_scope)

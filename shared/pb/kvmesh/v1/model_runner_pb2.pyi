@@ -66,6 +66,7 @@ class ModelInfo(_message.Message):
     KV_GROUP_WINDOWS_FIELD_NUMBER: _builtins.int
     KV_LAYOUT_FIELD_NUMBER: _builtins.int
     KV_BYTES_PER_TOKEN_FIELD_NUMBER: _builtins.int
+    KV_GROUP_SINK_TOKENS_FIELD_NUMBER: _builtins.int
     model_id: _builtins.str
     """Model identity (folder name or configured id); enters the prefix-hash seed."""
     architecture: _builtins.str
@@ -125,6 +126,13 @@ class ModelInfo(_message.Message):
         whose layers all use full attention.
         """
 
+    @_builtins.property
+    def kv_group_sink_tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Per KV cache group its attention-sink tokens (StreamingLLM mode, docs/kv_layout.md, "Attention
+        sinks (StreamingLLM)"): its queries also see the first that many tokens, whose blocks are never
+        freed. Empty = no sinks (the default: every other mode); else one entry per group.
+        """
+
     def __init__(
         self,
         *,
@@ -150,10 +158,11 @@ class ModelInfo(_message.Message):
         kv_group_windows: _abc.Iterable[_builtins.int] | None = ...,
         kv_layout: _builtins.str = ...,
         kv_bytes_per_token: _builtins.float = ...,
+        kv_group_sink_tokens: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["architecture", b"architecture", "attention_backend", b"attention_backend", "attention_backend_reason", b"attention_backend_reason", "block_size", b"block_size", "bos_token_id", b"bos_token_id", "bytes_per_block", b"bytes_per_block", "device", b"device", "dtype", b"dtype", "dtype_reason", b"dtype_reason", "eos_token_ids", b"eos_token_ids", "head_dim", b"head_dim", "kv_bytes_per_token", b"kv_bytes_per_token", "kv_cache_dtype", b"kv_cache_dtype", "kv_group_windows", b"kv_group_windows", "kv_layout", b"kv_layout", "max_model_len", b"max_model_len", "model_id", b"model_id", "num_blocks", b"num_blocks", "num_kv_heads", b"num_kv_heads", "num_layers", b"num_layers", "pool_id", b"pool_id", "vocab_size", b"vocab_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["architecture", b"architecture", "attention_backend", b"attention_backend", "attention_backend_reason", b"attention_backend_reason", "block_size", b"block_size", "bos_token_id", b"bos_token_id", "bytes_per_block", b"bytes_per_block", "device", b"device", "dtype", b"dtype", "dtype_reason", b"dtype_reason", "eos_token_ids", b"eos_token_ids", "head_dim", b"head_dim", "kv_bytes_per_token", b"kv_bytes_per_token", "kv_cache_dtype", b"kv_cache_dtype", "kv_group_sink_tokens", b"kv_group_sink_tokens", "kv_group_windows", b"kv_group_windows", "kv_layout", b"kv_layout", "max_model_len", b"max_model_len", "model_id", b"model_id", "num_blocks", b"num_blocks", "num_kv_heads", b"num_kv_heads", "num_layers", b"num_layers", "pool_id", b"pool_id", "vocab_size", b"vocab_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
