@@ -60,10 +60,13 @@ class PoolGeometry:
 
     @property
     def max_blocks_per_seq(self) -> int:
-        """Longest block table one sequence can need: with attention sinks ``max_model_len``'s
-        blocks (the freed middle stays in the table as 0s), else also at most the pool's."""
+        """Longest block table one sequence can need: ``max_model_len``'s blocks when no group keeps
+        every block (attention sinks, or windows in every group: the freed positions stay in the
+        table as 0s or stale ids), else also at most the pool's (a full group's blocks all live)."""
         blocks = -(-self.max_model_len // self.block_size)
-        return blocks if any(self.group_sink_tokens) else min(blocks, self.num_blocks - 1)
+        if any(self.group_sink_tokens) or all(window is not None for window in self.group_windows):
+            return blocks
+        return min(blocks, self.num_blocks - 1)
 
     def sink_blocks(self, group: int) -> int:
         """Leading blocks of ``group`` that are always live (its sink tokens' blocks)."""

@@ -151,9 +151,6 @@ def test_greedy_matches_transformers_past_the_window(model: tuple[str, Path, lis
         suite.close()
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="the runner caps a block table at the pool's size "
-                   "(PoolGeometry.max_blocks_per_seq), but a window group's table counts positions, "
-                   "most of them freed: a request longer than the pool that fits by its window is refused")
 def test_a_window_model_serves_a_request_longer_than_the_pool(tmp_path: Path) -> None:
     prompt = _prompts()[2]  # 132 tokens + 12: 36 positions in a pool of 19 usable blocks
     refs = _checkpoint("mistral", tmp_path, [prompt])
