@@ -5,7 +5,8 @@ kernels, the mode the parity tests pin and the identity reference) and with ``au
 the runner picks on this machine; the row shows what it resolved). vLLM runs in fp32 and in its
 own default dtype (the baseline of the ratios, as a user would run it). llama.cpp runs an F32 GGUF
 converted from the same HF folder (with f32 KV, so it is an fp32 row end to end) and the Q4_1 GGUF
-the model ships as (llama.cpp's defaults: f16 KV).
+the model ships as (llama.cpp's defaults: f16 KV). The ``int8`` rows (opt-in, not in ``all``'s
+default story) run kvmesh with ``quantization=int8_weight_only``, for the single-stream target.
 """
 
 from __future__ import annotations
@@ -46,6 +47,11 @@ ENGINES = (
                {"mode": "inprocess", "dtype": "float32", "attention_backend": "cpu"}),
     EngineSpec("kvmesh-inproc-auto", "kvmesh in-process auto", "kvmesh",
                {"mode": "inprocess", "dtype": "auto", "attention_backend": "auto"}),
+    EngineSpec("kvmesh-suite-int8", "kvmesh suite int8 weights", "kvmesh",
+               {"mode": "suite", "dtype": "auto", "attention_backend": "auto", "quantization": "int8_weight_only"}),
+    EngineSpec("kvmesh-inproc-int8", "kvmesh in-process int8 weights", "kvmesh",
+               {"mode": "inprocess", "dtype": "auto", "attention_backend": "auto",
+                "quantization": "int8_weight_only"}),
 )
 BY_NAME = {e.name: e for e in ENGINES}
 BASELINE = "vllm-default"  # ratios: against vLLM as a user runs it

@@ -89,7 +89,8 @@ class KvmeshEngine:
         if self.mode == "suite":
             env = {"KVMESH_RUNNER_DTYPE": s["dtype"], "KVMESH_RUNNER_ATTENTION_BACKEND": s["attention_backend"],
                    "KVMESH_RUNNER_NUM_THREADS": str(threads),
-                   "KVMESH_RUNNER_KV_CACHE_MEMORY_BYTES": str(s["kv_cache_memory_bytes"])}
+                   "KVMESH_RUNNER_KV_CACHE_MEMORY_BYTES": str(s["kv_cache_memory_bytes"]),
+                   "KVMESH_RUNNER_QUANTIZATION": s.get("quantization", "none")}
             self.up = _Up(job["model_dir"], env, Path(job["log_dir"]) / f"{job['engine']}-suite.log")
             info = self.up.info
             self._resolved = {"dtype": info.dtype, "backend": info.attention_backend,
@@ -108,7 +109,8 @@ class KvmeshEngine:
 
         engine = build_inprocess(
             RunnerConfig(model_dir=job["model_dir"], dtype=s["dtype"], attention_backend=s["attention_backend"],
-                         num_threads=threads, kv_cache_memory_bytes=int(s["kv_cache_memory_bytes"])),
+                         num_threads=threads, kv_cache_memory_bytes=int(s["kv_cache_memory_bytes"]),
+                         quantization=s.get("quantization", "none")),
             SchedulerConfig(), with_tokenizer=False)
         mi = engine.runner.model_info()
         self._resolved = {"dtype": mi.dtype, "backend": mi.attention_backend, "kv_cache_dtype": mi.kv_cache_dtype,
