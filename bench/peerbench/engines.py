@@ -15,6 +15,9 @@ Memory: an engine that runs in its worker's process (vLLM offline, whose engine 
 llama.cpp; kvmesh in-process) counts the worker's whole process tree; a server the worker starts
 and only drives (``count_worker=False``: the kvmesh suite, both HTTP servers) counts the server's
 processes, not the worker's own client and driver.
+
+The ``int8`` rows (opt-in, not in ``all``'s
+default story) run kvmesh with ``quantization=int8_weight_only``, for the single-stream target.
 """
 
 from __future__ import annotations
@@ -64,6 +67,11 @@ ENGINES = (
                {"server": "kvmesh", "dtype": "float32", "attention_backend": "cpu"}, count_worker=False),
     EngineSpec("kvmesh-http-auto", "kvmesh gateway auto (HTTP)", "openai",
                {"server": "kvmesh", "dtype": "auto", "attention_backend": "auto"}, count_worker=False),
+    EngineSpec("kvmesh-suite-int8", "kvmesh suite int8 weights", "kvmesh",
+               {"mode": "suite", "dtype": "auto", "attention_backend": "auto", "quantization": "int8_weight_only"}),
+    EngineSpec("kvmesh-inproc-int8", "kvmesh in-process int8 weights", "kvmesh",
+               {"mode": "inprocess", "dtype": "auto", "attention_backend": "auto",
+                "quantization": "int8_weight_only"}),
 )
 BY_NAME = {e.name: e for e in ENGINES}
 BASELINE = "vllm-default"  # ratios: against vLLM as a user runs it

@@ -93,7 +93,8 @@ def runner_env(settings: dict[str, Any], threads: int) -> dict[str, str]:
     """The model-runner's settings for ``kvmesh up``, as environment variables."""
     return {"KVMESH_RUNNER_DTYPE": settings["dtype"], "KVMESH_RUNNER_ATTENTION_BACKEND": settings["attention_backend"],
             "KVMESH_RUNNER_NUM_THREADS": str(threads),
-            "KVMESH_RUNNER_KV_CACHE_MEMORY_BYTES": str(settings["kv_cache_memory_bytes"])}
+            "KVMESH_RUNNER_KV_CACHE_MEMORY_BYTES": str(settings["kv_cache_memory_bytes"]),
+            "KVMESH_RUNNER_QUANTIZATION": settings.get("quantization", "none")}
 
 
 class KvmeshEngine:
@@ -126,7 +127,8 @@ class KvmeshEngine:
 
         engine = build_inprocess(
             RunnerConfig(model_dir=job["model_dir"], dtype=s["dtype"], attention_backend=s["attention_backend"],
-                         num_threads=threads, kv_cache_memory_bytes=int(s["kv_cache_memory_bytes"])),
+                         num_threads=threads, kv_cache_memory_bytes=int(s["kv_cache_memory_bytes"]),
+                         quantization=s.get("quantization", "none")),
             SchedulerConfig(), with_tokenizer=False)
         mi = engine.runner.model_info()
         self._resolved = {"dtype": mi.dtype, "backend": mi.attention_backend, "kv_cache_dtype": mi.kv_cache_dtype,

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# RunnerConfig.quantization's values (model/packed.py packs for each)
+QUANTIZATIONS = ("none", "int8", "fp16", "int8_weight_only")
+
 
 @dataclass(frozen=True)
 class RunnerConfig:
@@ -33,9 +36,11 @@ class RunnerConfig:
         num_threads: torch intra-op threads on CPU; 0 keeps torch's default.
         warmup: run a dummy step at start.
         quantization: ``none`` (default: fp32 as loaded), or, CPU + fp32 only, ``int8`` (int8
-            weights, dynamically quantized activations) or ``fp16`` (fp16 weights, fp32 math).
-            Faster linear layers, but outputs are no longer token-identical to fp32 (see
-            docs/model_runner.md).
+            weights, dynamically quantized activations), ``fp16`` (fp16 weights, fp32 math) or
+            ``int8_weight_only`` (int8 weights, one scale per output channel, on the native
+            kernels' int8 GEMM: bf16 GEMM inputs, fp32 accumulation and everything else, batch
+            invariant; needs a CPU with AVX512-BF16). Faster linear layers, but outputs are no
+            longer token-identical to fp32 (see docs/model_runner.md).
         pack_tied_head: give a head tied to the embedding its own packed copy (fp32 on the CPU):
             a third faster vocabulary projection for ``vocab x hidden x 4`` more bytes
             (113 MB for SmolLM2-135M); off keeps one copy of the weight.
@@ -73,8 +78,13 @@ class RunnerConfig:
     streaming_window: int = 0
 
     def __post_init__(self) -> None:
-        if self.quantization not in ("none", "int8", "fp16"):
-            raise ValueError(f"quantization must be none, int8 or fp16, got {self.quantization!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
+        if self.quantization == "int8_weight_only" and (self.dtype not in ("auto", "float32")
+                                                        or self.attention_backend not in ("auto", "cpu")):
+            raise ValueError(f"quantization=int8_weight_only runs on the native CPU kernels from float32 weights: "
+                             f"dtype must be auto or float32 (got {self.dtype!r}) and attention_backend auto "
+                             f"or cpu (got {self.attention_backend!r})")
         if self.attention_backend not in ("auto", "torch", "triton", "cpu"):
             raise ValueError(f"attention_backend must be auto, torch, triton or cpu, got {self.attention_backend!r}")
         if self.kv_cache_dtype not in ("auto", "fp8_e4m3", "int4"):

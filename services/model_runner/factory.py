@@ -77,6 +77,10 @@ def select_dtype(requested: str, device_type: str, flags: Iterable[str], quantiz
                                  "invariant (the cache could change the answer): float32")
     if device_type != "cpu":
         return Choice("float32", f"auto on {device_type}: float32 (the reference dtype)")
+    if quantization == "int8_weight_only":
+        return Choice("float32", "auto: quantization=int8_weight_only loads float32 weights and packs them as int8 "
+                                 "(one scale per output channel) for the native int8 GEMM (bf16 GEMM inputs, fp32 "
+                                 "accumulation and everything else)")
     if quantization != "none":
         return Choice("float32", f"auto: quantization={quantization} packs fp32 weights")
     have = sorted(set(flags) & set(BF16_FLAGS))
@@ -195,14 +199,17 @@ def build_runner(config: RunnerConfig, flags: Iterable[str] | None = None) -> Mo
     # bf16 mode on the native kernels: fp32 weights as loaded, packed to bf16 by prepare_model
     native_bf16 = dtype_choice.value == "bfloat16" and bf16_kernels and backend_choice.value == "cpu"
     dtype = torch.float32 if native_bf16 else parse_dtype(dtype_choice.value)
+    if config.quantization == "int8_weight_only":
+        _check_int8_weight_only(device, cpu, backend_choice)
     model, mcfg = load_model(config.model_dir, dtype=dtype, device=device)
     if config.batch_invariant and (backend_choice.value != "cpu" or dtype != torch.float32
                                    or load_kernels() is None):
         raise ValueError(f"batch_invariant needs the native CPU kernels on float32 weights (fp32 or bf16 mode); "
                          f"here: dtype "
                          f"{dtype_choice.value}, attention backend {backend_choice.value} ({backend_choice.reason})")
-    log.info("dtype %s (%s); attention backend %s (%s)%s", dtype_choice.value, dtype_choice.reason,
-             backend_choice.value, backend_choice.reason, "; batch invariant" if config.batch_invariant else "")
+    log.info("dtype %s (%s); attention backend %s (%s)%s%s", dtype_choice.value, dtype_choice.reason,
+             backend_choice.value, backend_choice.reason, "; batch invariant" if config.batch_invariant else "",
+             "" if config.quantization == "none" else f"; quantization {config.quantization}")
     planes, heads, dim = mcfg.kv_cache_geometry
     pool = KVPool(
         num_layers=mcfg.num_layers, layer_slots=layers_per_group(mcfg.kv_groups), num_kv_heads=heads,
@@ -252,6 +259,25 @@ def _select_backend(requested: str, device: torch.device, dtype: str, mcfg: Mode
     native_built = needs_build and load_kernels() is not None
     return select_backend(requested, device.type, dtype, native_built, mcfg.num_heads, mcfg.num_kv_heads,
                           mcfg.head_dim, bf16_kernels=bf16_kernels, mla=mcfg.kv_layout == "mla")
+
+
+def _check_int8_weight_only(device: torch.device, flags: frozenset[str], backend: Choice) -> None:
+    """``quantization=int8_weight_only`` runs only on the native int8 GEMM: refuse, with the reason,
+    anything else (there is no torch fallback of the same arithmetic)."""
+    why = ""
+    if device.type != "cpu":
+        why = f"the device is {device.type}"
+    elif backend.value != "cpu":
+        why = f"the attention backend is {backend.value} ({backend.reason})"
+    elif not flags & set(BF16_FLAGS):
+        why = "the CPU has no AVX512-BF16 / AMX-BF16"
+    else:
+        kernels = load_kernels()
+        if kernels is None or kernels.linear_int8 is None:
+            why = "the native int8 GEMM did not build here (a compiler without -mavx512bf16?)"
+    if why:
+        raise ValueError(f"quantization=int8_weight_only needs the native CPU kernels' int8 GEMM (a CPU with "
+                         f"AVX512-BF16); here {why}")
 
 
 def _bf16_kernels(config: RunnerConfig, device: torch.device, flags: frozenset[str], mcfg: ModelConfig) -> bool:

@@ -17,7 +17,7 @@ from torch import nn
 
 from services.model_runner.model.context import ForwardContext
 from services.model_runner.model.layers import ApplyRotary, RMSNorm, SiluAndMul
-from services.model_runner.model.native_stack import NativeDecodeStack, StackLayer, StackShape
+from services.model_runner.model.native_stack import STACK_MODES, NativeDecodeStack, StackLayer, StackShape
 from services.model_runner.model.transformer import CausalLM, DecoderLayer, DecoderModel
 from services.model_runner.native import NativeKernels, is_cpu_fp32
 
@@ -125,20 +125,20 @@ def use_native_kernels(model: CausalLM, kernels: NativeKernels) -> None:
 
 def decode_stack(model: DecoderModel, kernels: NativeKernels) -> NativeDecodeStack | None:
     """The one-call stack of ``model``'s layers, or None unless every layer is one the C code runs:
-    all projections packed for ``gemm.c`` or all for ``gemm_bf16.c``, fp32 norms with one eps, the
-    same shapes in every layer."""
+    all projections packed for one GEMM (``gemm.c``, ``gemm_bf16.c`` or ``gemm_int8.c``), fp32
+    norms with one eps, the same shapes in every layer."""
     layers = [layer for layer in model.layers if isinstance(layer, DecoderLayer)]
     if not layers or len(layers) != len(model.layers):
         return None
     first = layers[0]
     attn, eps = first.self_attn, first.input_layernorm.eps
     packed_mode = first.self_attn.qkv_proj.packed.mode if first.self_attn.qkv_proj.packed is not None else None
-    if packed_mode not in ("native", "native_bf16"):
+    if packed_mode not in STACK_MODES:
         return None
     shape = StackShape(
         hidden=first.input_layernorm.weight.shape[0], num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads,
         head_dim=attn.head_dim, intermediate=first.mlp.intermediate_size, eps=eps, scale=attn.scale,
-        bf16=packed_mode == "native_bf16",
+        mode=packed_mode,
     )  # fmt: skip
     described: list[StackLayer] = []
     for layer in layers:

@@ -26,12 +26,14 @@ from services.model_runner.native import NativeKernels, is_cpu_fp32
 
 _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
+# PackedWeight modes the stack runs, by their KvmStackShape.gemm code
+STACK_MODES = {"native": 0, "native_bf16": 1, "native_int8": 2}
 
 
 @dataclass(frozen=True)
 class StackLayer:
     """One decoder layer as ``decode_stack.c`` reads it: fp32 norm weights and projections packed
-    for ``native`` (fp32) or ``native_bf16`` (all four the same)."""
+    for one of :data:`STACK_MODES` (all four the same)."""
 
     input_norm: torch.Tensor  # [hidden]
     post_norm: torch.Tensor  # [hidden]
@@ -52,7 +54,7 @@ class StackShape:
     intermediate: int
     eps: float
     scale: float  # softmax scale
-    bf16: bool = False  # every projection packed for ``native_bf16`` (bf16 mode), else ``native``
+    mode: str = "native"  # the PackedWeight mode of every projection, one of STACK_MODES
 
     @property
     def q_size(self) -> int:
@@ -78,7 +80,7 @@ class _Shape(ctypes.Structure):
     _fields_ = [
         *((name, _I64) for name in (
             "hidden", "num_heads", "num_kv_heads", "head_dim", "intermediate", "block_size", "block_stride",
-            "num_slots", "bf16", "window",
+            "num_slots", "gemm", "window",
         )),
         ("eps", ctypes.c_float),
         ("scale", ctypes.c_float),
@@ -109,7 +111,9 @@ class NativeDecodeStack:
         self._fn = kernels.decode_stack
         self._dims = shape
         self._layers = (_Layer * len(layers))()
-        mode = "native_bf16" if shape.bf16 else "native"
+        mode = shape.mode
+        if mode not in STACK_MODES:
+            raise ValueError(f"the native decode stack runs modes {tuple(STACK_MODES)}, not {mode!r}")
         for i, layer in enumerate(layers):
             if {w.mode for w in (layer.qkv, layer.o, layer.gate_up, layer.down)} != {mode}:
                 raise ValueError(f"the native decode stack of this shape needs every projection packed for {mode}")
@@ -171,13 +175,13 @@ class NativeDecodeStack:
         s = self._dims
         self._shape = _Shape(
             s.hidden, s.num_heads, s.num_kv_heads, s.head_dim, s.intermediate, block_size,
-            cache.stride(2), num_blocks * block_size, int(s.bf16), window, s.eps, s.scale,
+            cache.stride(2), num_blocks * block_size, STACK_MODES[s.mode], window, s.eps, s.scale,
         )  # fmt: skip
         self._cache_key = key
 
 
 def _packed(weight: PackedWeight) -> tuple[int, int | None]:
-    if weight.mode not in ("native", "native_bf16") or not isinstance(weight.packed, torch.Tensor):
-        raise ValueError(f"the native decode stack needs weights packed for mode native or native_bf16, "
+    if weight.mode not in STACK_MODES or not isinstance(weight.packed, torch.Tensor):
+        raise ValueError(f"the native decode stack needs weights packed for a mode of {tuple(STACK_MODES)}, "
                          f"not {weight.mode}")
     return weight.packed.data_ptr(), None if weight.bias is None else weight.bias.data_ptr()

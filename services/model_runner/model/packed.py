@@ -11,6 +11,11 @@
     fp16   fp16 weights packed for fbgemm, fp32 arithmetic                          (opt-in)
     int8   int8 weights (per output channel) for fbgemm, activations quantized      (opt-in)
            per call, per tensor ("dynamic quantization")
+    int8_weight_only                                                                (opt-in)
+           int8 weights (symmetric, one scale per output channel) for
+           ``native/gemm_int8.c`` (mode ``native_int8``): widened to bf16 in
+           registers, activations rounded to bf16 at the input as in bf16 mode, fp32
+           accumulation, batch invariant; half bf16 mode's weight bytes
 
 The packed copy replaces the dense weight, which is freed (vLLM calls this step
 ``process_weights_after_loading``). Off the CPU, or for fp16/bf16 models, ``none`` packs nothing
@@ -35,8 +40,9 @@ import torch.nn.functional as F
 
 from services.model_runner.native import NativeKernels, is_cpu_fp32, load_kernels
 
-QUANTIZATIONS = ("none", "fp16", "int8")
-MODES = ("fp32", "native", "native_bf16", "fp16", "int8")
+MODES = ("fp32", "native", "native_bf16", "native_int8", "fp16", "int8")
+NATIVE_MODES = ("native", "native_bf16", "native_int8")
+INT8_MAX = 127  # symmetric: -127..127, so a scale maps the channel's largest |w| to +-127 exactly
 PACK_BATCH = 32  # the batch oneDNN's layout is tuned for; any batch runs (as fast at 1 and 8, measured)
 
 
@@ -68,7 +74,8 @@ class PackedWeight:
         weight: the dense weight, fp32 on the CPU (it is copied; the caller may free it).
         bias: ``[out]`` or None.
         mode: ``fp32`` (oneDNN), ``native`` (``native/gemm.c``), ``native_bf16``
-            (``native/gemm_bf16.c``), ``fp16`` or ``int8`` (fbgemm), see the module docstring.
+            (``native/gemm_bf16.c``), ``native_int8`` (``native/gemm_int8.c``), ``fp16`` or
+            ``int8`` (fbgemm), see the module docstring.
         kernels: for ``native``, the kernels to run on (default: :func:`load_kernels`'s build).
 
     NOTE: ``int8`` quantizes activations per call and per tensor with torch's x86 ``reduce_range``
@@ -87,12 +94,14 @@ class PackedWeight:
         if mode == "fp32" and not _ONEDNN:
             raise ValueError("this torch build has no oneDNN linear ops")
         self.kernels: NativeKernels | None = None
-        if mode in ("native", "native_bf16"):
+        if mode in NATIVE_MODES:
             self.kernels = kernels or load_kernels()
             if self.kernels is None:
                 raise ValueError("the native CPU kernels could not be built here")
             if mode == "native_bf16" and self.kernels.linear_bf16 is None:
                 raise ValueError("the native bf16 GEMM is not built here (the CPU has no AVX512-BF16)")
+            if mode == "native_int8" and self.kernels.linear_int8 is None:
+                raise ValueError("the native int8 GEMM is not built here (the CPU has no AVX512-BF16)")
         self.mode = mode
         weight = weight.detach().contiguous()
         self.bias = None if bias is None else bias.detach().float().contiguous()
@@ -100,6 +109,8 @@ class PackedWeight:
         self.packed: object
         if self.kernels is not None and mode == "native_bf16":
             self.packed = pack_panels_bf16(weight, self.kernels.panel_width)
+        elif self.kernels is not None and mode == "native_int8":
+            self.packed = pack_int8(*quantize_int8(weight), self.kernels.panel_width)
         elif self.kernels is not None:
             self.packed = pack_panels(weight, self.kernels.panel_width)
         elif mode == "fp32":
@@ -117,9 +128,11 @@ class PackedWeight:
     @staticmethod
     def supported(weight: torch.Tensor, mode: str) -> bool:
         """Whether ``weight`` can be packed for ``mode`` in this build."""
-        if mode in ("native", "native_bf16"):
+        if mode in NATIVE_MODES:
             kernels = load_kernels()
-            return is_cpu_fp32(weight) and kernels is not None and (mode == "native" or kernels.linear_bf16 is not None)
+            gemm = None if kernels is None else {"native": kernels.linear, "native_bf16": kernels.linear_bf16,
+                                                 "native_int8": kernels.linear_int8}[mode]  # fmt: skip
+            return is_cpu_fp32(weight) and gemm is not None
         return is_cpu_fp32(weight) and (mode != "fp32" or _ONEDNN)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] fp32 -> [T, out] fp32
@@ -140,13 +153,14 @@ class PackedWeight:
         if x.shape[0]:
             packed = self.packed
             assert isinstance(packed, torch.Tensor)
-            fn: Any = kernels.linear_bf16 if self.mode == "native_bf16" else kernels.linear
+            fn: Any = {"native_bf16": kernels.linear_bf16, "native_int8": kernels.linear_int8}.get(self.mode,
+                                                                                                   kernels.linear)
             status = fn(
                 x.data_ptr(), x.stride(0), x.shape[0], self.in_features, packed.data_ptr(), self.out_features,
                 None if self.bias is None else self.bias.data_ptr(), out.data_ptr(), out.stride(0),
             )  # fmt: skip
-            if self.mode == "native_bf16" and status != 0:
-                raise RuntimeError(f"native bf16 GEMM failed with status {status}")
+            if self.mode != "native" and status != 0:
+                raise RuntimeError(f"native {self.mode} GEMM failed with status {status}")
         return out
 
 
@@ -170,3 +184,29 @@ def pack_panels_bf16(weight: torch.Tensor, width: int) -> torch.Tensor:
     padded = weight.new_zeros(panels * width, pairs * 2)
     padded[:out_features, :in_features] = weight
     return padded.to(torch.bfloat16).view(panels, width, pairs, 2).transpose(1, 2).contiguous()
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[out, in]`` fp32 -> (int8 ``[out, in]``, fp32 scales ``[out]``): symmetric, one scale per
+    output channel, ``w ~ q * scale`` with ``q = round(w / scale)`` (half to even) in -127..127
+    and ``scale = max |w| / 127`` (1 for an all-zero channel). The one quantization rule of
+    ``native_int8``: the kernel and the tests' torch reference both start from it."""
+    amax = weight.abs().amax(dim=1)
+    scales = torch.where(amax > 0, amax / INT8_MAX, torch.ones_like(amax))
+    q = torch.round(weight / scales[:, None]).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return q, scales.float()
+
+
+def pack_int8(q: torch.Tensor, scales: torch.Tensor, width: int) -> torch.Tensor:
+    """int8 ``[out, in]`` + scales ``[out]`` -> one uint8 buffer (``native/gemm_int8.c``'s layout):
+    the scales as fp32 ``[ceil(out / width) * width]`` (0 past ``out``), then the weights
+    ``[ceil(out / width), ceil(in / 2), width, 2]`` int8: :func:`pack_panels_bf16`'s layout
+    with int8 elements (columns past ``out`` and an odd ``in``'s last pair half are 0)."""
+    out_features, in_features = q.shape
+    panels, pairs = -(-out_features // width), -(-in_features // 2)
+    padded = q.new_zeros(panels * width, pairs * 2)
+    padded[:out_features, :in_features] = q
+    panel_q = padded.view(panels, width, pairs, 2).transpose(1, 2).contiguous()
+    padded_scales = scales.new_zeros(panels * width)
+    padded_scales[:out_features] = scales
+    return torch.cat([padded_scales.view(torch.uint8), panel_q.view(-1).view(torch.uint8)])

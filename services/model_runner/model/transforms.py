@@ -6,9 +6,10 @@ layers stay plain torch, and a backend is a function of the model, not a flag in
 
 from __future__ import annotations
 
+from services.model_runner.config import QUANTIZATIONS
 from services.model_runner.model.layers import Linear
 from services.model_runner.model.native_layers import use_native_kernels
-from services.model_runner.model.packed import QUANTIZATIONS, PackedWeight
+from services.model_runner.model.packed import PackedWeight
 from services.model_runner.model.transformer import CausalLM
 from services.model_runner.native import NativeKernels
 
@@ -35,10 +36,17 @@ def prepare_model(
     accumulation in a fixed order per row); the residual stream, norms, rotary, attention and
     the KV cache stay fp32 (docs/model_runner.md, "bf16 mode").
 
+    ``int8_weight_only`` (with ``kernels`` that have the int8 GEMM, fp32 weights as loaded)
+    packs every linear weight and the tied head as int8 with one scale per output channel for
+    ``gemm_int8.c``; the GEMMs are then bf16 mode's with the weights widened in registers
+    (activations rounded to bf16 at the input, fp32 accumulation), everything else stays fp32
+    (docs/model_runner.md, "Weight-only int8"). The embedding stays fp32 for the lookups.
+
     Raises:
         ValueError: an unknown ``quantization``, another one than the model was prepared
             for, or ``fp16``/``int8`` on weights that are not fp32 on the CPU; ``bfloat16``
-            without the native bf16 GEMM, or with a quantization.
+            without the native bf16 GEMM, or with a quantization; ``int8_weight_only``
+            without the native int8 GEMM.
     """
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
@@ -51,7 +59,12 @@ def prepare_model(
     bf16 = gemm_dtype == "bfloat16"
     if bf16 and (quantization != "none" or kernels is None or kernels.linear_bf16 is None):
         raise ValueError("bf16 mode needs the native bf16 GEMM (a CPU with AVX512-BF16) and quantization none")
-    if quantization != "none":
+    if quantization == "int8_weight_only" and (kernels is None or kernels.linear_int8 is None):
+        raise ValueError("int8_weight_only needs the native int8 GEMM (the native CPU kernels on a CPU with "
+                         "AVX512-BF16)")
+    if quantization == "int8_weight_only":
+        mode = "native_int8"
+    elif quantization != "none":
         mode = quantization
     else:
         mode = "native_bf16" if bf16 else "native" if kernels is not None else "fp32"
@@ -60,11 +73,12 @@ def prepare_model(
         for module in linears:
             module.pack(mode, kernels)
     embedding = model.model.embed_tokens.weight
-    # NOTE: bf16 mode always packs a tied head: the logits' GEMM is then bf16 like every other
+    # NOTE: bf16 mode always packs a tied head: the logits' GEMM is then bf16 like every other;
+    # int8_weight_only quantizes it too: it is a fifth of a small model's weight bytes per token
     pack_head = quantization != "none" or bf16 or (pack_tied_head and PackedWeight.supported(embedding, mode))
     if model.lm_head is None and pack_head:
         model.packed_head = PackedWeight(embedding, None, mode, kernels)
     if kernels is not None:
         use_native_kernels(model, kernels)
     model.prepared = quantization
-    model.compute_dtype = "bfloat16" if bf16 else None
+    model.compute_dtype = "bfloat16" if bf16 else "int8" if mode == "native_int8" else None

@@ -17,6 +17,9 @@ What is here, and why torch alone was not enough (measurements in docs/model_run
 * ``gemm_bf16.c`` — the same on bf16 weights and bf16-rounded activations with fp32 accumulation
   (AVX512-BF16's ``vdpbf16ps``; only where the CPU has it): bf16 mode's GEMMs, batch invariant by
   construction, which torch's bf16 GEMMs are not;
+* ``gemm_int8.c`` — the same arithmetic on int8 weights with a scale per output channel, widened
+  to bf16 in registers (``quantization=int8_weight_only``): half bf16 mode's weight bytes, for
+  single-stream decode, which streams every weight once per token;
 * ``decode_stack.c`` — a decode-only step's whole layer stack in one call: the kernels above in
   the per-layer order, without the Python between them (``model/native_stack.py``);
 * ``int4_kv.c`` — the INT4 KV cache's slot writes (quantize + pack, byte for byte
@@ -151,6 +154,7 @@ class NativeKernels:
     linear_bf16: Any | None = None  # kvmesh_linear_bf16; None unless built for AVX512-BF16 (this CPU has it)
     write_kv_int4: Any | None = None  # kvmesh_write_kv_int4
     paged_attention_int4: Any | None = None  # kvmesh_paged_attention_int4
+    linear_int8: Any | None = None  # kvmesh_linear_int8; None unless built for AVX512-BF16, as linear_bf16
 
 
 def _bind(lib: ctypes.CDLL, name: str, restype: Any, argtypes: list[Any]) -> Any:
@@ -235,4 +239,9 @@ def load_kernels(portable: bool = False) -> NativeKernels | None:
             _I64, _I64, _I64, _I64,  # num_heads, num_kv_heads, head_dim, block_size
             _I64, _F32, _I64,  # max_seq_len, scale, window (0 = full attention)
         ]),
+        linear_int8=_bind(lib, "kvmesh_linear_int8", ctypes.c_int, [
+            _PTR, _I64, _I64, _I64,  # x (fp32), x_stride, m, k
+            _PTR, _I64, _PTR,  # packed (scales, then int8 panels: pack_int8), n, bias (or NULL)
+            _PTR, _I64,  # out, out_stride
+        ]) if _bind(lib, "kvmesh_linear_int8_available", _I64, [])() else None,
     )  # fmt: skip

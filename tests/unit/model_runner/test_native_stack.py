@@ -62,21 +62,27 @@ def _decodes(tables: dict[str, list[int]], step: int) -> list[ScheduledRequest]:
             for rid, p in PROMPTS.items()]  # fmt: skip
 
 
-@pytest.mark.parametrize("gemm_dtype", ["float32", "bfloat16"])
+# (gemm_dtype, quantization) -> (the projections' PackedWeight mode, ModelInfo.dtype)
+GEMMS = {("float32", "none"): ("native", "float32"), ("bfloat16", "none"): ("native_bf16", "bfloat16"),
+         ("float32", "int8_weight_only"): ("native_int8", "int8")}
+
+
+@pytest.mark.parametrize(("gemm_dtype", "quantization"), sorted(GEMMS))
 @pytest.mark.parametrize("name", ["llama", "qwen2", "mistral", "llama3"])
 def test_decode_steps_are_bitwise_the_per_layer_path(
-    checkpoint: Any, make_runner: Any, name: str, gemm_dtype: str, monkeypatch: pytest.MonkeyPatch
+    checkpoint: Any, make_runner: Any, name: str, gemm_dtype: str, quantization: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """In fp32 and in bf16 mode (the stack's GEMMs then the bf16 ones, as the per-layer path's)."""
-    if gemm_dtype == "bfloat16":
+    """In fp32, in bf16 mode and with int8 weights (the stack's GEMMs then the bf16 or int8 ones,
+    as the per-layer path's)."""
+    mode, reported = GEMMS[(gemm_dtype, quantization)]
+    if mode != "native":
         kernels = load_kernels()
-        if kernels is None or kernels.linear_bf16 is None:
-            pytest.skip("the CPU has no AVX512-BF16: no native bf16 GEMM here")
-    runner = make_runner(checkpoint(name), backend="cpu", gemm_dtype=gemm_dtype)
+        if kernels is None or kernels.linear_bf16 is None or kernels.linear_int8 is None:
+            pytest.skip("the CPU has no AVX512-BF16: no native bf16 / int8 GEMM here")
+    runner = make_runner(checkpoint(name), backend="cpu", gemm_dtype=gemm_dtype, quantization=quantization)
     stack = _stack(runner)
-    assert runner.model_info().dtype == gemm_dtype
-    assert {layer.self_attn.qkv_proj.packed.mode for layer in runner.model.model.layers} == {
-        "native_bf16" if gemm_dtype == "bfloat16" else "native"}
+    assert runner.model_info().dtype == reported
+    assert {layer.self_attn.qkv_proj.packed.mode for layer in runner.model.model.layers} == {mode}
     ran: list[bool] = []
     run = stack.run
 
