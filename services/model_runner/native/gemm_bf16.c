@@ -40,6 +40,7 @@
 #define PANEL 48
 #define ROW_TILE 8
 #define ROW_CHUNK 256
+#define PREFETCH_TILES 4  /* row tiles per chunk up to which the next panel is prefetched (decode) */
 
 typedef int32_t __attribute__((may_alias)) bf16_pair;  /* two bf16 read as one broadcast lane */
 
@@ -67,17 +68,19 @@ static void round_rows(const float *x, int64_t x_stride, int64_t m, int64_t k, u
     }
 }
 
-/* One row tile (mr rows, a compile-time constant after inlining) times one panel. */
+/* One row tile (mr rows, a compile-time constant after inlining) times one panel; `prefetch`
+ * (also a constant) steps the next panel's prefetch once per k pair. */
 static inline __attribute__((always_inline)) void tile_bf16(
     const uint16_t *xb, int64_t xb_stride, int64_t kp, const uint16_t *panel, const float *bias, float *out,
-    int64_t out_stride, const int mr, int64_t cols, PanelPrefetch *pf)
+    int64_t out_stride, const int mr, int64_t cols, PanelPrefetch *pf, const int prefetch)
 {
     __m512 c[ROW_TILE][3];
     for (int r = 0; r < mr; r++)
         for (int j = 0; j < 3; j++) c[r][j] = _mm512_setzero_ps();
-    for (int64_t p = 0; p < kp; p++) {
-        panel_prefetch_step(pf);
-        const uint16_t *b = panel + p * 2 * PANEL;
+    const uint16_t *b = panel;
+    _Pragma("GCC unroll 2")
+    for (int64_t p = 0; p < kp; p++, b += 2 * PANEL) {
+        if (prefetch) panel_prefetch_step(pf);
         const __m512bh b0 = (__m512bh)_mm512_loadu_si512(b), b1 = (__m512bh)_mm512_loadu_si512(b + 32),
                        b2 = (__m512bh)_mm512_loadu_si512(b + 64);
         for (int r = 0; r < mr; r++) {
@@ -97,18 +100,20 @@ static inline __attribute__((always_inline)) void tile_bf16(
     }
 }
 
+#define TILE_CASE(n) \
+    case n: \
+        if (pf != NULL) tile_bf16(xb, xb_stride, kp, panel, bias, out, out_stride, n, cols, pf, 1); \
+        else tile_bf16(xb, xb_stride, kp, panel, bias, out, out_stride, n, cols, NULL, 0); \
+        break;
+
+/* pf NULL: no prefetch (the tiles of a prefill chunk reuse the panel; the prefetch's per-step
+ * bookkeeping cost them ~7%, measured in docs/benchmarks.md). */
 static void tile_dispatch(const uint16_t *xb, int64_t xb_stride, int64_t kp, const uint16_t *panel,
                           const float *bias, float *out, int64_t out_stride, int mr, int64_t cols, PanelPrefetch *pf)
 {
     switch (mr) {
-    case 8: tile_bf16(xb, xb_stride, kp, panel, bias, out, out_stride, 8, cols, pf); break;
-    case 7: tile_bf16(xb, xb_stride, kp, panel, bias, out, out_stride, 7, cols, pf); break;
-    case 6: tile_bf16(xb, xb_stride, kp, panel, bias, out, out_stride, 6, cols, pf); break;
-    case 5: tile_bf16(xb, xb_stride, kp, panel, bias, out, out_stride, 5, cols, pf); break;
-    case 4: tile_bf16(xb, xb_stride, kp, panel, bias, out, out_stride, 4, cols, pf); break;
-    case 3: tile_bf16(xb, xb_stride, kp, panel, bias, out, out_stride, 3, cols, pf); break;
-    case 2: tile_bf16(xb, xb_stride, kp, panel, bias, out, out_stride, 2, cols, pf); break;
-    default: tile_bf16(xb, xb_stride, kp, panel, bias, out, out_stride, 1, cols, pf); break;
+    TILE_CASE(8) TILE_CASE(7) TILE_CASE(6) TILE_CASE(5) TILE_CASE(4) TILE_CASE(3) TILE_CASE(2)
+    default: TILE_CASE(1)
     }
 }
 
@@ -136,11 +141,12 @@ int kvmesh_linear_bf16(const float *x, int64_t x_stride, int64_t m, int64_t k, c
                 const int64_t next = paired_run_after(&run, p);
                 PanelPrefetch pf = panel_prefetch(next >= 0 ? packed + next * panel_size : NULL,
                                                   panel_size * (int64_t)sizeof(uint16_t), tiles * kp);
+                PanelPrefetch *pfp = tiles <= PREFETCH_TILES ? &pf : NULL;
                 for (int64_t t = 0; t < tiles; t++) {
                     const int64_t row = r0 + t * ROW_TILE;
                     const int mr = (int)(r0 + rows - row < ROW_TILE ? r0 + rows - row : ROW_TILE);
                     tile_dispatch(xb + row * 2 * kp, 2 * kp, kp, panel, bias != NULL ? bias + p * PANEL : NULL,
-                                  out + row * out_stride + p * PANEL, out_stride, mr, cols, &pf);
+                                  out + row * out_stride + p * PANEL, out_stride, mr, cols, pfp);
                 }
             }
         }
