@@ -66,12 +66,13 @@ static inline __attribute__((always_inline)) void score_rows(const float *kb, co
     }
 }
 
-static void attend_tile(const float *kt, const float *vc, const float *q, int64_t q_row_stride, float *out,
-                        int64_t out_row_stride, int64_t group, int64_t kvh, int64_t ctx0,
-                        int64_t row0, int64_t rows_total, int64_t head_dim, float scale, float *qs, float *sc,
-                        int64_t sc_stride)
+/* nd = head_dim / 16, a compile-time constant where attend_tile inlines it (the common sizes) */
+static inline __attribute__((always_inline)) void attend_rows(
+    const float *kt, const float *vc, const float *q, int64_t q_row_stride, float *out, int64_t out_row_stride,
+    int64_t group, int64_t kvh, int64_t ctx0, int64_t row0, int64_t rows_total, float scale, float *qs, float *sc,
+    int64_t sc_stride, const int nd)
 {
-    const int nd = (int)(head_dim / 16);
+    const int64_t head_dim = 16 * (int64_t)nd;
     int64_t len[RT], tok[RT], head[RT];
     int64_t max_len = 0, min_len = INT64_MAX;
     for (int r = 0; r < RT; r++) {
@@ -96,9 +97,18 @@ static void attend_tile(const float *kt, const float *vc, const float *q, int64_
             if (n <= 0) continue;
             const __mmask16 live = n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1u);
             _mm512_mask_storeu_ps(sc + r * sc_stride + t0, live, a[r]);
-            const float m = _mm512_mask_reduce_max_ps(live, a[r]);
-            if (m > maxv[r]) maxv[r] = m;
         }
+    }
+    /* each row's maximum, lane-wise over its scores then across the lanes (the same value in any
+     * order), after the scores rather than per tile between them */
+    for (int r = 0; r < RT; r++) {
+        const float *sr = sc + r * sc_stride;
+        __m512 m = _mm512_set1_ps(-3.0e38f);
+        for (int64_t t = 0; t < len[r]; t += 16) {
+            const __mmask16 live = len[r] - t >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (len[r] - t)) - 1u);
+            m = _mm512_mask_max_ps(m, live, m, _mm512_maskz_loadu_ps(live, sr + t));
+        }
+        maxv[r] = _mm512_reduce_max_ps(m);
     }
     /* 2. softmax numerators in place, per row over its own length */
     float inv_sum[RT];
@@ -136,6 +146,20 @@ static void attend_tile(const float *kt, const float *vc, const float *q, int64_
                              _mm512_mul_ps(acc[r], _mm512_set1_ps(inv_sum[r])));
         }
     }
+}
+static void attend_tile(const float *kt, const float *vc, const float *q, int64_t q_row_stride, float *out,
+                        int64_t out_row_stride, int64_t group, int64_t kvh, int64_t ctx0,
+                        int64_t row0, int64_t rows_total, int64_t head_dim, float scale, float *qs, float *sc,
+                        int64_t sc_stride)
+{
+#define ATTEND(nd) attend_rows(kt, vc, q, q_row_stride, out, out_row_stride, group, kvh, ctx0, row0, rows_total, \
+                               scale, qs, sc, sc_stride, nd)
+    switch (head_dim / 16) {
+    case 4: ATTEND(4); break;   /* head_dim 64 (SmolLM2, Llama 3.2 1B) */
+    case 8: ATTEND(8); break;   /* 128 */
+    default: ATTEND((int)(head_dim / 16)); break;
+    }
+#undef ATTEND
 }
 #endif
 
@@ -179,11 +203,14 @@ int kvmesh_prefill_attention_f32(
             #pragma omp atomic write
             failed = 1;
         }
-        /* the longest tiles (last query rows) first, so threads end together */
+        /* KV head by KV head, so the one head's K and V (2 x seq_len x head_dim floats) stay in L2
+         * while its tiles pass over them (the heads in turn were 7-10% slower at 1,024 tokens:
+         * docs/benchmarks.md); within a head the longest tiles (last query rows) first, so threads
+         * end together */
         #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < items; item++) {
             if (qs == NULL || sc == NULL) continue;
-            const int64_t h = item % num_kv_heads, tile = per_head - 1 - item / num_kv_heads;
+            const int64_t h = item / per_head, tile = per_head - 1 - item % per_head;
             attend_tile(kt + h * padded * head_dim, vc + h * padded * head_dim, q, q_row_stride, out,
                         out_row_stride, group, h, ctx0, tile * RT, rows, head_dim, scale, qs, sc, sc_stride);
         }
