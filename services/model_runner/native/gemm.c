@@ -17,7 +17,9 @@
  * Kernel: rows of x in tiles of 8, a tile x one panel = 8 x 48 accumulators (24 zmm registers),
  * each k step one broadcast of x per row and three panel loads for 24 FMAs (AVX2 + FMA: 6 x 16
  * tiles, three per panel; plain C elsewhere). Rows come in chunks
- * of ROW_CHUNK, so a prefill's x chunk stays in L2 while the panels stream past it.
+ * of ROW_CHUNK, so a prefill's x chunk stays in L2 while the panels stream past it. The software
+ * prefetch runs for decode-sized chunks only (up to PREFETCH_TILES row tiles): a prefill chunk's
+ * tiles reuse each panel from cache, and the prefetch's per-k bookkeeping only cost them.
  *
  * Numerics: each output is sum_k x[k] * w[k] in k order with FMA, plus the bias: IEEE fp32 in
  * another order than oneDNN's (results differ in the last bits, as any two GEMMs do).

@@ -23,8 +23,10 @@
  * (model/packed.py, pack_panels_bf16).
  *
  * Kernel: rows in tiles of 8, a tile x one panel = 8 x 48 fp32 accumulators (24 zmm), each k pair
- * one 32-bit broadcast of x per row and three panel loads for 24 vdpbf16ps; the next panel is
- * prefetched as in gemm.c. Threads split the panels as pairs.h describes.
+ * one 32-bit broadcast of x per row and three panel loads for 24 vdpbf16ps. A decode-sized chunk
+ * (up to PREFETCH_TILES row tiles) prefetches the next panel as in gemm.c; a prefill-sized one
+ * does not: its tiles reuse the panel from cache, and the prefetch's per-k-pair bookkeeping cost
+ * them 5-8% (bench/kernel_ab.py, docs/benchmarks.md). Threads split the panels as pairs.h describes.
  *
  * Built only where the compiler targets AVX512-BF16 (-march=native on such a CPU defines
  * __AVX512BF16__); elsewhere kvmesh_linear_bf16_available() is 0 and the runner never packs bf16.

@@ -11,7 +11,9 @@
  * How: K and V of each KV head are gathered once from the paged cache, K transposed in 16-key
  * tiles ([D][16]); then each work item is RT (query token, head) rows of one KV head: scores for
  * 16 keys at a time (each transposed-K vector loaded once for RH rows), a softmax per row, and the
- * weighted V sum per row (each V vector loaded once for the RT rows).
+ * weighted V sum per row (each V vector loaded once for the RT rows). Work items go KV head by KV
+ * head (one head's K and V stay in L2), and a row's maximum is taken over its stored scores after
+ * they are all computed (one horizontal reduction per row, not one per 16-key tile).
  *
  * Numerics: bitwise paged_decode.c's for the same row (its dot-product order, see score_rows; the
  * same softmax over the row's own length in 16-key steps from key 0; the weighted sum over keys in
