@@ -16,7 +16,8 @@ What is here, and why torch alone was not enough (measurements in docs/model_run
   FMA and plain-C tiles, each row's result independent of the rows beside it);
 * ``gemm_bf16.c`` — the same on bf16 weights and bf16-rounded activations with fp32 accumulation
   (AVX512-BF16's ``vdpbf16ps``; only where the CPU has it): bf16 mode's GEMMs, batch invariant by
-  construction, which torch's bf16 GEMMs are not;
+  construction, which torch's bf16 GEMMs are not; and the gate_up GEMM with SwiGLU in its
+  epilogue (prefill chunks: the [T, 2I] projection is never written out and read back);
 * ``decode_stack.c`` — a decode-only step's whole layer stack in one call: the kernels above in
   the per-layer order, without the Python between them (``model/native_stack.py``);
 * ``exp_math.h`` — the exponential they use; ``kernels.h`` — the entry points' declarations;
@@ -146,6 +147,7 @@ class NativeKernels:
     panel_width: int  # kvmesh_linear_panel_width(): output columns per packed weight panel
     decode_stack: Any  # kvmesh_decode_stack_f32
     linear_bf16: Any | None = None  # kvmesh_linear_bf16; None unless built for AVX512-BF16 (this CPU has it)
+    linear_bf16_swiglu: Any | None = None  # kvmesh_linear_bf16_swiglu (gate_up GEMM + SwiGLU); as linear_bf16
 
 
 def _bind(lib: ctypes.CDLL, name: str, restype: Any, argtypes: list[Any]) -> Any:
@@ -169,6 +171,7 @@ def load_kernels(portable: bool = False) -> NativeKernels | None:
     except (OSError, RuntimeError) as exc:
         log.warning("native CPU kernels unavailable, using the torch path: %s", exc)
         return None
+    bf16 = bool(_bind(lib, "kvmesh_linear_bf16_available", _I64, [])())
     return NativeKernels(
         paged_decode=_bind(lib, "kvmesh_paged_decode_f32", ctypes.c_int, [
             _PTR, _I64,  # q, q_row_stride
@@ -214,5 +217,10 @@ def load_kernels(portable: bool = False) -> NativeKernels | None:
             _PTR, _I64, _I64, _I64,  # x (fp32), x_stride, m, k
             _PTR, _I64, _PTR,  # packed (bf16, pack_panels_bf16), n, bias (or NULL)
             _PTR, _I64,  # out, out_stride
-        ]) if _bind(lib, "kvmesh_linear_bf16_available", _I64, [])() else None,
+        ]) if bf16 else None,
+        linear_bf16_swiglu=_bind(lib, "kvmesh_linear_bf16_swiglu", ctypes.c_int, [
+            _PTR, _I64, _I64, _I64,  # x (fp32), x_stride, m, k
+            _PTR, _I64, _PTR,  # packed gate_up (bf16), intermediate size, bias [2 inter] (or NULL)
+            _PTR, _I64,  # out [m, inter], out_stride
+        ]) if bf16 else None,
     )  # fmt: skip

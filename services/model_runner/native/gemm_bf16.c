@@ -35,6 +35,7 @@
 #include <stdlib.h>
 #include <omp.h>
 
+#include "exp_math.h"
 #include "kernels.h"
 #include "pairs.h"
 #include "panel_prefetch.h"
@@ -157,6 +158,55 @@ int kvmesh_linear_bf16(const float *x, int64_t x_stride, int64_t m, int64_t k, c
     return 0;
 }
 
+/* act[m, inter] (rows out_stride apart) = silu(gate) * up, [gate | up] = bf16(x) W^T + bias for the
+ * merged gate_up weight W [2 inter, k] packed as above (bias NULL or [2 inter]): the SwiGLU in the
+ * GEMM's epilogue, so the [m, 2 inter] projection is never written out and read back. Each row tile
+ * computes gate panel g and up panel g + inter / PANEL with the same tile as kvmesh_linear_bf16
+ * into a scratch tile, then silu_mul512 (exp_math.h, layer_ops.c's SwiGLU): bitwise the unfused
+ * kvmesh_linear_bf16 + kvmesh_silu_mul_f32, batch invariant as both are. Returns 0; -1 when the
+ * scratch cannot be had; -3 for an inter that is not a multiple of PANEL (the caller runs the
+ * two steps). */
+int kvmesh_linear_bf16_swiglu(const float *x, int64_t x_stride, int64_t m, int64_t k, const uint16_t *packed,
+                              int64_t inter, const float *bias, float *out, int64_t out_stride)
+{
+    if (inter <= 0 || inter % PANEL) return -3;
+    const int64_t kp = (k + 1) / 2, panels = inter / PANEL, panel_size = kp * 2 * PANEL;
+    uint16_t *xb = malloc(sizeof(uint16_t) * (size_t)(m * 2 * kp) + 64);
+    if (xb == NULL) return -1;
+    round_rows(x, x_stride, m, k, xb, kp);
+    for (int64_t r0 = 0; r0 < m; r0 += ROW_CHUNK) {
+        const int64_t rows = m - r0 < ROW_CHUNK ? m - r0 : ROW_CHUNK, tiles = (rows + ROW_TILE - 1) / ROW_TILE;
+        int64_t claimed[MAX_PAIRS] = {0};
+        #pragma omp parallel if (panels > 1)
+        {
+            float gate[ROW_TILE * PANEL], up[ROW_TILE * PANEL];
+            PairedRun run;
+            paired_run_init(&run, panels, claimed);
+            for (int64_t taken = 0;; taken++) {
+                const int64_t g = paired_run_take(&run, taken);
+                if (g < 0) break;
+                const uint16_t *gp = packed + g * panel_size, *upp = packed + (g + panels) * panel_size;
+                for (int64_t t = 0; t < tiles; t++) {
+                    const int64_t row = r0 + t * ROW_TILE;
+                    const int mr = (int)(r0 + rows - row < ROW_TILE ? r0 + rows - row : ROW_TILE);
+                    const uint16_t *xr = xb + row * 2 * kp;
+                    tile_dispatch(xr, 2 * kp, kp, gp, bias != NULL ? bias + g * PANEL : NULL, gate, PANEL, mr, PANEL,
+                                  NULL);
+                    tile_dispatch(xr, 2 * kp, kp, upp, bias != NULL ? bias + inter + g * PANEL : NULL, up, PANEL, mr,
+                                  PANEL, NULL);
+                    for (int r = 0; r < mr; r++)
+                        for (int j = 0; j < PANEL; j += 16)
+                            _mm512_storeu_ps(out + (row + r) * out_stride + g * PANEL + j,
+                                             silu_mul512(_mm512_loadu_ps(gate + r * PANEL + j),
+                                                         _mm512_loadu_ps(up + r * PANEL + j)));
+                }
+            }
+        }
+    }
+    free(xb);
+    return 0;
+}
+
 #else
 
 int64_t kvmesh_linear_bf16_available(void) { return 0; }
@@ -166,6 +216,13 @@ int kvmesh_linear_bf16(const float *x, int64_t x_stride, int64_t m, int64_t k, c
                        const float *bias, float *out, int64_t out_stride)
 {
     (void)x; (void)x_stride; (void)m; (void)k; (void)packed; (void)n; (void)bias; (void)out; (void)out_stride;
+    return -2;
+}
+
+int kvmesh_linear_bf16_swiglu(const float *x, int64_t x_stride, int64_t m, int64_t k, const uint16_t *packed,
+                              int64_t inter, const float *bias, float *out, int64_t out_stride)
+{
+    (void)x; (void)x_stride; (void)m; (void)k; (void)packed; (void)inter; (void)bias; (void)out; (void)out_stride;
     return -2;
 }
 
