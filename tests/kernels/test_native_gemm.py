@@ -103,3 +103,20 @@ def test_any_thread_count(threads: int) -> None:
     finally:
         torch.set_num_threads(before)
     torch.testing.assert_close(out, x @ weight.T, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_each_row_is_bitwise_the_same_alone_or_in_any_batch(variant: str) -> None:
+    """Batch invariance: rows of one 300-row x computed in batches of 1..40 rows at several offsets,
+    and all 300 at once (two 256-row chunks), give bitwise each row's output computed alone. The
+    batches straddle the switch from decode-sized chunks (up to 4 row tiles, the next panel
+    prefetched in the k loop) to prefill-sized ones (no prefetch): only the schedule may differ."""
+    kernels = _kernels(variant)
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(300, 576, generator=gen)
+    weight, bias = torch.randn(200, 576, generator=gen), torch.randn(200, generator=gen)
+    alone = torch.cat([_linear(kernels, x[i : i + 1], weight, bias) for i in range(300)])
+    for batch in (*range(1, 41), 300):
+        for start in range(0, min(41, 300 - batch + 1), 13):
+            assert torch.equal(_linear(kernels, x[start : start + batch], weight, bias),
+                               alone[start : start + batch]), (batch, start)  # fmt: skip

@@ -101,3 +101,50 @@ def test_not_offered_without_the_kernel() -> None:
     assert kernels.linear_bf16 is None  # the portable build has no AVX-512 at all
     with pytest.raises(ValueError, match="not built here"):
         PackedWeight(torch.ones(4, 4), None, "native_bf16", kernels)
+
+
+def _swiglu_unfused(kernels: native.NativeKernels, x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
+    gate_up = packed(x)
+    inter = gate_up.shape[1] // 2
+    act = torch.empty(x.shape[0], inter)
+    kernels.silu_mul(gate_up.data_ptr(), gate_up.stride(0), act.data_ptr(), x.shape[0], inter)
+    return act
+
+
+def _swiglu_fused(kernels: native.NativeKernels, x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
+    inter = packed.out_features // 2
+    act = torch.full((x.shape[0], inter), float("nan"))
+    assert isinstance(packed.packed, torch.Tensor) and kernels.linear_bf16_swiglu is not None
+    status = kernels.linear_bf16_swiglu(
+        x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], packed.packed.data_ptr(), inter,
+        None if packed.bias is None else packed.bias.data_ptr(), act.data_ptr(), act.stride(0),
+    )  # fmt: skip
+    assert status == 0
+    return act
+
+
+@pytest.mark.parametrize(("rows", "inter", "in_features"), [(1, 48, 64), (37, 96, 576), (300, 144, 33)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_fused_swiglu_is_bitwise_the_gemm_then_swiglu(rows: int, inter: int, in_features: int,
+                                                      with_bias: bool) -> None:  # fmt: skip
+    """gate_up GEMM + SwiGLU in one kernel: bitwise kvmesh_linear_bf16 then kvmesh_silu_mul_f32,
+    over partial row tiles, odd k, two 256-row chunks, with and without the bias."""
+    kernels = _kernels()
+    gen = torch.Generator().manual_seed(rows + inter)
+    x = torch.randn(rows, in_features + 2, generator=gen)[:, 1 : in_features + 1]  # strided rows
+    bias = torch.randn(2 * inter, generator=gen) if with_bias else None
+    packed = PackedWeight(torch.randn(2 * inter, in_features, generator=gen), bias, "native_bf16", kernels)
+    assert torch.equal(_swiglu_fused(kernels, x, packed), _swiglu_unfused(kernels, x, packed))
+
+
+def test_fused_swiglu_takes_whole_panels_only() -> None:
+    """An intermediate size that is not a multiple of the panel width: status -3, nothing written."""
+    kernels = _kernels()
+    packed = PackedWeight(torch.randn(2 * 40, 16), None, "native_bf16", kernels)
+    out = torch.zeros(3, 40)
+    assert isinstance(packed.packed, torch.Tensor) and kernels.linear_bf16_swiglu is not None
+    x = torch.randn(3, 16)
+    status = kernels.linear_bf16_swiglu(x.data_ptr(), 16, 3, 16, packed.packed.data_ptr(), 40, None,
+                                        out.data_ptr(), 40)  # fmt: skip
+    assert status == -3
+    assert torch.equal(out, torch.zeros(3, 40))

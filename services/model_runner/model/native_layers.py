@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from services.model_runner.model.context import ForwardContext
-from services.model_runner.model.layers import ApplyRotary, RMSNorm, SiluAndMul
+from services.model_runner.model.layers import MLP, ApplyRotary, RMSNorm, SiluAndMul
 from services.model_runner.model.native_stack import STACK_MODES, NativeDecodeStack, StackLayer, StackShape
 from services.model_runner.model.transformer import CausalLM, DecoderLayer, DecoderModel
 from services.model_runner.native import NativeKernels, is_cpu_fp32
@@ -84,6 +84,39 @@ class NativeSiluAndMul(SiluAndMul):
         return act
 
 
+class NativeMLP(MLP):
+    """:class:`MLP` whose prefill chunks run the gate_up GEMM with SwiGLU in its epilogue
+    (``kvmesh_linear_bf16_swiglu``, bf16 mode): the ``[T, 2I]`` projection is never written out and
+    read back. Bitwise the unfused path (same tile, same SwiGLU code), so only speed differs; decode
+    batches keep the unfused path, whose GEMM prefetches the next weight panel (the fused one does
+    not: it is built for row counts that reuse each panel from cache)."""
+
+    FUSED_MIN_ROWS = 33  # more rows than the GEMM's decode-sized chunks (4 row tiles of 8)
+
+    def __init__(self, mlp: MLP, kernels: NativeKernels):
+        # NOTE: nn.Module's init, not MLP's: the children are the loaded model's own.
+        nn.Module.__init__(self)
+        self.intermediate_size = mlp.intermediate_size
+        self.gate_up_proj, self.down_proj, self.act_fn = mlp.gate_up_proj, mlp.down_proj, mlp.act_fn
+        self.fused = kernels.linear_bf16_swiglu
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden]
+        packed = self.gate_up_proj.packed
+        if (self.fused is None or packed is None or packed.mode != "native_bf16" or x.dim() != 2
+                or x.shape[0] < self.FUSED_MIN_ROWS or not is_cpu_fp32(x) or x.stride(1) != 1):  # fmt: skip
+            return super().forward(x)
+        weight = packed.packed
+        assert isinstance(weight, torch.Tensor)
+        act = torch.empty(x.shape[0], self.intermediate_size, dtype=torch.float32)
+        status = self.fused(
+            x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], weight.data_ptr(), self.intermediate_size,
+            None if packed.bias is None else packed.bias.data_ptr(), act.data_ptr(), act.stride(0),
+        )  # fmt: skip
+        if status != 0:
+            raise RuntimeError(f"native fused gate_up + SwiGLU failed with status {status}")
+        return self.down_proj(act)
+
+
 class NativeDecoderModel(DecoderModel):
     """:class:`DecoderModel` whose decode-only steps run the layer stack in one native call."""
 
@@ -105,7 +138,8 @@ class NativeDecoderModel(DecoderModel):
 def use_native_kernels(model: CausalLM, kernels: NativeKernels) -> None:
     """Prepares ``model`` for the native backend, in place; call after the weights are packed.
 
-    The norms, the rotary embedding and SwiGLU run on the kernels; the decoder becomes a
+    The norms, the rotary embedding and SwiGLU run on the kernels (in bf16 mode, SwiGLU in the
+    gate_up GEMM for prefill chunks: :class:`NativeMLP`); the decoder becomes a
     :class:`NativeDecoderModel` when :func:`decode_stack` can describe every layer. Calling it
     again changes nothing.
     """
@@ -117,10 +151,22 @@ def use_native_kernels(model: CausalLM, kernels: NativeKernels) -> None:
                 setattr(parent, name, NativeRotary(kernels))
             elif type(child) is SiluAndMul:
                 setattr(parent, name, NativeSiluAndMul(kernels))
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is MLP and _fusable(child, kernels):
+                setattr(parent, name, NativeMLP(child, kernels))
     if type(model.model) is DecoderModel:
         stack = decode_stack(model.model, kernels)
         if stack is not None:
             model.model = NativeDecoderModel(model.model, stack)
+
+
+def _fusable(mlp: MLP, kernels: NativeKernels) -> bool:
+    """Whether ``mlp``'s gate_up can take the fused SwiGLU kernel: packed for bf16 mode, an
+    intermediate size of whole weight panels (the gate and up panels then pair up one to one)."""
+    packed = mlp.gate_up_proj.packed
+    return (kernels.linear_bf16_swiglu is not None and packed is not None and packed.mode == "native_bf16"
+            and mlp.intermediate_size % kernels.panel_width == 0)  # fmt: skip
 
 
 def decode_stack(model: DecoderModel, kernels: NativeKernels) -> NativeDecodeStack | None:

@@ -16,7 +16,8 @@ What is here, and why torch alone was not enough (measurements in docs/model_run
   FMA and plain-C tiles, each row's result independent of the rows beside it);
 * ``gemm_bf16.c`` — the same on bf16 weights and bf16-rounded activations with fp32 accumulation
   (AVX512-BF16's ``vdpbf16ps``; only where the CPU has it): bf16 mode's GEMMs, batch invariant by
-  construction, which torch's bf16 GEMMs are not;
+  construction, which torch's bf16 GEMMs are not; and the gate_up GEMM with SwiGLU in its
+  epilogue (prefill chunks: the [T, 2I] projection is never written out and read back);
 * ``gemm_int8.c`` — the same arithmetic on int8 weights with a scale per output channel, widened
   to bf16 in registers (``quantization=int8_weight_only``): half bf16 mode's weight bytes, for
   single-stream decode, which streams every weight once per token;
@@ -155,6 +156,7 @@ class NativeKernels:
     write_kv_int4: Any | None = None  # kvmesh_write_kv_int4
     paged_attention_int4: Any | None = None  # kvmesh_paged_attention_int4
     linear_int8: Any | None = None  # kvmesh_linear_int8; None unless built for AVX512-BF16, as linear_bf16
+    linear_bf16_swiglu: Any | None = None  # kvmesh_linear_bf16_swiglu (gate_up GEMM + SwiGLU); as linear_bf16
 
 
 def _bind(lib: ctypes.CDLL, name: str, restype: Any, argtypes: list[Any]) -> Any:
@@ -178,6 +180,7 @@ def load_kernels(portable: bool = False) -> NativeKernels | None:
     except (OSError, RuntimeError) as exc:
         log.warning("native CPU kernels unavailable, using the torch path: %s", exc)
         return None
+    bf16 = bool(_bind(lib, "kvmesh_linear_bf16_available", _I64, [])())
     return NativeKernels(
         paged_decode=_bind(lib, "kvmesh_paged_decode_f32", ctypes.c_int, [
             _PTR, _I64,  # q, q_row_stride
@@ -224,7 +227,12 @@ def load_kernels(portable: bool = False) -> NativeKernels | None:
             _PTR, _I64, _I64, _I64,  # x (fp32), x_stride, m, k
             _PTR, _I64, _PTR,  # packed (bf16, pack_panels_bf16), n, bias (or NULL)
             _PTR, _I64,  # out, out_stride
-        ]) if _bind(lib, "kvmesh_linear_bf16_available", _I64, [])() else None,
+        ]) if bf16 else None,
+        linear_bf16_swiglu=_bind(lib, "kvmesh_linear_bf16_swiglu", ctypes.c_int, [
+            _PTR, _I64, _I64, _I64,  # x (fp32), x_stride, m, k
+            _PTR, _I64, _PTR,  # packed gate_up (bf16), intermediate size, bias [2 inter] (or NULL)
+            _PTR, _I64,  # out [m, inter], out_stride
+        ]) if bf16 else None,
         write_kv_int4=_bind(lib, "kvmesh_write_kv_int4", _I64, [
             _PTR, _I64, _PTR, _I64,  # key, key_row_stride, value, value_row_stride (fp32 elements)
             _PTR, _PTR, _PTR, _I64,  # k_cache, v_cache (uint8), slots (int64), num_tokens

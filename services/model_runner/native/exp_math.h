@@ -47,6 +47,17 @@ static inline __m512 exp512_neg(__m512 x) {
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
     return _mm512_scalef_ps(p, n);
 }
+
+/* silu(x) * u, 16 lanes: x sigmoid(x) u, sigmoid(x) = num / (1 + e^-|x|) with num = 1 for x > 0,
+ * e^-|x| otherwise (nothing overflows). The one definition of SwiGLU's vector arithmetic, so the
+ * fused GEMM epilogue (gemm_bf16.c) and the SwiGLU pass (layer_ops.c) give the same bits. */
+static inline __m512 silu_mul512(__m512 x, __m512 u) {
+    const __m512 one = _mm512_set1_ps(1.0f);
+    const __m512 e = exp512_neg(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(x)));  /* e^-|x| */
+    const __m512 num = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_GT_OQ), e, one);
+    const __m512 sig = _mm512_div_ps(num, _mm512_add_ps(one, e));
+    return _mm512_mul_ps(_mm512_mul_ps(x, sig), u);
+}
 #endif
 
 #endif

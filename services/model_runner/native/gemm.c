@@ -17,7 +17,9 @@
  * Kernel: rows of x in tiles of 8, a tile x one panel = 8 x 48 accumulators (24 zmm registers),
  * each k step one broadcast of x per row and three panel loads for 24 FMAs (AVX2 + FMA: 6 x 16
  * tiles, three per panel; plain C elsewhere). Rows come in chunks
- * of ROW_CHUNK, so a prefill's x chunk stays in L2 while the panels stream past it.
+ * of ROW_CHUNK, so a prefill's x chunk stays in L2 while the panels stream past it. The software
+ * prefetch runs for decode-sized chunks only (up to PREFETCH_TILES row tiles): a prefill chunk's
+ * tiles reuse each panel from cache, and the prefetch's per-k bookkeeping only cost them.
  *
  * Numerics: each output is sum_k x[k] * w[k] in k order with FMA, plus the bias: IEEE fp32 in
  * another order than oneDNN's (results differ in the last bits, as any two GEMMs do).
@@ -44,21 +46,23 @@
 #define ROW_TILE 6  /* AVX2: 6 rows x 16 columns = 12 ymm accumulators, 2 for the panel, 1 for x */
 #endif
 #define ROW_CHUNK 256
+#define PREFETCH_TILES 4  /* row tiles per chunk up to which the next panel is prefetched (decode) */
 
 int64_t kvmesh_linear_panel_width(void) { return PANEL; }
 
 #if defined(__AVX512F__)
 
-/* One row tile (mr rows, a compile-time constant after inlining) times one panel. */
+/* One row tile (mr rows, a compile-time constant after inlining) times one panel; `prefetch`
+ * (also a constant) steps the next panel's prefetch once per k. */
 static inline __attribute__((always_inline)) void tile_avx512(
     const float *x, int64_t x_stride, int64_t k, const float *panel, const float *bias, float *out,
-    int64_t out_stride, const int mr, int64_t cols, PanelPrefetch *pf)
+    int64_t out_stride, const int mr, int64_t cols, PanelPrefetch *pf, const int prefetch)
 {
     __m512 c[ROW_TILE][3];
     for (int r = 0; r < mr; r++)
         for (int j = 0; j < 3; j++) c[r][j] = _mm512_setzero_ps();
     for (int64_t kk = 0; kk < k; kk++) {
-        panel_prefetch_step(pf);
+        if (prefetch) panel_prefetch_step(pf);
         const float *b = panel + kk * PANEL;
         const __m512 b0 = _mm512_loadu_ps(b), b1 = _mm512_loadu_ps(b + 16), b2 = _mm512_loadu_ps(b + 32);
         for (int r = 0; r < mr; r++) {
@@ -78,18 +82,20 @@ static inline __attribute__((always_inline)) void tile_avx512(
     }
 }
 
+#define TILE_CASE(n) \
+    case n: \
+        if (pf != NULL) tile_avx512(x, x_stride, k, panel, bias, out, out_stride, n, cols, pf, 1); \
+        else tile_avx512(x, x_stride, k, panel, bias, out, out_stride, n, cols, NULL, 0); \
+        break;
+
+/* pf NULL: no prefetch (a prefill chunk's tiles reuse the panel from cache, and the prefetch's
+ * per-k bookkeeping cost them several per cent: docs/benchmarks.md). */
 static void tile_dispatch(const float *x, int64_t x_stride, int64_t k, const float *panel, const float *bias,
                           float *out, int64_t out_stride, int mr, int64_t cols, PanelPrefetch *pf)
 {
     switch (mr) {
-    case 8: tile_avx512(x, x_stride, k, panel, bias, out, out_stride, 8, cols, pf); break;
-    case 7: tile_avx512(x, x_stride, k, panel, bias, out, out_stride, 7, cols, pf); break;
-    case 6: tile_avx512(x, x_stride, k, panel, bias, out, out_stride, 6, cols, pf); break;
-    case 5: tile_avx512(x, x_stride, k, panel, bias, out, out_stride, 5, cols, pf); break;
-    case 4: tile_avx512(x, x_stride, k, panel, bias, out, out_stride, 4, cols, pf); break;
-    case 3: tile_avx512(x, x_stride, k, panel, bias, out, out_stride, 3, cols, pf); break;
-    case 2: tile_avx512(x, x_stride, k, panel, bias, out, out_stride, 2, cols, pf); break;
-    default: tile_avx512(x, x_stride, k, panel, bias, out, out_stride, 1, cols, pf); break;
+    TILE_CASE(8) TILE_CASE(7) TILE_CASE(6) TILE_CASE(5) TILE_CASE(4) TILE_CASE(3) TILE_CASE(2)
+    default: TILE_CASE(1)
     }
 }
 
@@ -196,7 +202,7 @@ static void run_panels(const float *x, int64_t x_stride, int64_t r0, int64_t row
         const int64_t next = paired_run_after(run, p);
         const int64_t lines = panel_size * (int64_t)sizeof(float) / 64, steps = tiles * k;
         PanelPrefetch pf = panel_prefetch(next >= 0 ? packed + next * panel_size : NULL, lines * 64, steps);
-        PanelPrefetch *pfp = &pf;
+        PanelPrefetch *pfp = tiles <= PREFETCH_TILES ? &pf : NULL;
 #else
         void *pfp = NULL;
 #endif

@@ -23,8 +23,10 @@
  * (model/packed.py, pack_panels_bf16).
  *
  * Kernel: rows in tiles of 8, a tile x one panel = 8 x 48 fp32 accumulators (24 zmm), each k pair
- * one 32-bit broadcast of x per row and three panel loads for 24 vdpbf16ps; the next panel is
- * prefetched as in gemm.c. Threads split the panels as pairs.h describes.
+ * one 32-bit broadcast of x per row and three panel loads for 24 vdpbf16ps. A decode-sized chunk
+ * (up to PREFETCH_TILES row tiles) prefetches the next panel as in gemm.c; a prefill-sized one
+ * does not: its tiles reuse the panel from cache, and the prefetch's per-k-pair bookkeeping cost
+ * them 5-8% (bench/kernel_ab.py, docs/benchmarks.md). Threads split the panels as pairs.h describes.
  *
  * Built only where the compiler targets AVX512-BF16 (-march=native on such a CPU defines
  * __AVX512BF16__); elsewhere kvmesh_linear_bf16_available() is 0 and the runner never packs bf16.
@@ -33,6 +35,7 @@
 #include <stdlib.h>
 #include <omp.h>
 
+#include "exp_math.h"
 #include "kernels.h"
 #include "pairs.h"
 #include "panel_prefetch.h"
@@ -40,6 +43,7 @@
 #define PANEL 48
 #define ROW_TILE 8
 #define ROW_CHUNK 256
+#define PREFETCH_TILES 4  /* row tiles per chunk up to which the next panel is prefetched (decode) */
 
 typedef int32_t __attribute__((may_alias)) bf16_pair;  /* two bf16 read as one broadcast lane */
 
@@ -67,17 +71,19 @@ static void round_rows(const float *x, int64_t x_stride, int64_t m, int64_t k, u
     }
 }
 
-/* One row tile (mr rows, a compile-time constant after inlining) times one panel. */
+/* One row tile (mr rows, a compile-time constant after inlining) times one panel; `prefetch`
+ * (also a constant) steps the next panel's prefetch once per k pair. */
 static inline __attribute__((always_inline)) void tile_bf16(
     const uint16_t *xb, int64_t xb_stride, int64_t kp, const uint16_t *panel, const float *bias, float *out,
-    int64_t out_stride, const int mr, int64_t cols, PanelPrefetch *pf)
+    int64_t out_stride, const int mr, int64_t cols, PanelPrefetch *pf, const int prefetch)
 {
     __m512 c[ROW_TILE][3];
     for (int r = 0; r < mr; r++)
         for (int j = 0; j < 3; j++) c[r][j] = _mm512_setzero_ps();
-    for (int64_t p = 0; p < kp; p++) {
-        panel_prefetch_step(pf);
-        const uint16_t *b = panel + p * 2 * PANEL;
+    const uint16_t *b = panel;
+    _Pragma("GCC unroll 2")
+    for (int64_t p = 0; p < kp; p++, b += 2 * PANEL) {
+        if (prefetch) panel_prefetch_step(pf);
         const __m512bh b0 = (__m512bh)_mm512_loadu_si512(b), b1 = (__m512bh)_mm512_loadu_si512(b + 32),
                        b2 = (__m512bh)_mm512_loadu_si512(b + 64);
         for (int r = 0; r < mr; r++) {
@@ -97,18 +103,20 @@ static inline __attribute__((always_inline)) void tile_bf16(
     }
 }
 
+#define TILE_CASE(n) \
+    case n: \
+        if (pf != NULL) tile_bf16(xb, xb_stride, kp, panel, bias, out, out_stride, n, cols, pf, 1); \
+        else tile_bf16(xb, xb_stride, kp, panel, bias, out, out_stride, n, cols, NULL, 0); \
+        break;
+
+/* pf NULL: no prefetch (the tiles of a prefill chunk reuse the panel; the prefetch's per-step
+ * bookkeeping cost them ~7%, measured in docs/benchmarks.md). */
 static void tile_dispatch(const uint16_t *xb, int64_t xb_stride, int64_t kp, const uint16_t *panel,
                           const float *bias, float *out, int64_t out_stride, int mr, int64_t cols, PanelPrefetch *pf)
 {
     switch (mr) {
-    case 8: tile_bf16(xb, xb_stride, kp, panel, bias, out, out_stride, 8, cols, pf); break;
-    case 7: tile_bf16(xb, xb_stride, kp, panel, bias, out, out_stride, 7, cols, pf); break;
-    case 6: tile_bf16(xb, xb_stride, kp, panel, bias, out, out_stride, 6, cols, pf); break;
-    case 5: tile_bf16(xb, xb_stride, kp, panel, bias, out, out_stride, 5, cols, pf); break;
-    case 4: tile_bf16(xb, xb_stride, kp, panel, bias, out, out_stride, 4, cols, pf); break;
-    case 3: tile_bf16(xb, xb_stride, kp, panel, bias, out, out_stride, 3, cols, pf); break;
-    case 2: tile_bf16(xb, xb_stride, kp, panel, bias, out, out_stride, 2, cols, pf); break;
-    default: tile_bf16(xb, xb_stride, kp, panel, bias, out, out_stride, 1, cols, pf); break;
+    TILE_CASE(8) TILE_CASE(7) TILE_CASE(6) TILE_CASE(5) TILE_CASE(4) TILE_CASE(3) TILE_CASE(2)
+    default: TILE_CASE(1)
     }
 }
 
@@ -136,11 +144,61 @@ int kvmesh_linear_bf16(const float *x, int64_t x_stride, int64_t m, int64_t k, c
                 const int64_t next = paired_run_after(&run, p);
                 PanelPrefetch pf = panel_prefetch(next >= 0 ? packed + next * panel_size : NULL,
                                                   panel_size * (int64_t)sizeof(uint16_t), tiles * kp);
+                PanelPrefetch *pfp = tiles <= PREFETCH_TILES ? &pf : NULL;
                 for (int64_t t = 0; t < tiles; t++) {
                     const int64_t row = r0 + t * ROW_TILE;
                     const int mr = (int)(r0 + rows - row < ROW_TILE ? r0 + rows - row : ROW_TILE);
                     tile_dispatch(xb + row * 2 * kp, 2 * kp, kp, panel, bias != NULL ? bias + p * PANEL : NULL,
-                                  out + row * out_stride + p * PANEL, out_stride, mr, cols, &pf);
+                                  out + row * out_stride + p * PANEL, out_stride, mr, cols, pfp);
+                }
+            }
+        }
+    }
+    free(xb);
+    return 0;
+}
+
+/* act[m, inter] (rows out_stride apart) = silu(gate) * up, [gate | up] = bf16(x) W^T + bias for the
+ * merged gate_up weight W [2 inter, k] packed as above (bias NULL or [2 inter]): the SwiGLU in the
+ * GEMM's epilogue, so the [m, 2 inter] projection is never written out and read back. Each row tile
+ * computes gate panel g and up panel g + inter / PANEL with the same tile as kvmesh_linear_bf16
+ * into a scratch tile, then silu_mul512 (exp_math.h, layer_ops.c's SwiGLU): bitwise the unfused
+ * kvmesh_linear_bf16 + kvmesh_silu_mul_f32, batch invariant as both are. Returns 0; -1 when the
+ * scratch cannot be had; -3 for an inter that is not a multiple of PANEL (the caller runs the
+ * two steps). */
+int kvmesh_linear_bf16_swiglu(const float *x, int64_t x_stride, int64_t m, int64_t k, const uint16_t *packed,
+                              int64_t inter, const float *bias, float *out, int64_t out_stride)
+{
+    if (inter <= 0 || inter % PANEL) return -3;
+    const int64_t kp = (k + 1) / 2, panels = inter / PANEL, panel_size = kp * 2 * PANEL;
+    uint16_t *xb = malloc(sizeof(uint16_t) * (size_t)(m * 2 * kp) + 64);
+    if (xb == NULL) return -1;
+    round_rows(x, x_stride, m, k, xb, kp);
+    for (int64_t r0 = 0; r0 < m; r0 += ROW_CHUNK) {
+        const int64_t rows = m - r0 < ROW_CHUNK ? m - r0 : ROW_CHUNK, tiles = (rows + ROW_TILE - 1) / ROW_TILE;
+        int64_t claimed[MAX_PAIRS] = {0};
+        #pragma omp parallel if (panels > 1)
+        {
+            float gate[ROW_TILE * PANEL], up[ROW_TILE * PANEL];
+            PairedRun run;
+            paired_run_init(&run, panels, claimed);
+            for (int64_t taken = 0;; taken++) {
+                const int64_t g = paired_run_take(&run, taken);
+                if (g < 0) break;
+                const uint16_t *gp = packed + g * panel_size, *upp = packed + (g + panels) * panel_size;
+                for (int64_t t = 0; t < tiles; t++) {
+                    const int64_t row = r0 + t * ROW_TILE;
+                    const int mr = (int)(r0 + rows - row < ROW_TILE ? r0 + rows - row : ROW_TILE);
+                    const uint16_t *xr = xb + row * 2 * kp;
+                    tile_dispatch(xr, 2 * kp, kp, gp, bias != NULL ? bias + g * PANEL : NULL, gate, PANEL, mr, PANEL,
+                                  NULL);
+                    tile_dispatch(xr, 2 * kp, kp, upp, bias != NULL ? bias + inter + g * PANEL : NULL, up, PANEL, mr,
+                                  PANEL, NULL);
+                    for (int r = 0; r < mr; r++)
+                        for (int j = 0; j < PANEL; j += 16)
+                            _mm512_storeu_ps(out + (row + r) * out_stride + g * PANEL + j,
+                                             silu_mul512(_mm512_loadu_ps(gate + r * PANEL + j),
+                                                         _mm512_loadu_ps(up + r * PANEL + j)));
                 }
             }
         }
@@ -158,6 +216,13 @@ int kvmesh_linear_bf16(const float *x, int64_t x_stride, int64_t m, int64_t k, c
                        const float *bias, float *out, int64_t out_stride)
 {
     (void)x; (void)x_stride; (void)m; (void)k; (void)packed; (void)n; (void)bias; (void)out; (void)out_stride;
+    return -2;
+}
+
+int kvmesh_linear_bf16_swiglu(const float *x, int64_t x_stride, int64_t m, int64_t k, const uint16_t *packed,
+                              int64_t inter, const float *bias, float *out, int64_t out_stride)
+{
+    (void)x; (void)x_stride; (void)m; (void)k; (void)packed; (void)inter; (void)bias; (void)out; (void)out_stride;
     return -2;
 }
 

@@ -83,15 +83,7 @@ void kvmesh_silu_mul_f32(const float *gate_up, int64_t stride, float *out, int64
         float *o = out + t * size;
         int64_t i = 0;
 #if defined(__AVX512F__)
-        const __m512 one = _mm512_set1_ps(1.0f);
-        for (; i + 16 <= size; i += 16) {
-            const __m512 x = _mm512_loadu_ps(g + i);
-            const __m512 e = exp512_neg(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(x)));  /* e^-|x| */
-            /* sigmoid(x) = num / (1 + e) with num = 1 for x > 0, e otherwise */
-            const __m512 num = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_GT_OQ), e, one);
-            const __m512 sig = _mm512_div_ps(num, _mm512_add_ps(one, e));
-            _mm512_storeu_ps(o + i, _mm512_mul_ps(_mm512_mul_ps(x, sig), _mm512_loadu_ps(u + i)));
-        }
+        for (; i + 16 <= size; i += 16) _mm512_storeu_ps(o + i, silu_mul512(_mm512_loadu_ps(g + i), _mm512_loadu_ps(u + i)));
 #endif
         for (; i < size; i++) {
             const float x = g[i];

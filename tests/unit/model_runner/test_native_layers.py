@@ -8,17 +8,21 @@ attention backend says it runs on native kernels (``AttentionBackend.native_kern
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, cast
 
+import pytest
 import torch
 from torch import nn
 
 from services.model_runner.attention.cpu_backend import CpuAttentionBackend
 from services.model_runner.kv_pool import KVPool, bytes_per_block
 from services.model_runner.loader import load_model
-from services.model_runner.model.layers import ApplyRotary, Linear, RMSNorm, SiluAndMul
+from services.model_runner.model.config import ModelConfig
+from services.model_runner.model.layers import MLP, ApplyRotary, Linear, RMSNorm, SiluAndMul
 from services.model_runner.model.native_layers import (
     NativeDecoderModel,
+    NativeMLP,
     NativeRMSNorm,
     NativeRotary,
     NativeSiluAndMul,
@@ -78,3 +82,56 @@ def test_the_runner_follows_the_backends_native_kernels(checkpoint: Any, tmp_pat
         runner = ModelRunner(model, pool, backend, model_id="llama")
         assert not any(t in _types(runner.model) for t in NATIVE_TYPES)
         assert all(m.packed is None or m.packed.mode == "fp32" for m in runner.model.modules() if isinstance(m, Linear))
+
+
+def _bf16_mlp(hidden: int, inter: int, bias: bool, seed: int) -> MLP:
+    kernels = load_kernels()
+    assert kernels is not None, "the native kernels did not build on this machine"
+    config = cast(ModelConfig, SimpleNamespace(hidden_size=hidden, intermediate_size=inter, mlp_bias=bias))
+    mlp = MLP(config)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in mlp.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+    mlp.gate_up_proj.pack("native_bf16", kernels)
+    mlp.down_proj.pack("native_bf16", kernels)
+    mlp.act_fn = NativeSiluAndMul(kernels)
+    return mlp
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_fused_mlp_is_bitwise_the_unfused_one(bias: bool) -> None:
+    """bf16 mode's NativeMLP (gate_up GEMM with SwiGLU in its epilogue for prefill chunks) gives
+    the unfused path's bits at every row count: 1..32 rows take the unfused path, 33 and more the
+    fused kernel, and each row is bitwise its value computed alone (batch invariance)."""
+    kernels = load_kernels()
+    assert kernels is not None and kernels.linear_bf16 is not None, "needs the bf16 GEMM (AVX512-BF16)"
+    mlp = _bf16_mlp(64, 96, bias, seed=3)
+    fused = NativeMLP(mlp, kernels)
+    assert fused.gate_up_proj is mlp.gate_up_proj and fused.down_proj is mlp.down_proj  # the same modules
+    unfused_rows: list[int] = []
+
+    class Counted(SiluAndMul):  # the unfused path's SwiGLU, counting its calls
+        def forward(self, t: torch.Tensor) -> torch.Tensor:
+            unfused_rows.append(t.shape[0])
+            return mlp.act_fn(t)
+
+    fused.act_fn = Counted()
+    x = torch.randn(300, 64, generator=torch.Generator().manual_seed(4))
+    alone = torch.cat([mlp(x[i : i + 1]) for i in range(300)])
+    for rows in (1, 32, 33, 40, 300):
+        assert torch.equal(fused(x[:rows]), mlp(x[:rows])), rows
+        assert torch.equal(fused(x[:rows]), alone[:rows]), rows
+    assert unfused_rows == [1, 1, 32, 32]  # 33 rows and more never ran the separate SwiGLU
+
+
+def test_the_fused_mlp_replaces_only_bf16_mlps_of_whole_panels() -> None:
+    """use_native_kernels swaps an MLP for NativeMLP when its gate_up is packed for bf16 mode and its
+    intermediate size is whole 48-wide panels; 128 (the tiny test models) keeps the plain MLP."""
+    kernels = load_kernels()
+    assert kernels is not None and kernels.linear_bf16 is not None, "needs the bf16 GEMM (AVX512-BF16)"
+    holder = nn.Module()
+    holder.whole, holder.partial = _bf16_mlp(64, 96, False, seed=5), _bf16_mlp(64, 128, False, seed=6)
+    holder.model = nn.Identity()  # no decoder to swap
+    use_native_kernels(cast(Any, holder), kernels)
+    assert type(holder.whole) is NativeMLP and type(holder.partial) is MLP

@@ -1,0 +1,171 @@
+"""A/B of the native prefill kernels: another commit's build against this checkout's, in one process.
+
+Why: the machine is shared, and a prefill benchmark's wall time moves by 2x with the neighbours'
+load. Here both builds run in the same process, taking turns call by call, timed in **thread CPU
+time** (one compute thread: the OpenMP region runs on the calling thread), so time slices lost to
+other processes do not count; what the neighbours still cost (shared caches, memory bandwidth)
+hits both builds alike. Medians of ``--repeats`` after one warm-up round; the outputs of the two
+builds are compared bitwise (a kernel change that keeps the arithmetic must keep the bits).
+
+What: the four SmolLM2-135M linear layers at ``--rows`` rows (bf16 ``gemm_bf16.c``, fp32
+``gemm.c``), and ``prefill_attention.c`` on the two 512-token chunks of a 1,024-token prompt (9
+query heads, 3 KV heads, head_dim 64: context 512 and 1,024); plus the machine's ``vdpbf16ps`` and
+fp32 FMA peak (a register-only loop, the same thread) to read the GEMMs' GFLOP/s against.
+
+Run: ``python bench/kernel_ab.py --base bb72a9b [--repeats 9] [--rows 512]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # NOTE: run as a script, the repo root is not on sys.path
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from services.model_runner import native  # noqa: E402
+from services.model_runner.model.packed import pack_panels, pack_panels_bf16  # noqa: E402
+
+NATIVE = "services/model_runner/native"
+LAYERS = {"qkv": (576, 832), "o": (576, 576), "gate_up": (576, 3072), "down": (1536, 576)}  # (in, out)
+PEAK_C = r"""
+#include <immintrin.h>
+#define R(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11)
+#define D(i) __m512 c##i = _mm512_set1_ps(i * 1e-3f);
+#define S(i) s += _mm512_reduce_add_ps(c##i);
+float peak_bf16(long n) {
+    R(D) const __m512bh a = (__m512bh)_mm512_set1_epi32(0x3f803f80);
+#define B(i) c##i = _mm512_dpbf16_ps(c##i, a, a);
+    for (long i = 0; i < n; i++) { R(B) }
+    float s = 0; R(S) return s;
+}
+float peak_f32(long n) {
+    R(D) const __m512 a = _mm512_set1_ps(1.0000001f), b = _mm512_set1_ps(0.9999999f);
+#define F(i) c##i = _mm512_fmadd_ps(a, c##i, b);
+    for (long i = 0; i < n; i++) { R(F) }
+    float s = 0; R(S) return s;
+}
+"""
+_P, _I = ctypes.c_void_p, ctypes.c_int64
+
+
+def _compile(sources: Sequence[Path], out: Path) -> ctypes.CDLL:
+    flags = [f for f in native.CFLAGS if f != "-Wall"]
+    subprocess.run(["cc", *flags, "-o", str(out), *map(str, sources), "-lm"], check=True)
+    lib = ctypes.CDLL(str(out))
+    lib.kvmesh_linear_bf16.argtypes = [_P, _I, _I, _I, _P, _I, _P, _P, _I]
+    lib.kvmesh_linear_f32.argtypes = [_P, _I, _I, _I, _P, _I, _P, _P, _I]
+    lib.kvmesh_prefill_attention_f32.argtypes = [_P, _I, _P, _P, _I, _P, _I, _I, _P, _I, _I, _I, _I, _I,
+                                                 ctypes.c_float]  # fmt: skip
+    return lib
+
+
+def builds(base: str, work: Path) -> dict[str, ctypes.CDLL]:
+    """``{"base": base's kernels, "new": this checkout's}``, compiled into ``work``."""
+    tree = work / "base"
+    tree.mkdir()
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", base, NATIVE], capture_output=True, check=True)
+    subprocess.run(["tar", "-x", "-C", str(tree)], input=archive.stdout, check=True)
+    return {"base": _compile(sorted((tree / NATIVE).glob("*.c")), work / "base.so"),
+            "new": _compile(native.SOURCES, work / "new.so")}  # fmt: skip
+
+
+Call = tuple[Callable[..., object], tuple[object, ...]]
+
+
+def race(calls: dict[str, Call], repeats: int) -> dict[str, float]:
+    """Median thread CPU seconds of each ``fn(*args)``, the calls taking turns; the first round is a
+    warm-up."""
+    samples: dict[str, list[float]] = {name: [] for name in calls}
+    for r in range(repeats + 1):
+        for name, (fn, args) in calls.items():
+            start = time.thread_time()
+            fn(*args)
+            if r:
+                samples[name].append(time.thread_time() - start)
+    return {name: statistics.median(s) for name, s in samples.items()}
+
+
+def gemms(libs: dict[str, ctypes.CDLL], rows: int, repeats: int) -> None:
+    for fn, pack in (("kvmesh_linear_bf16", pack_panels_bf16), ("kvmesh_linear_f32", pack_panels)):
+        total = dict.fromkeys(libs, 0.0)
+        for layer, (k, n) in LAYERS.items():
+            gen = torch.Generator().manual_seed(k + n)
+            x, weight = torch.randn(rows, k, generator=gen), pack(torch.randn(n, k, generator=gen) * 0.05, 48)
+            outs = {name: torch.empty(rows, n) for name in libs}
+            med = race({name: (getattr(lib, fn), (x.data_ptr(), k, rows, k, weight.data_ptr(), n, None,
+                                                  outs[name].data_ptr(), n)) for name, lib in libs.items()}, repeats)
+            for name in libs:
+                total[name] += med[name]
+            gf = {name: 2 * rows * k * n / t / 1e9 for name, t in med.items()}
+            print(f"{fn} {layer} [{rows} x {k}] x [{k} x {n}]: base {med['base'] * 1e3:.2f} ms "
+                  f"({gf['base']:.0f} GFLOP/s), new {med['new'] * 1e3:.2f} ms ({gf['new']:.0f}), "
+                  f"new/base {med['new'] / med['base']:.3f}, bitwise {torch.equal(outs['base'], outs['new'])}")
+        print(f"{fn} one layer's four GEMMs: new/base {total['new'] / total['base']:.3f}")
+
+
+def attention(libs: dict[str, ctypes.CDLL], repeats: int) -> None:
+    heads, kv_heads, dim, block = 9, 3, 64, 16
+    total = dict.fromkeys(libs, 0.0)
+    for seq_len, num_q in ((512, 512), (1024, 512)):
+        gen = torch.Generator().manual_seed(seq_len)
+        blocks = seq_len // block + 4
+        k_cache, v_cache = (torch.randn(blocks, block, kv_heads, dim, generator=gen) for _ in range(2))
+        table = torch.randperm(blocks, generator=gen)[: seq_len // block].to(torch.int32)
+        q = torch.randn(num_q, heads * dim, generator=gen)
+        outs = {name: torch.empty(num_q, heads * dim) for name in libs}
+        med = race({name: (lib.kvmesh_prefill_attention_f32, (
+            q.data_ptr(), heads * dim, k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), table.data_ptr(),
+            num_q, seq_len, outs[name].data_ptr(), heads * dim, heads, kv_heads, dim, block, dim**-0.5))
+            for name, lib in libs.items()}, repeats)  # fmt: skip
+        for name in libs:
+            total[name] += med[name]
+        flops = 4 * dim * heads * sum(seq_len - num_q + i + 1 for i in range(num_q))
+        print(f"prefill attention {num_q} queries at context {seq_len}: base {med['base'] * 1e3:.2f} ms "
+              f"({flops / med['base'] / 1e9:.0f} GFLOP/s), new {med['new'] * 1e3:.2f} ms "
+              f"({flops / med['new'] / 1e9:.0f}), new/base {med['new'] / med['base']:.3f}, "
+              f"bitwise {torch.equal(outs['base'], outs['new'])}")  # fmt: skip
+    print(f"prefill attention, both chunks of a 1,024-token prompt: new/base {total['new'] / total['base']:.3f}")
+
+
+def peaks(work: Path) -> None:
+    src = work / "peak.c"
+    src.write_text(PEAK_C)
+    subprocess.run(["cc", "-O2", "-march=native", "-shared", "-fPIC", "-o", str(work / "peak.so"), str(src)],
+                   check=True)  # fmt: skip
+    lib = ctypes.CDLL(str(work / "peak.so"))
+    for name, flops in (("peak_bf16", 64), ("peak_f32", 32)):
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = [ctypes.c_long], ctypes.c_float
+        n = 5_000_000
+        t = race({name: (fn, (n,))}, 5)[name]
+        print(f"{name} (register-only loop, one thread): {n * 12 * flops / t / 1e9:.0f} GFLOP/s")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--base", default="HEAD", help="the commit whose kernels are the baseline")
+    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--rows", type=int, default=512, help="GEMM rows (a prefill chunk)")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory(prefix="kvmesh-kernel-ab-") as tmp:
+        libs = builds(args.base, Path(tmp))
+        peaks(Path(tmp))
+        gemms(libs, args.rows, args.repeats)
+        attention(libs, args.repeats)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
