@@ -19,10 +19,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from services.model_runner.input_batch import first_live_block
 from services.model_runner.kv_pool import KVPool
 from services.model_runner.model.config import ModelConfig
-from shared.kv_layout import gqa_kv_bytes_per_token, layers_per_group
+from shared.kv_layout import dead_blocks, gqa_kv_bytes_per_token, layers_per_group
 
 BASE: dict[str, Any] = {"vocab_size": 1000, "hidden_size": 64, "intermediate_size": 64, "num_attention_heads": 4}
 MODELS: dict[str, tuple[dict[str, Any], int, torch.dtype]] = {  # config, block size, KV dtype
@@ -56,7 +55,7 @@ def measure(hf: dict[str, Any], block_size: int, dtype: torch.dtype) -> dict[str
     window = min(g.window for g in groups if g.window is not None)
     length = 4 * window  # tokens in the cache, the last one's query (position length - 1) attending now
     blocks = -(-length // block_size)
-    held = sum(blocks - first_live_block(length - 1, g.window, block_size) for g in groups)
+    held = sum(blocks - dead_blocks(g.window, block_size, length - 1) for g in groups)
     per_token = gqa_kv_bytes_per_token  # the formula, per layer kind
     formula = sum(
         per_token(1, cfg.num_kv_heads, cfg.head_dim, dtype.itemsize) * min(length, w or length)

@@ -40,9 +40,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 __all__ = [
-    "INT4_GROUP", "KVGroup", "dead_blocks", "dead_range", "gqa_kv_bytes_per_token", "int4_group_size",
-    "int4_row_bytes", "kv_groups", "layers_per_group", "mla_kv_bytes_per_token", "peak_blocks", "sink_blocks",
-    "with_sinks",
+    "INT4_GROUP", "KVGroup", "dead_blocks", "dead_range", "first_visible_key", "gqa_kv_bytes_per_token",
+    "int4_group_size", "int4_row_bytes", "kv_groups", "layers_per_group", "mla_kv_bytes_per_token", "peak_blocks",
+    "sink_blocks", "with_sinks",
 ]
 
 INT4_GROUP = 32  # channels per INT4 scale (smaller heads use one group per head), see int4_group_size
@@ -173,6 +173,12 @@ def dead_range(window: int | None, sink_tokens: int, block_size: int, position: 
     return first, max(first, dead_blocks(window, block_size, position))
 
 
+def first_visible_key(position: int, window: int | None) -> int:
+    """The first key a query at ``position`` sees: 0, or with a window ``position - window + 1``
+    (transformers' ``sliding_window_overlay``: keys ``p - window < j <= p``)."""
+    return 0 if window is None else max(0, position - window + 1)
+
+
 def dead_blocks(window: int | None, block_size: int, position: int) -> int:
     """Leading blocks of a group that no query at ``position`` or later can see.
 
@@ -180,9 +186,7 @@ def dead_blocks(window: int | None, block_size: int, position: int) -> int:
     block whose tokens all lie below ``position - window + 1`` is dead: the kv-cache-manager frees
     it, and a prefix hit ending at ``position`` does not need it. A full group has none.
     """
-    if window is None:
-        return 0
-    return max(0, (position - window + 1) // block_size)
+    return first_visible_key(position, window) // block_size
 
 
 def peak_blocks(window: int | None, block_size: int, num_tokens: int, max_step_tokens: int,

@@ -97,7 +97,26 @@ def runner_env(settings: dict[str, Any], threads: int) -> dict[str, str]:
             "KVMESH_RUNNER_QUANTIZATION": settings.get("quantization", "none")}
 
 
-class KvmeshEngine:
+class DrivenEngine:
+    """A worker's engine that the serve driver drives: ``system`` and ``_resolved`` set by ``__init__``."""
+
+    system: Any  # bench.serve.systems.DrivenSystem
+    _resolved: dict[str, str]
+
+    def generate(self, prompts: Sequence[Sequence[int]], output_len: int) -> list[list[int]]:
+        """Every prompt offered at once; tokens in prompt order."""
+        return drive_tokens(self.system, prompts, output_len)
+
+    def resolved(self) -> dict[str, str]:
+        """What the server or runner reports it chose."""
+        return self._resolved
+
+    def close(self) -> None:
+        """Stops what ``__init__`` started."""
+        self.system.close()
+
+
+class KvmeshEngine(DrivenEngine):
     """The suite (over gRPC) or the in-process engine, driven by the serve driver."""
 
     def __init__(self, job: dict[str, Any]) -> None:
@@ -135,17 +154,6 @@ class KvmeshEngine:
                           "dtype_reason": mi.dtype_reason, "backend_reason": mi.attention_backend_reason}
         self.system = DrivenSystem(InProcessTransport(engine), False, engine.close, inprocess=engine)
 
-    def generate(self, prompts: Sequence[Sequence[int]], output_len: int) -> list[list[int]]:
-        """Every prompt offered at once; tokens in prompt order."""
-        return drive_tokens(self.system, prompts, output_len)
-
-    def resolved(self) -> dict[str, str]:
-        """What the runner reports it chose."""
-        return self._resolved
-
-    def close(self) -> None:
-        """Stops the suite or the engine."""
-        self.system.close()
 
 
 def _versions() -> dict[str, str]:

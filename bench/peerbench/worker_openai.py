@@ -21,7 +21,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +29,7 @@ if str(ROOT) not in sys.path:  # NOTE: run as a script; the repo root is not on 
     sys.path.insert(0, str(ROOT))
 
 from bench.peerbench import wire  # noqa: E402
-from bench.peerbench.worker_kvmesh import SuiteProcess, drive_tokens, free_port, runner_env  # noqa: E402
+from bench.peerbench.worker_kvmesh import DrivenEngine, SuiteProcess, free_port, runner_env  # noqa: E402
 
 LAUNCHER = Path(__file__).resolve().parent / "vllm_serve.py"  # `vllm serve` (see its NOTE)
 STARTUP_TIMEOUT_S = 900.0  # vLLM takes 25-40 s idle, minutes on a loaded machine
@@ -97,7 +96,7 @@ def wait_http(base_url: str, alive: Any, timeout_s: float = STARTUP_TIMEOUT_S) -
     raise RuntimeError(f"{base_url} did not answer within {timeout_s:.0f} s")
 
 
-class OpenAIEngine:
+class OpenAIEngine(DrivenEngine):
     """One HTTP server (vLLM or kvmesh) and the driver of ``kvmesh bench serve --backend openai``."""
 
     def __init__(self, job: dict[str, Any]) -> None:
@@ -136,17 +135,6 @@ class OpenAIEngine:
 
         self.system = DrivenSystem(transport, False, close)
 
-    def generate(self, prompts: Sequence[Sequence[int]], output_len: int) -> list[list[int]]:
-        """Every prompt offered at once over HTTP; tokens in prompt order."""
-        return drive_tokens(self.system, prompts, output_len)
-
-    def resolved(self) -> dict[str, str]:
-        """What the server runs."""
-        return self._resolved
-
-    def close(self) -> None:
-        """Stops the server."""
-        self.system.close()
 
 
 def _versions() -> dict[str, str]:

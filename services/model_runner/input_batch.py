@@ -31,9 +31,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from services.model_runner.attention.base import AttentionMetadata, first_visible_key
+from services.model_runner.attention.base import AttentionMetadata
 from shared.errors import InvalidArgument
-from shared.kv_layout import sink_blocks
+from shared.kv_layout import dead_blocks, sink_blocks
 
 
 @dataclass(frozen=True)
@@ -129,7 +129,7 @@ def validate_request(req: ScheduledRequest, geometry: PoolGeometry) -> None:
                               f"{width}")  # fmt: skip
     for group, window in enumerate(geometry.group_windows):
         table = req.block_ids[group * width : group * width + needed]
-        live = first_live_block(computed, window, geometry.block_size)
+        live = dead_blocks(window, geometry.block_size, computed)
         sinks = geometry.sink_blocks(group)
         for position, block_id in enumerate(table):
             if (position >= live or position < sinks) and not 0 < block_id < geometry.num_blocks:
@@ -140,13 +140,6 @@ def validate_request(req: ScheduledRequest, geometry: PoolGeometry) -> None:
             if not 0 <= block_id < geometry.num_blocks:
                 raise InvalidArgument(f"{rid}: block id {block_id} (KV cache group {group}, block {position}, out of "
                                       f"its window) is outside the pool [0, {geometry.num_blocks})")  # fmt: skip
-
-
-def first_live_block(first_query_pos: int, window: int | None, block_size: int) -> int:
-    """The first block a query at ``first_query_pos`` or later can see: 0 for full attention;
-    with a window, the block of key ``first_query_pos - window + 1`` (transformers' rule: a query
-    at ``p`` sees keys ``p - window < j <= p``). Blocks before it may hold anything."""
-    return first_visible_key(first_query_pos, window) // block_size
 
 
 def extend_tables(request_id: str, tables: Sequence[int], new_ids: Sequence[int], groups: int) -> list[int]:

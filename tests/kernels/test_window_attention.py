@@ -15,11 +15,12 @@ import dataclasses
 import pytest
 import torch
 
-from services.model_runner.attention.base import AttentionBackend, first_visible_key
+from services.model_runner.attention.base import AttentionBackend
 from services.model_runner.attention.cpu_backend import CpuAttentionBackend
 from services.model_runner.attention.kernels.paged_attention import paged_attention, paged_attention_ref
 from services.model_runner.attention.torch_backend import TorchAttentionBackend
 from services.model_runner.factory import cpu_flags
+from shared.kv_layout import first_visible_key
 
 from .test_paged_attention import Batch, make_batch, run_reference
 

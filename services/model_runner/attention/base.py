@@ -103,12 +103,6 @@ class AttentionBackend(Protocol):
         ...
 
 
-def first_visible_key(position: int, window: int | None) -> int:
-    """The first key a query at ``position`` sees: 0, or with a window ``position - window + 1``
-    (transformers' ``sliding_window_overlay``: keys ``p - window < j <= p``)."""
-    return 0 if window is None else max(0, position - window + 1)
-
-
 STEP_CACHE = 8  # step metadata remembered per backend: one per KV cache group of the current step
 
 

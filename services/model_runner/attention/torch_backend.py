@@ -29,9 +29,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from services.model_runner.attention.base import AttentionMetadata, MetaCache, first_visible_key
+from services.model_runner.attention.base import AttentionMetadata, MetaCache
 from services.model_runner.attention.int4 import INT4_DTYPE, dequantize_int4, quantize_int4
 from services.model_runner.native import NativeKernels
+from shared.kv_layout import first_visible_key
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0

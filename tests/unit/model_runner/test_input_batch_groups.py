@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from services.model_runner.input_batch import PoolGeometry, ScheduledRequest, first_live_block, prepare_inputs
+from services.model_runner.input_batch import PoolGeometry, ScheduledRequest, prepare_inputs
 from shared.errors import InvalidArgument
+from shared.kv_layout import dead_blocks
 
 # group 0 full attention, group 1 a window of 6 tokens; blocks of 4
 GEOMETRY = PoolGeometry(num_blocks=32, block_size=4, vocab_size=100, max_model_len=64, group_windows=(None, 6))
@@ -28,13 +29,13 @@ def test_each_group_gets_its_own_slots_and_tables_the_rest_is_shared() -> None:
     assert batch.meta is full and batch.positions.tolist() == [14, 15]
 
 
-def test_first_live_block_follows_transformers_window_rule() -> None:
+def test_dead_blocks_follow_transformers_window_rule() -> None:
     # a query at p sees keys p - window < j <= p
-    assert first_live_block(14, None, 4) == 0
-    assert first_live_block(14, 6, 4) == 2  # first key 9: block 2
-    assert first_live_block(13, 6, 4) == 2  # first key 8: block 2
-    assert first_live_block(12, 6, 4) == 1  # first key 7: block 1
-    assert first_live_block(3, 6, 4) == 0
+    assert dead_blocks(None, 4, 14) == 0
+    assert dead_blocks(6, 4, 14) == 2  # first key 9: block 2
+    assert dead_blocks(6, 4, 13) == 2  # first key 8: block 2
+    assert dead_blocks(6, 4, 12) == 1  # first key 7: block 1
+    assert dead_blocks(6, 4, 3) == 0
 
 
 @pytest.mark.parametrize(

@@ -25,11 +25,11 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from services.model_runner.input_batch import first_live_block
 from services.model_runner.model.native_layers import NativeDecoderModel
 from services.model_runner.runner import ModelRunner
 from services.model_runner.types import CachedRequestData, NewRequestData, StepInput
 from shared.errors import InvalidArgument
+from shared.kv_layout import dead_blocks
 from shared.sampling_params import SamplingParams
 
 TINY: dict[str, Any] = {
@@ -111,7 +111,7 @@ class WindowDriver:
         assert num_tokens % self.bs == 0 and donor.computed >= num_tokens and not req.started
         n = num_tokens // self.bs
         for g, window in enumerate(self.windows):
-            live = first_live_block(num_tokens, window, self.bs)
+            live = dead_blocks(window, self.bs, num_tokens)
             req.tables[g] = [0] * live + donor.tables[g][live:n]
             assert 0 not in req.tables[g][live:], "the donor freed a block the hit needs"
             for block in req.tables[g][live:]:
@@ -180,7 +180,7 @@ class WindowDriver:
             for g, window in enumerate(self.windows):
                 if window is None:
                     continue
-                live = first_live_block(req.computed, window, self.bs)
+                live = dead_blocks(window, self.bs, req.computed)
                 for j in range(live):
                     self._release(req.tables[g][j])
                     req.tables[g][j] = 0
