@@ -12,7 +12,12 @@ What: the four SmolLM2-135M linear layers at ``--rows`` rows (bf16 ``gemm_bf16.c
 query heads, 3 KV heads, head_dim 64: context 512 and 1,024); plus the machine's ``vdpbf16ps`` and
 fp32 FMA peak (a register-only loop, the same thread) to read the GEMMs' GFLOP/s against.
 
-Run: ``python bench/kernel_ab.py --base bb72a9b [--repeats 9] [--rows 512]``.
+With ``--step-rows``, also the fp32 GEMMs of a whole SmolLM2-135M step (30 layers' qkv, o,
+gate_up and down, and the tied head) at each row count, on 121 distinct weights (538 MB): each
+pass streams them from memory, as a real step does (the per-layer rows above reuse one weight
+from cache).
+
+Run: ``python bench/kernel_ab.py --base bb72a9b [--repeats 9] [--rows 512] [--step-rows 32 64 512]``.
 """
 
 from __future__ import annotations
@@ -114,6 +119,28 @@ def gemms(libs: dict[str, ctypes.CDLL], rows: int, repeats: int) -> None:
         print(f"{fn} one layer's four GEMMs: new/base {total['new'] / total['base']:.3f}")
 
 
+def step_gemms(libs: dict[str, ctypes.CDLL], rows: Sequence[int], repeats: int) -> None:
+    # SmolLM2-135M's 30 layers (qkv: 9 query + 2 x 3 KV heads of 64), then the tied head; (in, out)
+    shapes = [(576, 960), (576, 576), (576, 3072), (1536, 576)] * 30 + [(576, 49152)]
+    gen = torch.Generator().manual_seed(0)
+    weights = [(pack_panels(torch.randn(n, k, generator=gen) * 0.05, 48), k, n) for k, n in shapes]
+    for m in rows:
+        x = torch.randn(m, 1536, generator=gen)
+        outs = {name: [torch.empty(m, n) for _, _, n in weights] for name in libs}
+
+        def step(lib: ctypes.CDLL, outs: list[torch.Tensor], m: int = m, x: torch.Tensor = x) -> None:
+            for (w, k, n), out in zip(weights, outs, strict=True):
+                lib.kvmesh_linear_f32(x.data_ptr(), x.stride(0), m, k, w.data_ptr(), n, None, out.data_ptr(), n)
+
+        med = race({name: (step, (lib, outs[name])) for name, lib in libs.items()}, repeats)
+        flops = sum(2 * m * k * n for _, k, n in weights)
+        bitwise = all(torch.equal(a, b) for a, b in zip(outs["base"], outs["new"], strict=True))
+        base, new = med["base"], med["new"]
+        print(f"fp32 step GEMMs, {m} rows, {len(weights)} weights streamed: base {base * 1e3:.1f} ms "
+              f"({flops / base / 1e9:.0f} GFLOP/s), new {new * 1e3:.1f} ms ({flops / new / 1e9:.0f}), "
+              f"new/base {new / base:.3f}, bitwise {bitwise}")  # fmt: skip
+
+
 def attention(libs: dict[str, ctypes.CDLL], repeats: int) -> None:
     heads, kv_heads, dim, block = 9, 3, 64, 16
     total = dict.fromkeys(libs, 0.0)
@@ -157,12 +184,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--base", default="HEAD", help="the commit whose kernels are the baseline")
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--rows", type=int, default=512, help="GEMM rows (a prefill chunk)")
+    parser.add_argument("--step-rows", type=int, nargs="*", default=[],
+                        help="also a whole step's fp32 GEMMs, weights streamed, at these row counts")  # fmt: skip
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory(prefix="kvmesh-kernel-ab-") as tmp:
         libs = builds(args.base, Path(tmp))
         peaks(Path(tmp))
         gemms(libs, args.rows, args.repeats)
+        step_gemms(libs, args.step_rows, args.repeats)
         attention(libs, args.repeats)
     return 0
 

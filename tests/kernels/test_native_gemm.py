@@ -1,12 +1,19 @@
 """The native fp32 GEMM (``services/model_runner/native/gemm.c``) and its packed layout.
 
 Both builds: the AVX-512 one (8-row tiles, software prefetch of the next panel) and the portable
-C loops. Shapes straddle every edge the kernel has: output columns not a multiple of the 48-wide
-panel, fewer panels than threads, row counts that leave a partial 8-row tile, and more rows than
-one 256-row chunk.
+one (``-mno-avx512f``: the AVX2 + FMA tile on a CPU with FMA, the plain C loops elsewhere). Shapes
+straddle every edge the kernel has: output columns not a multiple of the 48-wide panel, fewer
+panels than threads, row counts that leave a partial 8-row tile, and more rows than one 256-row
+chunk. Besides closeness to float64, the FMA tiles are pinned bitwise to a scalar loop
+(``gemm_reference.c``): the per-output order of the k sum is the contract a faster blocking must keep.
 """
 
 from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -120,3 +127,53 @@ def test_each_row_is_bitwise_the_same_alone_or_in_any_batch(variant: str) -> Non
         for start in range(0, min(41, 300 - batch + 1), 13):
             assert torch.equal(_linear(kernels, x[start : start + batch], weight, bias),
                                alone[start : start + batch]), (batch, start)  # fmt: skip
+
+
+def _has_fma() -> bool:
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return False
+    return any(line.startswith("flags") and "fma" in line.split() for line in lines)
+
+
+@functools.cache
+def _reference() -> Any:
+    """gemm_reference.c's scalar loop, built as the kernels are (native.build, its own cache key)."""
+    lib = ctypes.CDLL(str(native.build(sources=(Path(__file__).with_name("gemm_reference.c"),))))
+    fn = lib.reference_linear_f32
+    fn.restype = None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+                   ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]  # fmt: skip
+    return fn
+
+
+# NOTE: the plain-C loops (a CPU without AVX2 + FMA) multiply and add separately, so the contract
+# below is the FMA tiles' (AVX-512, AVX2 + FMA): both builds the tests make on such a CPU.
+@pytest.mark.skipif(not _has_fma(), reason="the FMA tiles are built only for a CPU with FMA")
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize(("rows", "out_features", "in_features", "pad"), [
+    (1, 960, 576, 0), (5, 77, 33, 3), (8, 48, 16, 0), (32, 1536, 576, 0), (17, 576, 1536, 5), (300, 130, 64, 1),
+    (3, 1, 7, 0), (9, 97, 1, 2), (40, 200, 100, 0),
+])  # fmt: skip
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_each_output_is_the_fma_chain_in_k_order(variant: str, rows: int, out_features: int, in_features: int,
+                                                 pad: int, with_bias: bool) -> None:  # fmt: skip
+    """Bitwise against the scalar reference (gemm_reference.c): every output is the FMA chain over
+    k in order from zero, then the bias, whatever the row tile, panel, chunk or thread. This is
+    what the fp32 exact mode rests on (a row's bits never depend on the batch) and what a change
+    of the kernel's blocking, loop order or prefetch must keep (x and out rows strided, panels and
+    row tiles partial, more rows than one chunk)."""
+    kernels = _kernels(variant)
+    gen = torch.Generator().manual_seed(rows * 7919 + out_features * 31 + in_features)
+    wide = torch.randn(rows, in_features + pad, generator=gen)
+    x = wide[:, :in_features]  # row stride in_features + pad
+    weight = torch.randn(out_features, in_features, generator=gen)
+    bias = torch.randn(out_features, generator=gen) if with_bias else None
+    packed = pack_panels(weight, kernels.panel_width)
+    out, expected = (torch.full((rows, out_features + pad), float("nan")) for _ in range(2))
+    args = (x.data_ptr(), x.stride(0), rows, in_features, packed.data_ptr(), out_features)
+    bias_ptr = None if bias is None else bias.data_ptr()
+    kernels.linear(*args, bias_ptr, out.data_ptr(), out.stride(0))
+    _reference()(*args, kernels.panel_width, bias_ptr, expected.data_ptr(), expected.stride(0))
+    assert torch.equal(out[:, :out_features].view(torch.int32), expected[:, :out_features].view(torch.int32))

@@ -18,8 +18,10 @@
  * each k step one broadcast of x per row and three panel loads for 24 FMAs (AVX2 + FMA: 6 x 16
  * tiles, three per panel; plain C elsewhere). Rows come in chunks
  * of ROW_CHUNK, so a prefill's x chunk stays in L2 while the panels stream past it. The software
- * prefetch runs for decode-sized chunks only (up to PREFETCH_TILES row tiles): a prefill chunk's
- * tiles reuse each panel from cache, and the prefetch's per-k bookkeeping only cost them.
+ * prefetch of the next panel runs during a chunk's first PREFETCH_TILES row tiles (all of a
+ * decode-sized chunk's): without it a larger chunk's first tile read each panel at the memory's
+ * pace (the row tiles after it reuse the panel from cache, where the prefetch's per-k bookkeeping
+ * would only cost them).
  *
  * Numerics: each output is sum_k x[k] * w[k] in k order with FMA, plus the bias: IEEE fp32 in
  * another order than oneDNN's (results differ in the last bits, as any two GEMMs do).
@@ -46,7 +48,7 @@
 #define ROW_TILE 6  /* AVX2: 6 rows x 16 columns = 12 ymm accumulators, 2 for the panel, 1 for x */
 #endif
 #define ROW_CHUNK 256
-#define PREFETCH_TILES 4  /* row tiles per chunk up to which the next panel is prefetched (decode) */
+#define PREFETCH_TILES 4  /* row tiles per chunk over which the next panel's prefetch is spread */
 
 int64_t kvmesh_linear_panel_width(void) { return PANEL; }
 
@@ -88,8 +90,8 @@ static inline __attribute__((always_inline)) void tile_avx512(
         else tile_avx512(x, x_stride, k, panel, bias, out, out_stride, n, cols, NULL, 0); \
         break;
 
-/* pf NULL: no prefetch (a prefill chunk's tiles reuse the panel from cache, and the prefetch's
- * per-k bookkeeping cost them several per cent: docs/benchmarks.md). */
+/* pf NULL: no prefetch (a larger chunk's tiles after its first PREFETCH_TILES reuse the panel
+ * from cache, and the prefetch's per-k bookkeeping cost them several per cent: docs/benchmarks.md). */
 static void tile_dispatch(const float *x, int64_t x_stride, int64_t k, const float *panel, const float *bias,
                           float *out, int64_t out_stride, int mr, int64_t cols, PanelPrefetch *pf)
 {
@@ -199,18 +201,21 @@ static void run_panels(const float *x, int64_t x_stride, int64_t r0, int64_t row
         const int64_t cols = n - p * PANEL < PANEL ? n - p * PANEL : PANEL;
         const float *bp = bias != NULL ? bias + p * PANEL : NULL;
 #if defined(__AVX512F__)
-        const int64_t next = paired_run_after(run, p);
-        const int64_t lines = panel_size * (int64_t)sizeof(float) / 64, steps = tiles * k;
+        /* The next panel's prefetch, spread over the k steps of the chunk's first (up to)
+         * PREFETCH_TILES tiles: all of a decode-sized chunk's; the later tiles of a larger chunk
+         * find the panel in cache and skip the per-k bookkeeping. */
+        const int64_t next = paired_run_after(run, p), pf_tiles = tiles < PREFETCH_TILES ? tiles : PREFETCH_TILES;
+        const int64_t lines = panel_size * (int64_t)sizeof(float) / 64, steps = pf_tiles * k;
         PanelPrefetch pf = panel_prefetch(next >= 0 ? packed + next * panel_size : NULL, lines * 64, steps);
-        PanelPrefetch *pfp = tiles <= PREFETCH_TILES ? &pf : NULL;
 #else
-        void *pfp = NULL;
+        const int64_t pf_tiles = 0;
+        void *pf = NULL;
 #endif
         for (int64_t t = 0; t < tiles; t++) {
             const int64_t row = r0 + t * ROW_TILE;
             const int mr = (int)(r0 + rows - row < ROW_TILE ? r0 + rows - row : ROW_TILE);
             tile_dispatch(x + row * x_stride, x_stride, k, panel, bp, out + row * out_stride + p * PANEL, out_stride,
-                          mr, cols, pfp);
+                          mr, cols, t < pf_tiles ? &pf : NULL);
         }
     }
 }
