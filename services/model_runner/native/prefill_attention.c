@@ -70,13 +70,14 @@ static inline __attribute__((always_inline)) void score_rows(const float *kb, co
 }
 
 /* kt, vc hold the gathered keys from key kstart on (local index = key - kstart); ctx0 is the first
- * query's position; sc rows hold each row's scores from its own first key (sc[-16..-1] exist). */
-static void attend_tile(const float *kt, const float *vc, const float *q, int64_t q_row_stride, float *out,
-                        int64_t out_row_stride, int64_t group, int64_t kvh, int64_t ctx0, int64_t kstart,
-                        int64_t window, int64_t row0, int64_t rows_total, int64_t head_dim, float scale, float *qs,
-                        float *sc, int64_t sc_stride)
+ * query's position; sc rows hold each row's scores from its own first key (sc[-16..-1] exist).
+ * nd = head_dim / 16, a compile-time constant where attend_tile inlines it (the common sizes). */
+static inline __attribute__((always_inline)) void attend_rows(
+    const float *kt, const float *vc, const float *q, int64_t q_row_stride, float *out, int64_t out_row_stride,
+    int64_t group, int64_t kvh, int64_t ctx0, int64_t kstart, int64_t window, int64_t row0, int64_t rows_total,
+    float scale, float *qs, float *sc, int64_t sc_stride, const int nd)
 {
-    const int nd = (int)(head_dim / 16);
+    const int64_t head_dim = 16 * (int64_t)nd;
     int64_t len[RT], lo[RT], tok[RT], head[RT];  /* a row's keys: local lo[r] .. len[r] - 1 */
     int64_t max_len = 0, min_len = INT64_MAX, min_lo = INT64_MAX, max_lo = 0;
     for (int r = 0; r < RT; r++) {
@@ -95,7 +96,6 @@ static void attend_tile(const float *kt, const float *vc, const float *q, int64_
     }
     /* 1. scores, 16 keys at a time */
     float maxv[RT];
-    for (int r = 0; r < RT; r++) maxv[r] = -3.0e38f;
     for (int64_t t0 = min_lo / 16 * 16; t0 < max_len; t0 += 16) {
         const float *kb = kt + (t0 / 16) * head_dim * 16;
         __m512 a[RT];
@@ -107,9 +107,19 @@ static void attend_tile(const float *kt, const float *vc, const float *q, int64_
             const __mmask16 live = (n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1u)) & (__mmask16)~below;
             /* lane l is key t0 + l: stored at its index from the row's first key (t0 - lo[r] >= -15) */
             _mm512_mask_storeu_ps(sc + r * sc_stride + (t0 - lo[r]), live, a[r]);
-            const float m = _mm512_mask_reduce_max_ps(live, a[r]);
-            if (m > maxv[r]) maxv[r] = m;
         }
+    }
+    /* each row's maximum, lane-wise over its stored scores then across the lanes (the same value in
+     * any order), after the scores rather than a horizontal reduce per 16-key tile between them */
+    for (int r = 0; r < RT; r++) {
+        const float *sr = sc + r * sc_stride;
+        const int64_t n_keys = len[r] - lo[r];
+        __m512 m = _mm512_set1_ps(-3.0e38f);
+        for (int64_t t = 0; t < n_keys; t += 16) {
+            const __mmask16 live = n_keys - t >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n_keys - t)) - 1u);
+            m = _mm512_mask_max_ps(m, live, m, _mm512_maskz_loadu_ps(live, sr + t));
+        }
+        maxv[r] = _mm512_reduce_max_ps(m);
     }
     /* 2. softmax numerators in place, per row over its own keys */
     float inv_sum[RT];
@@ -158,6 +168,21 @@ static void attend_tile(const float *kt, const float *vc, const float *q, int64_
         }
     }
 }
+
+static void attend_tile(const float *kt, const float *vc, const float *q, int64_t q_row_stride, float *out,
+                        int64_t out_row_stride, int64_t group, int64_t kvh, int64_t ctx0, int64_t kstart,
+                        int64_t window, int64_t row0, int64_t rows_total, int64_t head_dim, float scale, float *qs,
+                        float *sc, int64_t sc_stride)
+{
+#define ATTEND(nd) attend_rows(kt, vc, q, q_row_stride, out, out_row_stride, group, kvh, ctx0, kstart, window, \
+                               row0, rows_total, scale, qs, sc, sc_stride, nd)
+    switch (head_dim / 16) {
+    case 4: ATTEND(4); break;   /* head_dim 64 (SmolLM2, Llama 3.2 1B) */
+    case 8: ATTEND(8); break;   /* 128 */
+    default: ATTEND((int)(head_dim / 16)); break;
+    }
+#undef ATTEND
+}
 #endif
 
 int kvmesh_prefill_attention_f32(
@@ -205,11 +230,13 @@ int kvmesh_prefill_attention_f32(
             #pragma omp atomic write
             failed = 1;
         }
-        /* the longest tiles (last query rows) first, so threads end together */
+        /* KV head by KV head, so the one head's K and V (2 x n_keys x head_dim floats) stay in L2
+         * while its tiles pass over them (the heads in turn were slower: docs/benchmarks.md); within
+         * a head the longest tiles (last query rows) first, so threads end together */
         #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < items; item++) {
             if (qs == NULL || sc == NULL) continue;
-            const int64_t h = item % num_kv_heads, tile = per_head - 1 - item / num_kv_heads;
+            const int64_t h = item / per_head, tile = per_head - 1 - item % per_head;
             attend_tile(kt + h * padded * head_dim, vc + h * padded * head_dim, q, q_row_stride, out,
                         out_row_stride, group, h, ctx0, kstart, window, tile * RT, rows, head_dim, scale, qs, sc,
                         sc_stride);
