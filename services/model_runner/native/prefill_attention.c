@@ -1,5 +1,5 @@
 /*
- * Causal attention of one prefill chunk over the paged cache (fp32), for the CPU.
+ * Causal attention of one prefill chunk over the paged cache (fp32 or bf16), for the CPU.
  *
  * Why it exists: torch's SDPA over a chunk was ~40% of a bf16-mode prefill step on SmolLM2 (one
  * flash-attention call per layer at ~40 GFLOP/s, after a gather of the chunk's K/V); this kernel
@@ -11,7 +11,8 @@
  * no key before the first query's window is gathered: a sliding-window KV cache group frees those
  * blocks, so they may hold another request's data.
  *
- * How: K and V of each KV head are gathered once from the paged cache, K transposed in 16-key
+ * How: K and V of each KV head are gathered once from the paged cache (a bf16 cache widened
+ * exactly to fp32 there, kv_elem.h: everything after the gather is the same code), K transposed in 16-key
  * tiles ([D][16]); then each work item is RT (query token, head) rows of one KV head: scores for
  * 16 keys at a time (each transposed-K vector loaded once for RH rows), a softmax per row, and the
  * weighted V sum per row (each V vector loaded once for the RT rows).
@@ -32,6 +33,7 @@
 #include <omp.h>
 
 #include "exp_math.h"
+#include "kv_elem.h"
 
 #define RT 8             /* rows (query token, head) per work item: 8 score accumulators */
 #define RH 4             /* of which scored together (4 x 4 partials + the halves in registers) */
@@ -185,12 +187,14 @@ static void attend_tile(const float *kt, const float *vc, const float *q, int64_
 }
 #endif
 
-int kvmesh_prefill_attention_f32(
+/* esz: the cache element's bytes (4 fp32, 2 bf16); block_stride in elements */
+static int prefill_attention(
     const float *q, int64_t q_row_stride,  /* the chunk's first query row; [num_q, H, D] */
-    const float *k_cache, const float *v_cache, int64_t block_stride,
+    const char *k_cache, const char *v_cache, int64_t block_stride,
     const int32_t *table, int64_t num_q, int64_t seq_len,
     float *out, int64_t out_row_stride,
-    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, int64_t window)
+    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, int64_t window,
+    int esz)
 {
 #if defined(__AVX512F__)
     if (num_kv_heads <= 0 || num_heads % num_kv_heads || head_dim % 16 || head_dim > PF_MAX_DIM) return -1;
@@ -211,10 +215,17 @@ int kvmesh_prefill_attention_f32(
         const int64_t off = (int64_t)table[t / block_size] * block_stride + (t % block_size) * token_stride;
         const int64_t u = t - kstart;  /* local index */
         for (int64_t h = 0; h < num_kv_heads; h++) {
-            const float *ks = k_cache + off + h * head_dim, *vs = v_cache + off + h * head_dim;
+            const int64_t e = off + h * head_dim;  /* the row's first element */
             float *kd = kt + h * padded * head_dim + (u / 16) * head_dim * 16 + (u % 16);
-            for (int64_t d = 0; d < head_dim; d++) kd[d * 16] = ks[d];
-            memcpy(vc + (h * padded + u) * head_dim, vs, sizeof(float) * (size_t)head_dim);
+            float *vd = vc + (h * padded + u) * head_dim;
+            if (esz == 4) {
+                const float *ks = (const float *)k_cache + e;
+                for (int64_t d = 0; d < head_dim; d++) kd[d * 16] = ks[d];
+                memcpy(vd, (const float *)v_cache + e, sizeof(float) * (size_t)head_dim);
+            } else {
+                for (int64_t d = 0; d < head_dim; d++) kd[d * 16] = kv_load1(k_cache, e + d, esz);
+                for (int64_t d = 0; d < head_dim; d++) vd[d] = kv_load1(v_cache, e + d, esz);
+            }
         }
     }
     const int64_t rows = num_q * group, per_head = (rows + RT - 1) / RT, items = num_kv_heads * per_head;
@@ -250,7 +261,28 @@ int kvmesh_prefill_attention_f32(
 #else
     (void)q; (void)q_row_stride; (void)k_cache; (void)v_cache; (void)block_stride; (void)table; (void)num_q;
     (void)seq_len; (void)out; (void)out_row_stride; (void)num_heads; (void)num_kv_heads; (void)head_dim;
-    (void)block_size; (void)scale; (void)window;
+    (void)block_size; (void)scale; (void)window; (void)esz;
     return -1;
 #endif
+}
+
+int kvmesh_prefill_attention_f32(
+    const float *q, int64_t q_row_stride, const float *k_cache, const float *v_cache, int64_t block_stride,
+    const int32_t *table, int64_t num_q, int64_t seq_len, float *out, int64_t out_row_stride, int64_t num_heads,
+    int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, int64_t window)
+{
+    return prefill_attention(q, q_row_stride, (const char *)k_cache, (const char *)v_cache, block_stride, table,
+                             num_q, seq_len, out, out_row_stride, num_heads, num_kv_heads, head_dim, block_size,
+                             scale, window, 4);
+}
+
+/* The same over a bf16 cache: bitwise the fp32 entry point over the widened values. */
+int kvmesh_prefill_attention_bf16(
+    const float *q, int64_t q_row_stride, const uint16_t *k_cache, const uint16_t *v_cache, int64_t block_stride,
+    const int32_t *table, int64_t num_q, int64_t seq_len, float *out, int64_t out_row_stride, int64_t num_heads,
+    int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, int64_t window)
+{
+    return prefill_attention(q, q_row_stride, (const char *)k_cache, (const char *)v_cache, block_stride, table,
+                             num_q, seq_len, out, out_row_stride, num_heads, num_kv_heads, head_dim, block_size,
+                             scale, window, 2);
 }
