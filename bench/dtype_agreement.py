@@ -5,7 +5,9 @@ built by ``factory.build_runner`` exactly as the service builds them:
 
 * ``fp32``: ``dtype=float32``, ``attention_backend=cpu`` (the exact native mode);
 * ``bf16``: ``dtype=bfloat16``, ``attention_backend=cpu`` (bf16 mode: bf16 GEMMs with fp32
-  accumulation, ``native/gemm_bf16.c``; needs AVX512-BF16);
+  accumulation, ``native/gemm_bf16.c``; needs AVX512-BF16), its KV pool in bf16 (the default);
+* ``bf16-fp32kv`` (``--fp32-kv``): bf16 mode over an fp32 KV pool (``kv_cache_dtype=float32``,
+  bf16 mode's pool before bf16 KV);
 * ``torch-bf16`` (``--torch-bf16``): ``dtype=bfloat16``, ``attention_backend=torch``, what ``auto``
   picked on a bf16 CPU before bf16 mode existed (oneDNN's bf16 GEMMs);
 * ``int8`` (``--int8``): ``quantization=int8_weight_only`` on the native kernels (int8 weights
@@ -55,8 +57,10 @@ from shared.sampling_params import SamplingParams  # noqa: E402
 
 DEFAULT_MODEL = "/tmp/kvmesh-cache/SmolLM2-135M-Instruct"
 BLOCK_SIZE = 16
-MODES = {"fp32": ("float32", "cpu", "none"), "bf16": ("bfloat16", "cpu", "none"),
-         "torch-bf16": ("bfloat16", "torch", "none"), "int8": ("float32", "cpu", "int8_weight_only")}
+# mode -> (dtype, attention_backend, quantization, kv_cache_dtype)
+MODES = {"fp32": ("float32", "cpu", "none", "auto"), "bf16": ("bfloat16", "cpu", "none", "auto"),
+         "bf16-fp32kv": ("bfloat16", "cpu", "none", "float32"), "torch-bf16": ("bfloat16", "torch", "none", "auto"),
+         "int8": ("float32", "cpu", "int8_weight_only", "auto")}
 PROMPTS = (
     "The capital of France is", "Water boils at a temperature of", "Photosynthesis is the process by which",
     "Once upon a time, in a small village,", "The three primary colors are", "To make a cup of tea, first",
@@ -137,11 +141,12 @@ class Driver:
 
 
 def build(args: argparse.Namespace, mode: str, max_len: int, blocks: int) -> ModelRunner:
-    dtype, backend, quantization = MODES[mode]
+    dtype, backend, quantization, kv = MODES[mode]
     per_block = 30 * 2 * BLOCK_SIZE * 3 * 64 * 4  # SmolLM2: 30 layers, 3 KV heads of 64, fp32 K/V (the largest)
     runner = build_runner(RunnerConfig(model_dir=args.model, device="cpu", dtype=dtype, attention_backend=backend,
                                        block_size=BLOCK_SIZE, kv_cache_memory_bytes=blocks * per_block,
-                                       max_model_len=max_len, quantization=quantization))  # fmt: skip
+                                       max_model_len=max_len, quantization=quantization,
+                                       kv_cache_dtype=kv))  # fmt: skip
     info = runner.model_info()
     print(f"  {mode}: dtype {info.dtype}, KV {info.kv_cache_dtype}, backend {info.attention_backend} "
           f"({info.attention_backend_reason})", flush=True)
@@ -231,6 +236,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--torch-bf16", action="store_true", help="add the torch path in bf16 (oneDNN's GEMMs)")
     parser.add_argument("--int8", action="store_true", help="add quantization=int8_weight_only")
+    parser.add_argument("--fp32-kv", action="store_true", help="add bf16 mode over an fp32 KV pool")
     parser.add_argument("--threads", type=int, default=0, help="torch (and native) threads; 0 = torch's default")
     parser.add_argument("--skip-times", action="store_true")
     parser.add_argument("--skip-agreement", action="store_true")
@@ -242,7 +248,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     tok = AutoTokenizer.from_pretrained(args.model)
     prompts = [tok(p)["input_ids"] for p in PROMPTS[: args.prompts]]
-    modes = ["fp32", "bf16", *(["torch-bf16"] if args.torch_bf16 else []), *(["int8"] if args.int8 else [])]
+    modes = ["fp32", "bf16", *(["bf16-fp32kv"] if args.fp32_kv else []), *(["torch-bf16"] if args.torch_bf16 else []),
+             *(["int8"] if args.int8 else [])]
     flags = sorted(cpu_flags() & {"avx512_bf16", "amx_bf16", "avx512f", "avx2"})
     print(f"machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, flags {flags}")
     max_len = max(args.context, args.prefill) + 64

@@ -9,7 +9,8 @@ builds are compared bitwise (a kernel change that keeps the arithmetic must keep
 
 What: the four SmolLM2-135M linear layers at ``--rows`` rows (bf16 ``gemm_bf16.c``, fp32
 ``gemm.c``), and ``prefill_attention.c`` on the two 512-token chunks of a 1,024-token prompt (9
-query heads, 3 KV heads, head_dim 64: context 512 and 1,024); plus the machine's ``vdpbf16ps`` and
+query heads, 3 KV heads, head_dim 64: context 512 and 1,024), full and with a ``WINDOW``-key sliding
+window; plus the machine's ``vdpbf16ps`` and
 fp32 FMA peak (a register-only loop, the same thread) to read the GEMMs' GFLOP/s against.
 
 With ``--step-rows``, also the fp32 GEMMs of a whole SmolLM2-135M step (30 layers' qkv, o,
@@ -42,6 +43,7 @@ from services.model_runner import native  # noqa: E402
 from services.model_runner.model.packed import pack_panels, pack_panels_bf16  # noqa: E402
 
 NATIVE = "services/model_runner/native"
+WINDOW = 256  # a sliding window (keys) for the windowed attention cases
 LAYERS = {"qkv": (576, 832), "o": (576, 576), "gate_up": (576, 3072), "down": (1536, 576)}  # (in, out)
 PEAK_C = r"""
 #include <immintrin.h>
@@ -71,7 +73,7 @@ def _compile(sources: Sequence[Path], out: Path) -> ctypes.CDLL:
     lib.kvmesh_linear_bf16.argtypes = [_P, _I, _I, _I, _P, _I, _P, _P, _I]
     lib.kvmesh_linear_f32.argtypes = [_P, _I, _I, _I, _P, _I, _P, _P, _I]
     lib.kvmesh_prefill_attention_f32.argtypes = [_P, _I, _P, _P, _I, _P, _I, _I, _P, _I, _I, _I, _I, _I,
-                                                 ctypes.c_float]  # fmt: skip
+                                                 ctypes.c_float, _I]  # fmt: skip
     return lib
 
 
@@ -144,7 +146,7 @@ def step_gemms(libs: dict[str, ctypes.CDLL], rows: Sequence[int], repeats: int) 
 def attention(libs: dict[str, ctypes.CDLL], repeats: int) -> None:
     heads, kv_heads, dim, block = 9, 3, 64, 16
     total = dict.fromkeys(libs, 0.0)
-    for seq_len, num_q in ((512, 512), (1024, 512)):
+    for seq_len, num_q, window in ((512, 512, 0), (1024, 512, 0), (512, 512, WINDOW), (1024, 512, WINDOW)):
         gen = torch.Generator().manual_seed(seq_len)
         blocks = seq_len // block + 4
         k_cache, v_cache = (torch.randn(blocks, block, kv_heads, dim, generator=gen) for _ in range(2))
@@ -153,16 +155,19 @@ def attention(libs: dict[str, ctypes.CDLL], repeats: int) -> None:
         outs = {name: torch.empty(num_q, heads * dim) for name in libs}
         med = race({name: (lib.kvmesh_prefill_attention_f32, (
             q.data_ptr(), heads * dim, k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), table.data_ptr(),
-            num_q, seq_len, outs[name].data_ptr(), heads * dim, heads, kv_heads, dim, block, dim**-0.5))
+            num_q, seq_len, outs[name].data_ptr(), heads * dim, heads, kv_heads, dim, block, dim**-0.5, window))
             for name, lib in libs.items()}, repeats)  # fmt: skip
         for name in libs:
-            total[name] += med[name]
-        flops = 4 * dim * heads * sum(seq_len - num_q + i + 1 for i in range(num_q))
-        print(f"prefill attention {num_q} queries at context {seq_len}: base {med['base'] * 1e3:.2f} ms "
+            total[name] += med[name] if not window else 0.0
+        keys = [min(seq_len - num_q + i + 1, window or seq_len) for i in range(num_q)]
+        flops = 4 * dim * heads * sum(keys)
+        print(f"prefill attention {num_q} queries at context {seq_len}, window {window}: "
+              f"base {med['base'] * 1e3:.2f} ms "
               f"({flops / med['base'] / 1e9:.0f} GFLOP/s), new {med['new'] * 1e3:.2f} ms "
               f"({flops / med['new'] / 1e9:.0f}), new/base {med['new'] / med['base']:.3f}, "
               f"bitwise {torch.equal(outs['base'], outs['new'])}")  # fmt: skip
-    print(f"prefill attention, both chunks of a 1,024-token prompt: new/base {total['new'] / total['base']:.3f}")
+    print("prefill attention, both chunks of a 1,024-token prompt (no window): "
+          f"new/base {total['new'] / total['base']:.3f}")
 
 
 def peaks(work: Path) -> None:
@@ -186,14 +191,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--rows", type=int, default=512, help="GEMM rows (a prefill chunk)")
     parser.add_argument("--step-rows", type=int, nargs="*", default=[],
                         help="also a whole step's fp32 GEMMs, weights streamed, at these row counts")  # fmt: skip
+    parser.add_argument("--parts", default="peaks,gemms,attention", help="which of peaks,gemms,attention to run")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory(prefix="kvmesh-kernel-ab-") as tmp:
         libs = builds(args.base, Path(tmp))
-        peaks(Path(tmp))
-        gemms(libs, args.rows, args.repeats)
-        step_gemms(libs, args.step_rows, args.repeats)
-        attention(libs, args.repeats)
+        parts = args.parts.split(",")
+        if "peaks" in parts:
+            peaks(Path(tmp))
+        if "gemms" in parts:
+            gemms(libs, args.rows, args.repeats)
+            step_gemms(libs, args.step_rows, args.repeats)
+        if "attention" in parts:
+            attention(libs, args.repeats)
     return 0
 
 

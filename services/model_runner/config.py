@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 # RunnerConfig.quantization's values (model/packed.py packs for each)
 QUANTIZATIONS = ("none", "int8", "fp16", "int8_weight_only")
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "fp8_e4m3", "int4")
 
 
 @dataclass(frozen=True)
@@ -20,9 +21,12 @@ class RunnerConfig:
             reference mode the parity tests pin), ``float16`` or ``bfloat16``. ``bfloat16`` on
             the native kernels is bf16 mode (bf16 GEMMs with fp32 accumulation, fp32 everything
             else, batch invariant; docs/model_runner.md, "bf16 mode"), on ``torch`` torch's bf16.
-        kv_cache_dtype: ``auto`` (the weights dtype), ``fp8_e4m3`` or ``int4`` (per-token, per-head
-            groups of 32 channels with float16 scales stored in the block; docs/kv_quantization.md).
-            Neither is a parity mode: outputs can differ from fp32's.
+        kv_cache_dtype: ``auto`` (bf16 in bf16 mode on the native kernels, else the weights dtype;
+            ``factory.select_kv_dtype``), ``float32`` or ``bfloat16`` (explicitly: bf16 mode with
+            an fp32 pool, as before bf16 KV, or fp32 weights over a bf16 pool; the CPU only where
+            it is not the weights dtype), ``fp8_e4m3`` or ``int4`` (per-token, per-head groups of
+            32 channels with float16 scales stored in the block; docs/kv_quantization.md). Only
+            ``auto`` with fp32 weights is a parity mode with fp32's outputs.
         kv_cache_hadamard: ``int4`` only: rotate K and V by a block-diagonal Hadamard matrix before
             quantizing (and Q and the attention output to match), which spreads outlier channels.
         block_size: tokens per KV block.
@@ -87,8 +91,8 @@ class RunnerConfig:
                              f"or cpu (got {self.attention_backend!r})")
         if self.attention_backend not in ("auto", "torch", "triton", "cpu"):
             raise ValueError(f"attention_backend must be auto, torch, triton or cpu, got {self.attention_backend!r}")
-        if self.kv_cache_dtype not in ("auto", "fp8_e4m3", "int4"):
-            raise ValueError(f"kv_cache_dtype must be auto, fp8_e4m3 or int4, got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.kv_cache_hadamard and self.kv_cache_dtype != "int4":
             raise ValueError("kv_cache_hadamard needs kv_cache_dtype int4")
         if self.streaming_sinks < 0 or self.streaming_window < 0 or (self.streaming_sinks > 0) != (

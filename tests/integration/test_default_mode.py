@@ -9,8 +9,9 @@ whatever the batch: GEMM rows, norms, rotary, one attention work item per sequen
 chunked prefill, prefix-cache hits and preemption's recompute (a prefill row's attention,
 ``native/prefill_attention.c``, is bitwise the decode kernel's for that position, whatever the
 chunk; docs/model_runner.md, "Prefill"). Every scenario runs in both modes the default can be: fp32 and
-bf16 mode (bf16 GEMMs with fp32 accumulation, batch invariant by construction; skipped on a CPU
-without AVX512-BF16), and in the opt-in ``quantization=int8_weight_only`` (int8 weights widened to
+bf16 mode (bf16 GEMMs with fp32 accumulation, batch invariant by construction, over a bf16 KV pool,
+its default; skipped on a CPU without AVX512-BF16), bf16 mode over an fp32 pool
+(``kv_cache_dtype=float32``), and in the opt-in ``quantization=int8_weight_only`` (int8 weights widened to
 bf16 in registers, the same accumulation; skipped likewise), each against its own cold run.
 """
 
@@ -37,12 +38,23 @@ from shared.sampling_params import SamplingParams
 NUM_PROMPTS = 12
 MAX_TOKENS = 12
 BLOCK = 4
-BYTES_PER_BLOCK = 2048  # tiny llama: 2 layers x K/V x 4 tokens x 2 KV heads x 16 x 4 bytes
+BYTES_PER_BLOCK = 2048  # tiny llama: 2 layers x K/V x 4 tokens x 2 KV heads x 16 x 4 bytes (fp32 K/V)
 Outputs = dict[int, tuple[list[int], list[float]]]
 # The two modes auto picks from, pinned so that each test means the same on every machine.
 FP32_DEFAULT = {"dtype": "float32"}
 MODES = {"fp32": FP32_DEFAULT, "bf16": {"dtype": "bfloat16"},
+         "bf16-fp32kv": {"dtype": "bfloat16", "kv_cache_dtype": "float32"},
          "int8": {"dtype": "float32", "quantization": "int8_weight_only"}}
+
+
+def _kv_dtype(runner: dict[str, Any]) -> str:
+    """The pool dtype a mode gets here: bf16 in bf16 mode (its default), else fp32."""
+    kv = runner.get("kv_cache_dtype", "auto")
+    if kv == "auto":
+        bf16_mode = (runner.get("dtype", "auto") != "float32" and _bf16_gemm_here()
+                     and bool(cpu_flags() & set(BF16_FLAGS)))
+        return "bfloat16" if bf16_mode and runner.get("attention_backend", "auto") != "torch" else "float32"
+    return str(kv)
 
 
 def _bf16_gemm_here() -> bool:
@@ -66,9 +78,10 @@ def _run(model_dir: Path, *, concurrent: bool, passes: int = 1, pool_blocks: int
          runner: dict[str, Any] | None = None, **sched: Any) -> tuple[Outputs, Any]:
     """Greedy outputs (tokens, sampled logprobs) of every prompt on a fresh in-process engine; the
     last pass's outputs, and the suite's counters."""
+    runner = FP32_DEFAULT if runner is None else runner
+    block_bytes = BYTES_PER_BLOCK // 2 if _kv_dtype(runner) == "bfloat16" else BYTES_PER_BLOCK
     rc = RunnerConfig(model_dir=str(model_dir), block_size=BLOCK, warmup=False,
-                      kv_cache_memory_bytes=pool_blocks * BYTES_PER_BLOCK,
-                      **(FP32_DEFAULT if runner is None else runner))
+                      kv_cache_memory_bytes=pool_blocks * block_bytes, **runner)
     suite = build_inprocess(rc, SchedulerConfig(**sched), with_tokenizer=False)
     out: Outputs = {}
     prompts = _prompts()
@@ -104,7 +117,7 @@ def _run(model_dir: Path, *, concurrent: bool, passes: int = 1, pool_blocks: int
 def mode(request: pytest.FixtureRequest) -> dict[str, Any]:
     if load_kernels() is None:
         pytest.skip("the native kernels did not build here; the torch path is not batch invariant")
-    if request.param == "bf16" and not _bf16_gemm_here():
+    if request.param.startswith("bf16") and not _bf16_gemm_here():
         pytest.skip("the CPU has no AVX512-BF16: no native bf16 GEMM, bf16 mode is off here")
     if request.param == "int8" and not _int8_gemm_here():
         pytest.skip("the CPU has no AVX512-BF16: no native int8 GEMM, int8_weight_only is refused here")
@@ -116,7 +129,8 @@ def cold(tiny_llama_dir: Path, mode: dict[str, Any]) -> Iterator[tuple[Outputs, 
     out, counters = _run(tiny_llama_dir, concurrent=False, runner=mode, enable_prefix_caching=False)
     assert counters[2].attention_backend == "cpu"  # what auto picks where the kernels build
     reported = "int8" if mode.get("quantization") == "int8_weight_only" else mode["dtype"]
-    assert counters[2].dtype == reported and counters[2].kv_cache_dtype == "float32"
+    assert counters[2].dtype == reported and counters[2].kv_cache_dtype == _kv_dtype(mode)
+    assert counters[2].num_blocks == 512  # the same block count whatever the KV dtype (the budget follows it)
     yield out, counters
 
 
@@ -127,8 +141,8 @@ def test_the_default_and_its_reasons_reach_both_model_infos(tiny_llama_dir: Path
     _, (_, _, info, sched_info) = _run(tiny_llama_dir, concurrent=False, runner={}, enable_prefix_caching=False)
     built = load_kernels() is not None
     bf16 = bool(cpu_flags() & set(BF16_FLAGS)) and _bf16_gemm_here()
-    assert (info.dtype, info.attention_backend) == (
-        ("bfloat16", "cpu") if bf16 else ("float32", "cpu" if built else "torch"))
+    assert (info.dtype, info.attention_backend, info.kv_cache_dtype) == (
+        ("bfloat16", "cpu", "bfloat16") if bf16 else ("float32", "cpu" if built else "torch", "float32"))
     assert (sched_info.dtype, sched_info.attention_backend) == (info.dtype, info.attention_backend)
     assert (sched_info.dtype_reason, sched_info.attention_backend_reason) == (
         info.dtype_reason, info.attention_backend_reason)

@@ -1,6 +1,6 @@
 """The ``cpu`` attention backend: decodes and prefill chunks through native kernels that read the
-paged cache in place, anything else (non-fp32 caches, shapes the kernels refuse) through the torch
-reference.
+paged cache in place, anything else (caches neither fp32 nor bf16 nor INT4, shapes the kernels
+refuse) through the torch reference.
 
 Decode attention is what a busy server spends its attention time on, and it is memory-bound: the
 torch reference must gather each sequence's blocks into a contiguous buffer before SDPA (no torch
@@ -16,6 +16,10 @@ With ``batch_invariant`` the prefill rows take the decode kernel too, one decode
 no row's numbers depend on how its prompt was chunked (docs/model_runner.md, "auto").
 INT4 caches (``uint8``) take ``native/int4_kv.c`` for the writes and for every query row, prefill
 rows as decodes of their positions (``attention/int4_native.py``).
+bf16 caches (bf16 mode's default, docs/kv_quantization.md) take the same kernels' bf16 entry points:
+the write rounds to nearest even (torch's conversion, bit for bit), the reads widen exactly, so
+every row's bits are the fp32 kernels' over a pool holding the rounded values, and a prefill row
+is still bitwise the decode of its position.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from services.model_runner.attention.base import AttentionMetadata, MetaCache
 from services.model_runner.attention.int4 import INT4_DTYPE
 from services.model_runner.attention.int4_native import rows_contiguous as _rows_contiguous
 from services.model_runner.attention.torch_backend import Chunk, TorchAttentionBackend, make_chunks
-from services.model_runner.native import NativeKernels, is_cpu_fp32, load_kernels
+from services.model_runner.native import NativeKernels, is_cpu_fp32, is_cpu_kv, load_kernels
 
 
 @dataclass(frozen=True)
@@ -46,7 +50,8 @@ class NativeDecodePlan:
 
 
 class CpuAttentionBackend(TorchAttentionBackend):
-    """:class:`TorchAttentionBackend` with decodes on the native paged kernel (fp32 caches on CPU)."""
+    """:class:`TorchAttentionBackend` with decodes and prefill chunks on the native paged kernels
+    (fp32 or bf16 caches on CPU; INT4 through ``int4_native``)."""
 
     name = "cpu"
 
@@ -84,13 +89,15 @@ class CpuAttentionBackend(TorchAttentionBackend):
         kernels = self.native_kernels
         if k_cache.dtype == INT4_DTYPE and int4_native.write_kv(kernels, key, value, k_cache, v_cache, slot_mapping):
             return
-        if (kernels is None or not (is_cpu_fp32(key) and is_cpu_fp32(value) and is_cpu_fp32(k_cache))
+        if (kernels is None or not (is_cpu_fp32(key) and is_cpu_fp32(value) and is_cpu_kv(k_cache))
+                or v_cache.dtype != k_cache.dtype
                 or not _rows_contiguous(key) or not _rows_contiguous(value)
                 or not k_cache.is_contiguous() or not v_cache.is_contiguous() or slot_mapping.dtype != torch.int64
                 or not slot_mapping.is_contiguous()):
             super().write_kv(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
             return
-        kernels.write_kv(
+        write = kernels.write_kv_bf16 if k_cache.dtype == torch.bfloat16 else kernels.write_kv
+        write(
             key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0),
             k_cache.data_ptr(), v_cache.data_ptr(), slot_mapping.data_ptr(), key.shape[0],
             key.shape[1] * key.shape[2], k_cache.shape[0] * k_cache.shape[1],
@@ -113,9 +120,10 @@ class CpuAttentionBackend(TorchAttentionBackend):
                                       k_cache, v_cache, softmax_scale, meta.window or 0)
             if out is not None:
                 return out
-        if (kernels is None or not (is_cpu_fp32(query) and is_cpu_fp32(k_cache)) or not k_cache.is_contiguous()
-                or not v_cache.is_contiguous()):
+        if (kernels is None or not (is_cpu_fp32(query) and is_cpu_kv(k_cache)) or v_cache.dtype != k_cache.dtype
+                or not k_cache.is_contiguous() or not v_cache.is_contiguous()):
             return super().forward(query, k_cache, v_cache, meta, softmax_scale, k_scale, v_scale)
+        bf16 = k_cache.dtype == torch.bfloat16
         plan = self._plan_native(meta, k_cache.shape[1])
         if not _rows_contiguous(query):
             query = query.contiguous()
@@ -123,7 +131,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
         out = torch.empty(query.shape, dtype=query.dtype)
         n = plan.rows.shape[0]
         if n:
-            status = kernels.paged_decode(
+            status = (kernels.paged_decode_bf16 if bf16 else kernels.paged_decode)(
                 query.data_ptr(), query.stride(0),
                 k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0),
                 plan.tables.data_ptr(), plan.tables.stride(0),
@@ -144,10 +152,11 @@ class CpuAttentionBackend(TorchAttentionBackend):
         """The multi-row chunks through ``prefill_attention.c`` (causal, in place on the paged
         cache); a shape it does not take (head_dim not a multiple of 16, no AVX-512) through SDPA."""
         num_heads, head_dim = query.shape[1], query.shape[2]
+        attend = kernels.prefill_attention_bf16 if k_cache.dtype == torch.bfloat16 else kernels.prefill_attention
         rest: list[Chunk] = []
         for chunk, table in zip(plan.chunks, plan.chunk_tables, strict=True):
             num_q = chunk.end - chunk.start
-            status = kernels.prefill_attention(
+            status = attend(
                 query.data_ptr() + chunk.start * query.stride(0) * query.element_size(), query.stride(0),
                 k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0),
                 table.data_ptr(), num_q, chunk.seq_len,

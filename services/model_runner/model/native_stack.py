@@ -22,7 +22,7 @@ import torch
 from services.model_runner.attention.cpu_backend import CpuAttentionBackend
 from services.model_runner.model.context import ForwardContext
 from services.model_runner.model.packed import PackedWeight
-from services.model_runner.native import NativeKernels, is_cpu_fp32
+from services.model_runner.native import NativeKernels, is_cpu_fp32, is_cpu_kv
 
 _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
@@ -80,7 +80,7 @@ class _Shape(ctypes.Structure):
     _fields_ = [
         *((name, _I64) for name in (
             "hidden", "num_heads", "num_kv_heads", "head_dim", "intermediate", "block_size", "block_stride",
-            "num_slots", "gemm", "window",
+            "num_slots", "gemm", "window", "kv_bf16",
         )),
         ("eps", ctypes.c_float),
         ("scale", ctypes.c_float),
@@ -124,7 +124,8 @@ class NativeDecodeStack:
             entry.o, entry.o_bias = _packed(layer.o)
             entry.gate_up, entry.gate_up_bias = _packed(layer.gate_up)
             entry.down, entry.down_bias = _packed(layer.down)
-        self._cache_key: tuple[int, tuple[int, ...], int] = (0, (), 0)  # the pool self._layers points into
+        # the pool self._layers points into
+        self._cache_key: tuple[int, tuple[int, ...], int, torch.dtype | None] = (0, (), 0, None)
         self._shape = _Shape()
 
     def run(
@@ -135,7 +136,7 @@ class NativeDecodeStack:
         backend, cache = ctx.backend, ctx.kv_cache
         if len(ctx.group_metas) > 1:
             return None  # one KV cache group only: per-group tables per layer go per layer (docs/kv_layout.md)
-        if (not isinstance(backend, CpuAttentionBackend) or ctx.kv_amax is not None or not is_cpu_fp32(cache)
+        if (not isinstance(backend, CpuAttentionBackend) or ctx.kv_amax is not None or not is_cpu_kv(cache)
                 or not cache.is_contiguous() or not is_cpu_fp32(x) or not x.is_contiguous()
                 or not is_cpu_fp32(cos) or not cos.is_contiguous() or not sin.is_contiguous()):  # fmt: skip
             return None
@@ -165,7 +166,7 @@ class NativeDecodeStack:
     def _bind_cache(self, cache: torch.Tensor, window: int) -> None:
         """Points each layer at its K/V halves of ``cache`` ``[L, 2, blocks, block_size, KV, D]``;
         ``window``: the one KV cache group's (0 = full attention)."""
-        key = (cache.data_ptr(), tuple(cache.shape), window)
+        key = (cache.data_ptr(), tuple(cache.shape), window, cache.dtype)
         if key == self._cache_key:
             return
         for i in range(self._num_layers):
@@ -175,7 +176,8 @@ class NativeDecodeStack:
         s = self._dims
         self._shape = _Shape(
             s.hidden, s.num_heads, s.num_kv_heads, s.head_dim, s.intermediate, block_size,
-            cache.stride(2), num_blocks * block_size, STACK_MODES[s.mode], window, s.eps, s.scale,
+            cache.stride(2), num_blocks * block_size, STACK_MODES[s.mode], window, int(cache.dtype == torch.bfloat16),
+            s.eps, s.scale,
         )  # fmt: skip
         self._cache_key = key
 

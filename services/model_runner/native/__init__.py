@@ -4,7 +4,8 @@ What is here, and why torch alone was not enough (measurements in docs/model_run
 
 * ``paged_decode.c`` — decode attention reading the paged KV cache in place (torch has no op that
   reads a paged cache, so the torch backend gathers K/V into contiguous buffers first), and the
-  K/V slot writes;
+  K/V slot writes; an fp32 or a bf16 pool (``kv_elem.h``: bf16 widened exactly on load, rounded
+  to nearest even on write), as ``prefill_attention.c`` and ``decode_stack.c``;
 * ``prefill_attention.c`` — causal attention of a prefill chunk over the paged cache as small
   register-blocked GEMMs (torch's SDPA over a chunk ran at a fraction of the FMA rate), each row's
   numbers independent of how its prompt was chunked;
@@ -76,6 +77,11 @@ _F32 = ctypes.c_float
 def is_cpu_fp32(t: torch.Tensor) -> bool:
     """Whether ``t`` is a tensor the native kernels take (fp32, in CPU memory)."""
     return t.device.type == "cpu" and t.dtype == torch.float32
+
+
+def is_cpu_kv(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a KV cache the native attention kernels read and write (fp32 or bf16, CPU)."""
+    return t.device.type == "cpu" and t.dtype in (torch.float32, torch.bfloat16)
 
 
 def cache_dir() -> Path:
@@ -157,6 +163,11 @@ class NativeKernels:
     paged_attention_int4: Any | None = None  # kvmesh_paged_attention_int4
     linear_int8: Any | None = None  # kvmesh_linear_int8; None unless built for AVX512-BF16, as linear_bf16
     linear_bf16_swiglu: Any | None = None  # kvmesh_linear_bf16_swiglu (gate_up GEMM + SwiGLU); as linear_bf16
+    # the attention kernels over a bf16 pool (same arguments; the caches uint16): always built, the
+    # defaults only keep hand-made NativeKernels valid
+    paged_decode_bf16: Any = None  # kvmesh_paged_decode_bf16
+    prefill_attention_bf16: Any = None  # kvmesh_prefill_attention_bf16
+    write_kv_bf16: Any = None  # kvmesh_write_kv_bf16
 
 
 def _bind(lib: ctypes.CDLL, name: str, restype: Any, argtypes: list[Any]) -> Any:
@@ -181,28 +192,34 @@ def load_kernels(portable: bool = False) -> NativeKernels | None:
         log.warning("native CPU kernels unavailable, using the torch path: %s", exc)
         return None
     bf16 = bool(_bind(lib, "kvmesh_linear_bf16_available", _I64, [])())
+    paged_decode_args = [
+        _PTR, _I64,  # q, q_row_stride
+        _PTR, _PTR, _I64,  # k_cache, v_cache, block_stride (elements)
+        _PTR, _I64,  # tables, table_stride
+        _PTR, _PTR, _I64,  # seq_lens, rows, num_seqs
+        _PTR, _I64,  # out, out_row_stride
+        _I64, _I64, _I64, _I64,  # num_heads, num_kv_heads, head_dim, block_size
+        _I64, _F32, _I64,  # max_seq_len, scale, window (0 = full attention)
+    ]
+    prefill_args = [
+        _PTR, _I64,  # q (the chunk's first row), q_row_stride
+        _PTR, _PTR, _I64,  # k_cache, v_cache, block_stride (elements)
+        _PTR, _I64, _I64,  # table (int32), num_q, seq_len
+        _PTR, _I64,  # out (the chunk's first row), out_row_stride
+        _I64, _I64, _I64, _I64, _F32,  # num_heads, num_kv_heads, head_dim, block_size, scale
+        _I64,  # window (0 = full attention)
+    ]
+    write_kv_args = [
+        _PTR, _I64, _PTR, _I64,  # key, key_row_stride, value, value_row_stride (fp32)
+        _PTR, _PTR, _PTR, _I64, _I64, _I64,  # k_cache, v_cache, slots, num_tokens, kv_elems, num_slots
+    ]
     return NativeKernels(
-        paged_decode=_bind(lib, "kvmesh_paged_decode_f32", ctypes.c_int, [
-            _PTR, _I64,  # q, q_row_stride
-            _PTR, _PTR, _I64,  # k_cache, v_cache, block_stride
-            _PTR, _I64,  # tables, table_stride
-            _PTR, _PTR, _I64,  # seq_lens, rows, num_seqs
-            _PTR, _I64,  # out, out_row_stride
-            _I64, _I64, _I64, _I64,  # num_heads, num_kv_heads, head_dim, block_size
-            _I64, _F32, _I64,  # max_seq_len, scale, window (0 = full attention)
-        ]),
-        prefill_attention=_bind(lib, "kvmesh_prefill_attention_f32", ctypes.c_int, [
-            _PTR, _I64,  # q (the chunk's first row), q_row_stride
-            _PTR, _PTR, _I64,  # k_cache, v_cache, block_stride
-            _PTR, _I64, _I64,  # table (int32), num_q, seq_len
-            _PTR, _I64,  # out (the chunk's first row), out_row_stride
-            _I64, _I64, _I64, _I64, _F32,  # num_heads, num_kv_heads, head_dim, block_size, scale
-            _I64,  # window (0 = full attention)
-        ]),
-        write_kv=_bind(lib, "kvmesh_write_kv_f32", _I64, [
-            _PTR, _I64, _PTR, _I64,  # key, key_row_stride, value, value_row_stride
-            _PTR, _PTR, _PTR, _I64, _I64, _I64,  # k_cache, v_cache, slots, num_tokens, kv_elems, num_slots
-        ]),
+        paged_decode=_bind(lib, "kvmesh_paged_decode_f32", ctypes.c_int, paged_decode_args),
+        prefill_attention=_bind(lib, "kvmesh_prefill_attention_f32", ctypes.c_int, prefill_args),
+        write_kv=_bind(lib, "kvmesh_write_kv_f32", _I64, write_kv_args),
+        paged_decode_bf16=_bind(lib, "kvmesh_paged_decode_bf16", ctypes.c_int, paged_decode_args),
+        prefill_attention_bf16=_bind(lib, "kvmesh_prefill_attention_bf16", ctypes.c_int, prefill_args),
+        write_kv_bf16=_bind(lib, "kvmesh_write_kv_bf16", _I64, write_kv_args),
         add_rms_norm=_bind(lib, "kvmesh_add_rms_norm_f32", None, [
             _PTR, _PTR, _I64, _PTR,  # residual (or NULL), x, x_stride, weight
             _PTR, _I64, _I64, _F32,  # out, rows, hidden, eps

@@ -34,14 +34,15 @@ typedef struct {
     const float *gate_up_bias;
     const void *down;
     const float *down_bias;
-    float *k_cache, *v_cache;
+    void *k_cache, *v_cache;  /* fp32 or bf16 (KvmStackShape.kv_bf16) */
 } KvmLayer;
 
 typedef struct {
     int64_t hidden, num_heads, num_kv_heads, head_dim, intermediate;
-    int64_t block_size, block_stride, num_slots;  /* block_stride: floats from one block to the next */
+    int64_t block_size, block_stride, num_slots;  /* block_stride: elements from one block to the next */
     int64_t gemm;  /* every projection packed for: 0 gemm.c, 1 gemm_bf16.c (bf16 mode), 2 gemm_int8.c */
     int64_t window;  /* every layer's sliding window (one KV cache group), 0 = full attention */
+    int64_t kv_bf16;  /* the pool's elements: 0 fp32, 1 bf16 */
     float eps, scale;
 } KvmStackShape;
 
@@ -90,12 +91,22 @@ int kvmesh_decode_stack_f32(const KvmLayer *layers, int64_t num_layers, const Kv
         if (failed) return 100 - failed;
         kvmesh_rope_f32(step->qkv, qkv_size, step->cos, step->sin, d, step->qk, t,
                         shape->num_heads + shape->num_kv_heads, d);
-        kvmesh_write_kv_f32(step->qk + q_size, qk_size, step->qkv + qk_size, qkv_size, w->k_cache, w->v_cache,
-                            step->slots, t, kv_size, shape->num_slots);
-        const int status = kvmesh_paged_decode_f32(
-            step->qk, qk_size, w->k_cache, w->v_cache, shape->block_stride, step->tables, step->table_stride,
-            step->seq_lens, step->rows, t, step->attn, q_size, shape->num_heads, shape->num_kv_heads, d,
-            shape->block_size, step->max_seq_len, shape->scale, shape->window);
+        int status;
+        if (shape->kv_bf16) {
+            kvmesh_write_kv_bf16(step->qk + q_size, qk_size, step->qkv + qk_size, qkv_size, w->k_cache, w->v_cache,
+                                 step->slots, t, kv_size, shape->num_slots);
+            status = kvmesh_paged_decode_bf16(
+                step->qk, qk_size, w->k_cache, w->v_cache, shape->block_stride, step->tables, step->table_stride,
+                step->seq_lens, step->rows, t, step->attn, q_size, shape->num_heads, shape->num_kv_heads, d,
+                shape->block_size, step->max_seq_len, shape->scale, shape->window);
+        } else {
+            kvmesh_write_kv_f32(step->qk + q_size, qk_size, step->qkv + qk_size, qkv_size, w->k_cache, w->v_cache,
+                                step->slots, t, kv_size, shape->num_slots);
+            status = kvmesh_paged_decode_f32(
+                step->qk, qk_size, w->k_cache, w->v_cache, shape->block_stride, step->tables, step->table_stride,
+                step->seq_lens, step->rows, t, step->attn, q_size, shape->num_heads, shape->num_kv_heads, d,
+                shape->block_size, step->max_seq_len, shape->scale, shape->window);
+        }
         if (status != 0) return status;
         failed = linear(shape, step->attn, q_size, t, q_size, w->o, hidden, w->o_bias, step->x);
         if (failed) return 100 - failed;

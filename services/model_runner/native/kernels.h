@@ -16,6 +16,18 @@ int kvmesh_prefill_attention_f32(
     const float *q, int64_t q_row_stride, const float *k_cache, const float *v_cache, int64_t block_stride,
     const int32_t *table, int64_t num_q, int64_t seq_len, float *out, int64_t out_row_stride, int64_t num_heads,
     int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, int64_t window);
+int kvmesh_paged_decode_bf16(
+    const float *q, int64_t q_row_stride, const uint16_t *k_cache, const uint16_t *v_cache, int64_t block_stride,
+    const int32_t *tables, int64_t table_stride, const int32_t *seq_lens, const int32_t *rows, int64_t num_seqs,
+    float *out, int64_t out_row_stride, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+    int64_t block_size, int64_t max_seq_len, float scale, int64_t window);
+int kvmesh_prefill_attention_bf16(
+    const float *q, int64_t q_row_stride, const uint16_t *k_cache, const uint16_t *v_cache, int64_t block_stride,
+    const int32_t *table, int64_t num_q, int64_t seq_len, float *out, int64_t out_row_stride, int64_t num_heads,
+    int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, int64_t window);
+int64_t kvmesh_write_kv_bf16(
+    const float *key, int64_t key_row_stride, const float *value, int64_t value_row_stride, uint16_t *k_cache,
+    uint16_t *v_cache, const int64_t *slots, int64_t num_tokens, int64_t kv_elems, int64_t num_slots);
 int64_t kvmesh_write_kv_f32(
     const float *key, int64_t key_row_stride, const float *value, int64_t value_row_stride, float *k_cache,
     float *v_cache, const int64_t *slots, int64_t num_tokens, int64_t kv_elems, int64_t num_slots);

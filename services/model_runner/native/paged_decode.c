@@ -7,7 +7,7 @@
  * heads for 16 keys at a time (each key block read from memory once, then from L1 for the other
  * query heads of its KV head), a softmax, then one pass over V.
  *
- * Layouts (elements, fp32):
+ * Layouts (elements; q and out fp32, the cache fp32 or bf16: the _f32 / _bf16 entry points):
  *   q, out       [num_rows, H, D]          rows of one query token each; head stride D
  *   k/v cache    [num_blocks, bs, KV, D]   one layer's half of the pool; token stride KV * D
  *   tables       [num_seqs, width] int32   block ids (0 = null block, never read past seq_len)
@@ -29,7 +29,9 @@
  * Paths: AVX-512 for head_dim a multiple of 16 (specialised for 64 and 128); portable C loops
  * (per sequence and KV head) otherwise, and on CPUs without AVX-512.
  *
- * Numerics: scores and the softmax in fp32, exp by range reduction (2^n * e^r, |r| <= ln2/2,
+ * Numerics: a bf16 cache is widened exactly to fp32 as it is loaded (kv_elem.h), so the bf16
+ * entry point's bits are the fp32 one's over a pool holding the same rounded values. Scores and
+ * the softmax in fp32, exp by range reduction (2^n * e^r, |r| <= ln2/2,
  * 7th-order Taylor, relative error < 1e-7): not bitwise equal to SDPA, equal within fp32 rounding.
  * Built without -ffast-math on purpose: a -ffast-math shared object sets flush-to-zero for the
  * whole process when it is loaded.
@@ -41,6 +43,7 @@
 
 #include "exp_math.h"
 #include "kernels.h"
+#include "kv_elem.h"
 #include "pairs.h"
 
 #define MAX_GROUP 16
@@ -76,15 +79,15 @@ typedef struct {
     int64_t line, lines, per;
 } Prefetcher;
 
-static inline Prefetcher prefetcher(const float *next, int64_t bytes, int64_t steps) {
+static inline Prefetcher prefetcher(const char *next, int64_t bytes, int64_t steps) {
     const int64_t lines = bytes / 64;
     Prefetcher p = {(const char *)next, 0, lines, (lines + steps - 1) / steps};
     return p;
 }
 
 /* The first block of a pass has nothing before it to hide behind: all its lines at once. */
-static inline void prefetch_block(const float *base, int64_t bytes) {
-    const char *p = (const char *)base;
+static inline void prefetch_block(const char *base, int64_t bytes) {
+    const char *p = base;
     for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
 }
 
@@ -94,18 +97,19 @@ static inline void prefetch_step(Prefetcher *p) {
         _mm_prefetch(p->next + p->line * 64, _MM_HINT_T0);
 }
 
-/* A whole sequence, every head: each block (all KV heads: block_size * token_stride floats,
+/* A whole sequence, every head: each block (all KV heads: block_size * token_stride elements,
  * contiguous) is read from memory once, the next one prefetched while this one is used.
- * Scratch: scores [num_heads][len - first], acc [num_heads][nd * 16]. */
+ * Scratch: scores [num_heads][len - first], acc [num_heads][nd * 16]. esz: the cache element's
+ * bytes (4 fp32, 2 bf16), a compile-time constant where it is inlined, as nd is. */
 static inline __attribute__((always_inline)) void attend_seq_avx512(
-    const float *q_row, float *o_row, const float *k_cache, const float *v_cache, int64_t block_stride,
+    const float *q_row, float *o_row, const char *k_cache, const char *v_cache, int64_t block_stride,
     const int32_t *table, int64_t first, int64_t len, int64_t num_heads, int64_t group, const int nd,
     int64_t token_stride, int64_t block_size, float scale, float *scores, float *qbuf, float *acc,
-    const float *next_k)
+    const char *next_k, const int esz)
 {
     /* keys first .. len - 1; scores [num_heads][n_keys] from key first */
     const int64_t head_dim = (int64_t)nd * 16, num_kv = num_heads / group, n_keys = len - first;
-    const int64_t block_bytes = block_size * token_stride * (int64_t)sizeof(float);
+    const int64_t block_bytes = block_size * token_stride * (int64_t)esz;
     const int64_t b0 = first / block_size, num_blocks = (len + block_size - 1) / block_size;
     const __m512 vscale = _mm512_set1_ps(scale);
     for (int64_t i = 0; i < num_heads * head_dim; i += 16)
@@ -114,14 +118,14 @@ static inline __attribute__((always_inline)) void attend_seq_avx512(
     for (int64_t h = 0; h < num_heads; h++) maxv[h] = -3.0e38f;
 
     /* 1. scores */
-    prefetch_block(k_cache + (int64_t)table[b0] * block_stride, block_bytes);
+    prefetch_block(k_cache + (int64_t)table[b0] * block_stride * esz, block_bytes);
     for (int64_t b = b0; b < num_blocks; b++) {
         const int64_t t0 = b * block_size, lo = first > t0 ? first - t0 : 0;
-        const float *kb = k_cache + (int64_t)table[b] * block_stride;
+        const char *kb = k_cache + (int64_t)table[b] * block_stride * esz;
         const int64_t nblk = len - t0 < block_size ? len - t0 : block_size;
         /* the last K block prefetches the first V block (docs/model_runner.md) */
-        Prefetcher pf = prefetcher(b + 1 < num_blocks ? k_cache + (int64_t)table[b + 1] * block_stride
-                                   : v_cache + (int64_t)table[b0] * block_stride,
+        Prefetcher pf = prefetcher(b + 1 < num_blocks ? k_cache + (int64_t)table[b + 1] * block_stride * esz
+                                   : v_cache + (int64_t)table[b0] * block_stride * esz,
                                    block_bytes, ((nblk - lo + 15) / 16) * num_heads);
         for (int64_t c0 = lo; c0 < nblk; c0 += 16) {
             const int n = (int)(nblk - c0 < 16 ? nblk - c0 : 16);
@@ -129,15 +133,15 @@ static inline __attribute__((always_inline)) void attend_seq_avx512(
             for (int64_t h = 0; h < num_heads; h++) {
                 prefetch_step(&pf);
                 const float *qh = qbuf + h * head_dim;
-                const float *kh = kb + c0 * token_stride + (h / group) * head_dim;
+                const char *kh = kb + (c0 * token_stride + (h / group) * head_dim) * esz;
                 __m512 qv[MAX_HEAD_DIM / 16];
                 for (int j = 0; j < nd; j++) qv[j] = _mm512_loadu_ps(qh + j * 16);
                 __m512 part[16];
                 for (int t = 0; t < 16; t++) {
                     if (t < n) {
-                        const float *k = kh + t * token_stride;
-                        __m512 a = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k));
-                        for (int j = 1; j < nd; j++) a = _mm512_fmadd_ps(qv[j], _mm512_loadu_ps(k + j * 16), a);
+                        const char *k = kh + t * token_stride * esz;
+                        __m512 a = _mm512_mul_ps(qv[0], kv_load16(k, esz));
+                        for (int j = 1; j < nd; j++) a = _mm512_fmadd_ps(qv[j], kv_load16(k + j * 16 * esz, esz), a);
                         part[t] = a;
                     } else {
                         part[t] = _mm512_setzero_ps();
@@ -168,10 +172,10 @@ static inline __attribute__((always_inline)) void attend_seq_avx512(
     for (int64_t i = 0; i < num_heads * head_dim; i += 16) _mm512_storeu_ps(acc + i, _mm512_setzero_ps());
     for (int64_t b = b0; b < num_blocks; b++) {
         const int64_t t0 = b * block_size, lo = first > t0 ? first - t0 : 0;
-        const float *vb = v_cache + (int64_t)table[b] * block_stride;
+        const char *vb = v_cache + (int64_t)table[b] * block_stride * esz;
         const int64_t nblk = len - t0 < block_size ? len - t0 : block_size;
         /* the last V block prefetches the first K block of this thread's next sequence */
-        Prefetcher pf = prefetcher(b + 1 < num_blocks ? v_cache + (int64_t)table[b + 1] * block_stride : next_k,
+        Prefetcher pf = prefetcher(b + 1 < num_blocks ? v_cache + (int64_t)table[b + 1] * block_stride * esz : next_k,
                                    block_bytes, num_kv * (nblk - lo));
         for (int64_t kvh = 0; kvh < num_kv; kvh++) {
             __m512 a[MAX_GROUP][MAX_HEAD_DIM / 16];
@@ -181,9 +185,9 @@ static inline __attribute__((always_inline)) void attend_seq_avx512(
             const float *sk = scores + kvh * group * n_keys + (t0 + lo - first);  /* key t0 + lo */
             for (int64_t o = lo; o < nblk; o++) {
                 prefetch_step(&pf);
-                const float *v = vb + o * token_stride + kvh * head_dim;
+                const char *v = vb + (o * token_stride + kvh * head_dim) * esz;
                 __m512 vv[MAX_HEAD_DIM / 16];
-                for (int j = 0; j < nd; j++) vv[j] = _mm512_loadu_ps(v + j * 16);
+                for (int j = 0; j < nd; j++) vv[j] = kv_load16(v + j * 16 * esz, esz);
                 for (int64_t g = 0; g < group; g++) {
                     const __m512 p = _mm512_set1_ps(sk[g * n_keys + o - lo]);
                     for (int j = 0; j < nd; j++) a[g][j] = _mm512_fmadd_ps(p, vv[j], a[g][j]);
@@ -201,20 +205,26 @@ static inline __attribute__((always_inline)) void attend_seq_avx512(
 }
 #endif
 
-/* Token t's row for one KV head in a paged cache half (portable path: the block of every token
- * is looked up; the AVX-512 path walks block by block to prefetch). */
-static inline const float *token_row(const float *cache, const int32_t *table, int64_t t, int64_t block_size,
-                                     int64_t block_stride, int64_t token_stride, int64_t kv_offset)
+/* Token t's row for one KV head in a paged cache half, as fp32 (portable path: the block of every
+ * token is looked up; the AVX-512 path walks block by block to prefetch): an fp32 cache's row in
+ * place, a bf16 cache's widened into tmp (head_dim floats). */
+static inline const float *token_row(const char *cache, const int32_t *table, int64_t t, int64_t block_size,
+                                     int64_t block_stride, int64_t token_stride, int64_t kv_offset, int64_t head_dim,
+                                     int esz, float *tmp)
 {
-    return cache + (int64_t)table[t / block_size] * block_stride + (t % block_size) * token_stride + kv_offset;
+    const int64_t i = (int64_t)table[t / block_size] * block_stride + (t % block_size) * token_stride + kv_offset;
+    if (esz == 4) return (const float *)cache + i;
+    for (int64_t d = 0; d < head_dim; d++) tmp[d] = kv_load1(cache, i + d, esz);
+    return tmp;
 }
 
 /* One (sequence, KV head), portable C: the fallback without AVX-512 or for odd head sizes. */
 static void attend_portable(
-    const float *qs, float *os, const float *k_cache, const float *v_cache, int64_t block_stride,
+    const float *qs, float *os, const char *k_cache, const char *v_cache, int64_t block_stride,
     const int32_t *table, int64_t first, int64_t len, int64_t group, int64_t head_dim, int64_t token_stride,
-    int64_t block_size, int64_t kv_offset, float scale, float *scores)
+    int64_t block_size, int64_t kv_offset, float scale, float *scores, int esz)
 {
+    float row[MAX_HEAD_DIM];  /* a bf16 row widened */
     /* keys first .. len - 1; scores [group][n] from key first */
     const int64_t n = len - first;
     float qv[MAX_GROUP][MAX_HEAD_DIM];
@@ -223,7 +233,8 @@ static void attend_portable(
     float maxv[MAX_GROUP];
     for (int64_t g = 0; g < group; g++) maxv[g] = -3.0e38f;
     for (int64_t t = first; t < len; t++) {
-        const float *k = token_row(k_cache, table, t, block_size, block_stride, token_stride, kv_offset);
+        const float *k = token_row(k_cache, table, t, block_size, block_stride, token_stride, kv_offset, head_dim, esz,
+                                   row);
         for (int64_t g = 0; g < group; g++) {
             float acc = 0.0f;
             #pragma omp simd reduction(+:acc)
@@ -249,7 +260,8 @@ static void attend_portable(
     for (int64_t g = 0; g < group; g++)
         for (int64_t d = 0; d < head_dim; d++) acc[g][d] = 0.0f;
     for (int64_t t = first; t < len; t++) {
-        const float *v = token_row(v_cache, table, t, block_size, block_stride, token_stride, kv_offset);
+        const float *v = token_row(v_cache, table, t, block_size, block_stride, token_stride, kv_offset, head_dim, esz,
+                                   row);
         for (int64_t g = 0; g < group; g++) {
             const float p = scores[g * n + t - first];
             #pragma omp simd
@@ -266,15 +278,16 @@ static inline int64_t first_key(int64_t len, int64_t window) {
 }
 
 /* Returns 0, -1 for an unsupported shape (too many query heads per KV head, head_dim > 256),
- * -2 when a thread could not allocate its score buffer. window: 0 = full attention. */
-int kvmesh_paged_decode_f32(
+ * -2 when a thread could not allocate its score buffer. window: 0 = full attention; block_stride
+ * in elements; esz: the cache element's bytes (4 fp32, 2 bf16). */
+static int paged_decode(
     const float *q, int64_t q_row_stride,
-    const float *k_cache, const float *v_cache, int64_t block_stride,
+    const char *k_cache, const char *v_cache, int64_t block_stride,
     const int32_t *tables, int64_t table_stride,
     const int32_t *seq_lens, const int32_t *rows, int64_t num_seqs,
     float *out, int64_t out_row_stride,
     int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-    int64_t max_seq_len, float scale, int64_t window)
+    int64_t max_seq_len, float scale, int64_t window, int esz)
 {
     if (num_kv_heads <= 0 || num_heads % num_kv_heads) return -1;
     const int64_t group = num_heads / num_kv_heads;
@@ -304,9 +317,9 @@ int kvmesh_paged_decode_f32(
                 if (s < 0) break;
                 if (scores == NULL || qbuf == NULL || acc == NULL) continue;
                 const int64_t ns = paired_run_after(&run, s);
-                const float *next_k = ns >= 0 && seq_lens[ns] > 0
+                const char *next_k = ns >= 0 && seq_lens[ns] > 0
                     ? k_cache + (int64_t)tables[ns * table_stride + first_key(seq_lens[ns], window) / block_size]
-                          * block_stride
+                          * block_stride * esz
                     : NULL;
                 const int64_t len = seq_lens[s];
                 const float *qs = q + (int64_t)rows[s] * q_row_stride;
@@ -317,16 +330,18 @@ int kvmesh_paged_decode_f32(
                 }
                 const int32_t *table = tables + s * table_stride;
                 const int64_t first = first_key(len, window);
-                if (head_dim == 64)
-                    attend_seq_avx512(qs, os, k_cache, v_cache, block_stride, table, first, len, num_heads, group,
-                                      4, token_stride, block_size, scale, scores, qbuf, acc, next_k);
-                else if (head_dim == 128)
-                    attend_seq_avx512(qs, os, k_cache, v_cache, block_stride, table, first, len, num_heads, group,
-                                      8, token_stride, block_size, scale, scores, qbuf, acc, next_k);
-                else
-                    attend_seq_avx512(qs, os, k_cache, v_cache, block_stride, table, first, len, num_heads, group,
-                                      (int)(head_dim / 16), token_stride, block_size, scale, scores, qbuf, acc,
-                                      next_k);
+#define ATTEND(nd, esz) attend_seq_avx512(qs, os, k_cache, v_cache, block_stride, table, first, len, num_heads, \
+                                          group, nd, token_stride, block_size, scale, scores, qbuf, acc, next_k, esz)
+                if (esz == 4) {
+                    if (head_dim == 64) ATTEND(4, 4);
+                    else if (head_dim == 128) ATTEND(8, 4);
+                    else ATTEND((int)(head_dim / 16), 4);
+                } else {
+                    if (head_dim == 64) ATTEND(4, 2);
+                    else if (head_dim == 128) ATTEND(8, 2);
+                    else ATTEND((int)(head_dim / 16), 2);
+                }
+#undef ATTEND
             }
             free(scores);
             free(qbuf);
@@ -358,11 +373,35 @@ int kvmesh_paged_decode_f32(
             const int32_t *table = tables + s * table_stride;
             const int64_t kv_offset = kvh * head_dim;
             attend_portable(qs, os, k_cache, v_cache, block_stride, table, first_key(len, window), len, group,
-                            head_dim, token_stride, block_size, kv_offset, scale, scores);
+                            head_dim, token_stride, block_size, kv_offset, scale, scores, esz);
         }
         free(scores);
     }
     return failed ? -2 : 0;
+}
+
+int kvmesh_paged_decode_f32(
+    const float *q, int64_t q_row_stride, const float *k_cache, const float *v_cache, int64_t block_stride,
+    const int32_t *tables, int64_t table_stride, const int32_t *seq_lens, const int32_t *rows, int64_t num_seqs,
+    float *out, int64_t out_row_stride, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+    int64_t block_size, int64_t max_seq_len, float scale, int64_t window)
+{
+    return paged_decode(q, q_row_stride, (const char *)k_cache, (const char *)v_cache, block_stride, tables,
+                        table_stride, seq_lens, rows, num_seqs, out, out_row_stride, num_heads, num_kv_heads,
+                        head_dim, block_size, max_seq_len, scale, window, 4);
+}
+
+/* The same over a bf16 cache (block_stride in elements): bitwise the fp32 entry point over the
+ * widened values. */
+int kvmesh_paged_decode_bf16(
+    const float *q, int64_t q_row_stride, const uint16_t *k_cache, const uint16_t *v_cache, int64_t block_stride,
+    const int32_t *tables, int64_t table_stride, const int32_t *seq_lens, const int32_t *rows, int64_t num_seqs,
+    float *out, int64_t out_row_stride, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+    int64_t block_size, int64_t max_seq_len, float scale, int64_t window)
+{
+    return paged_decode(q, q_row_stride, (const char *)k_cache, (const char *)v_cache, block_stride, tables,
+                        table_stride, seq_lens, rows, num_seqs, out, out_row_stride, num_heads, num_kv_heads,
+                        head_dim, block_size, max_seq_len, scale, window, 2);
 }
 
 /* Stores T tokens' K and V rows (each kv_elems contiguous floats, rows row_stride apart) at their
@@ -379,6 +418,26 @@ int64_t kvmesh_write_kv_f32(
         if (slot < 0 || slot >= num_slots) continue;
         memcpy(k_cache + slot * kv_elems, key + i * key_row_stride, sizeof(float) * (size_t)kv_elems);
         memcpy(v_cache + slot * kv_elems, value + i * value_row_stride, sizeof(float) * (size_t)kv_elems);
+        written++;
+    }
+    return written;
+}
+
+/* kvmesh_write_kv_f32 into a bf16 cache: each value rounded to nearest even (kv_elem.h; torch's
+ * fp32 -> bf16 conversion bit for bit). */
+int64_t kvmesh_write_kv_bf16(
+    const float *key, int64_t key_row_stride, const float *value, int64_t value_row_stride,
+    uint16_t *k_cache, uint16_t *v_cache, const int64_t *slots, int64_t num_tokens, int64_t kv_elems,
+    int64_t num_slots)
+{
+    int64_t written = 0;
+    for (int64_t i = 0; i < num_tokens; i++) {
+        const int64_t slot = slots[i];
+        if (slot < 0 || slot >= num_slots) continue;
+        uint16_t *kd = k_cache + slot * kv_elems, *vd = v_cache + slot * kv_elems;
+        const float *ks = key + i * key_row_stride, *vs = value + i * value_row_stride;
+        for (int64_t e = 0; e < kv_elems; e++) kd[e] = kv_f32_to_bf16(ks[e]);
+        for (int64_t e = 0; e < kv_elems; e++) vd[e] = kv_f32_to_bf16(vs[e]);
         written++;
     }
     return written;

@@ -1,5 +1,5 @@
 /*
- * Causal attention of one prefill chunk over the paged cache (fp32), for the CPU.
+ * Causal attention of one prefill chunk over the paged cache (fp32 or bf16), for the CPU.
  *
  * Why it exists: torch's SDPA over a chunk was ~40% of a bf16-mode prefill step on SmolLM2 (one
  * flash-attention call per layer at ~40 GFLOP/s, after a gather of the chunk's K/V); this kernel
@@ -11,7 +11,8 @@
  * no key before the first query's window is gathered: a sliding-window KV cache group frees those
  * blocks, so they may hold another request's data.
  *
- * How: K and V of each KV head are gathered once from the paged cache, K transposed in 16-key
+ * How: K and V of each KV head are gathered once from the paged cache (a bf16 cache widened
+ * exactly to fp32 there, kv_elem.h: everything after the gather is the same code), K transposed in 16-key
  * tiles ([D][16]); then each work item is RT (query token, head) rows of one KV head: scores for
  * 16 keys at a time (each transposed-K vector loaded once for RH rows), a softmax per row, and the
  * weighted V sum per row (each V vector loaded once for the RT rows).
@@ -32,6 +33,7 @@
 #include <omp.h>
 
 #include "exp_math.h"
+#include "kv_elem.h"
 
 #define RT 8             /* rows (query token, head) per work item: 8 score accumulators */
 #define RH 4             /* of which scored together (4 x 4 partials + the halves in registers) */
@@ -70,13 +72,14 @@ static inline __attribute__((always_inline)) void score_rows(const float *kb, co
 }
 
 /* kt, vc hold the gathered keys from key kstart on (local index = key - kstart); ctx0 is the first
- * query's position; sc rows hold each row's scores from its own first key (sc[-16..-1] exist). */
-static void attend_tile(const float *kt, const float *vc, const float *q, int64_t q_row_stride, float *out,
-                        int64_t out_row_stride, int64_t group, int64_t kvh, int64_t ctx0, int64_t kstart,
-                        int64_t window, int64_t row0, int64_t rows_total, int64_t head_dim, float scale, float *qs,
-                        float *sc, int64_t sc_stride)
+ * query's position; sc rows hold each row's scores from its own first key (sc[-16..-1] exist).
+ * nd = head_dim / 16, a compile-time constant where attend_tile inlines it (the common sizes). */
+static inline __attribute__((always_inline)) void attend_rows(
+    const float *kt, const float *vc, const float *q, int64_t q_row_stride, float *out, int64_t out_row_stride,
+    int64_t group, int64_t kvh, int64_t ctx0, int64_t kstart, int64_t window, int64_t row0, int64_t rows_total,
+    float scale, float *qs, float *sc, int64_t sc_stride, const int nd)
 {
-    const int nd = (int)(head_dim / 16);
+    const int64_t head_dim = 16 * (int64_t)nd;
     int64_t len[RT], lo[RT], tok[RT], head[RT];  /* a row's keys: local lo[r] .. len[r] - 1 */
     int64_t max_len = 0, min_len = INT64_MAX, min_lo = INT64_MAX, max_lo = 0;
     for (int r = 0; r < RT; r++) {
@@ -95,7 +98,6 @@ static void attend_tile(const float *kt, const float *vc, const float *q, int64_
     }
     /* 1. scores, 16 keys at a time */
     float maxv[RT];
-    for (int r = 0; r < RT; r++) maxv[r] = -3.0e38f;
     for (int64_t t0 = min_lo / 16 * 16; t0 < max_len; t0 += 16) {
         const float *kb = kt + (t0 / 16) * head_dim * 16;
         __m512 a[RT];
@@ -107,9 +109,19 @@ static void attend_tile(const float *kt, const float *vc, const float *q, int64_
             const __mmask16 live = (n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1u)) & (__mmask16)~below;
             /* lane l is key t0 + l: stored at its index from the row's first key (t0 - lo[r] >= -15) */
             _mm512_mask_storeu_ps(sc + r * sc_stride + (t0 - lo[r]), live, a[r]);
-            const float m = _mm512_mask_reduce_max_ps(live, a[r]);
-            if (m > maxv[r]) maxv[r] = m;
         }
+    }
+    /* each row's maximum, lane-wise over its stored scores then across the lanes (the same value in
+     * any order), after the scores rather than a horizontal reduce per 16-key tile between them */
+    for (int r = 0; r < RT; r++) {
+        const float *sr = sc + r * sc_stride;
+        const int64_t n_keys = len[r] - lo[r];
+        __m512 m = _mm512_set1_ps(-3.0e38f);
+        for (int64_t t = 0; t < n_keys; t += 16) {
+            const __mmask16 live = n_keys - t >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n_keys - t)) - 1u);
+            m = _mm512_mask_max_ps(m, live, m, _mm512_maskz_loadu_ps(live, sr + t));
+        }
+        maxv[r] = _mm512_reduce_max_ps(m);
     }
     /* 2. softmax numerators in place, per row over its own keys */
     float inv_sum[RT];
@@ -158,14 +170,31 @@ static void attend_tile(const float *kt, const float *vc, const float *q, int64_
         }
     }
 }
+
+static void attend_tile(const float *kt, const float *vc, const float *q, int64_t q_row_stride, float *out,
+                        int64_t out_row_stride, int64_t group, int64_t kvh, int64_t ctx0, int64_t kstart,
+                        int64_t window, int64_t row0, int64_t rows_total, int64_t head_dim, float scale, float *qs,
+                        float *sc, int64_t sc_stride)
+{
+#define ATTEND(nd) attend_rows(kt, vc, q, q_row_stride, out, out_row_stride, group, kvh, ctx0, kstart, window, \
+                               row0, rows_total, scale, qs, sc, sc_stride, nd)
+    switch (head_dim / 16) {
+    case 4: ATTEND(4); break;   /* head_dim 64 (SmolLM2, Llama 3.2 1B) */
+    case 8: ATTEND(8); break;   /* 128 */
+    default: ATTEND((int)(head_dim / 16)); break;
+    }
+#undef ATTEND
+}
 #endif
 
-int kvmesh_prefill_attention_f32(
+/* esz: the cache element's bytes (4 fp32, 2 bf16); block_stride in elements */
+static int prefill_attention(
     const float *q, int64_t q_row_stride,  /* the chunk's first query row; [num_q, H, D] */
-    const float *k_cache, const float *v_cache, int64_t block_stride,
+    const char *k_cache, const char *v_cache, int64_t block_stride,
     const int32_t *table, int64_t num_q, int64_t seq_len,
     float *out, int64_t out_row_stride,
-    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, int64_t window)
+    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, int64_t window,
+    int esz)
 {
 #if defined(__AVX512F__)
     if (num_kv_heads <= 0 || num_heads % num_kv_heads || head_dim % 16 || head_dim > PF_MAX_DIM) return -1;
@@ -186,10 +215,17 @@ int kvmesh_prefill_attention_f32(
         const int64_t off = (int64_t)table[t / block_size] * block_stride + (t % block_size) * token_stride;
         const int64_t u = t - kstart;  /* local index */
         for (int64_t h = 0; h < num_kv_heads; h++) {
-            const float *ks = k_cache + off + h * head_dim, *vs = v_cache + off + h * head_dim;
+            const int64_t e = off + h * head_dim;  /* the row's first element */
             float *kd = kt + h * padded * head_dim + (u / 16) * head_dim * 16 + (u % 16);
-            for (int64_t d = 0; d < head_dim; d++) kd[d * 16] = ks[d];
-            memcpy(vc + (h * padded + u) * head_dim, vs, sizeof(float) * (size_t)head_dim);
+            float *vd = vc + (h * padded + u) * head_dim;
+            if (esz == 4) {
+                const float *ks = (const float *)k_cache + e;
+                for (int64_t d = 0; d < head_dim; d++) kd[d * 16] = ks[d];
+                memcpy(vd, (const float *)v_cache + e, sizeof(float) * (size_t)head_dim);
+            } else {
+                for (int64_t d = 0; d < head_dim; d++) kd[d * 16] = kv_load1(k_cache, e + d, esz);
+                for (int64_t d = 0; d < head_dim; d++) vd[d] = kv_load1(v_cache, e + d, esz);
+            }
         }
     }
     const int64_t rows = num_q * group, per_head = (rows + RT - 1) / RT, items = num_kv_heads * per_head;
@@ -205,11 +241,13 @@ int kvmesh_prefill_attention_f32(
             #pragma omp atomic write
             failed = 1;
         }
-        /* the longest tiles (last query rows) first, so threads end together */
+        /* KV head by KV head, so the one head's K and V (2 x n_keys x head_dim floats) stay in L2
+         * while its tiles pass over them (the heads in turn were slower: docs/benchmarks.md); within
+         * a head the longest tiles (last query rows) first, so threads end together */
         #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < items; item++) {
             if (qs == NULL || sc == NULL) continue;
-            const int64_t h = item % num_kv_heads, tile = per_head - 1 - item / num_kv_heads;
+            const int64_t h = item / per_head, tile = per_head - 1 - item % per_head;
             attend_tile(kt + h * padded * head_dim, vc + h * padded * head_dim, q, q_row_stride, out,
                         out_row_stride, group, h, ctx0, kstart, window, tile * RT, rows, head_dim, scale, qs, sc,
                         sc_stride);
@@ -223,7 +261,28 @@ int kvmesh_prefill_attention_f32(
 #else
     (void)q; (void)q_row_stride; (void)k_cache; (void)v_cache; (void)block_stride; (void)table; (void)num_q;
     (void)seq_len; (void)out; (void)out_row_stride; (void)num_heads; (void)num_kv_heads; (void)head_dim;
-    (void)block_size; (void)scale; (void)window;
+    (void)block_size; (void)scale; (void)window; (void)esz;
     return -1;
 #endif
+}
+
+int kvmesh_prefill_attention_f32(
+    const float *q, int64_t q_row_stride, const float *k_cache, const float *v_cache, int64_t block_stride,
+    const int32_t *table, int64_t num_q, int64_t seq_len, float *out, int64_t out_row_stride, int64_t num_heads,
+    int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, int64_t window)
+{
+    return prefill_attention(q, q_row_stride, (const char *)k_cache, (const char *)v_cache, block_stride, table,
+                             num_q, seq_len, out, out_row_stride, num_heads, num_kv_heads, head_dim, block_size,
+                             scale, window, 4);
+}
+
+/* The same over a bf16 cache: bitwise the fp32 entry point over the widened values. */
+int kvmesh_prefill_attention_bf16(
+    const float *q, int64_t q_row_stride, const uint16_t *k_cache, const uint16_t *v_cache, int64_t block_stride,
+    const int32_t *table, int64_t num_q, int64_t seq_len, float *out, int64_t out_row_stride, int64_t num_heads,
+    int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, int64_t window)
+{
+    return prefill_attention(q, q_row_stride, (const char *)k_cache, (const char *)v_cache, block_stride, table,
+                             num_q, seq_len, out, out_row_stride, num_heads, num_kv_heads, head_dim, block_size,
+                             scale, window, 2);
 }

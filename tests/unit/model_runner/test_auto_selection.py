@@ -13,9 +13,10 @@ import pytest
 import torch
 
 from services.model_runner.config import RunnerConfig
-from services.model_runner.factory import build_runner, cpu_flags, select_backend, select_dtype
+from services.model_runner.factory import build_runner, cpu_flags, select_backend, select_dtype, select_kv_dtype
 from services.model_runner.native import load_kernels
 from services.model_runner.types import CachedRequestData, NewRequestData, StepInput
+from shared.errors import FailedPrecondition
 from shared.sampling_params import SamplingParams
 
 BASE = {"fpu", "sse2", "avx", "avx2", "fma", "f16c"}
@@ -159,7 +160,14 @@ def test_build_runner_default_per_machine(tiny_llama_dir: Path) -> None:
         info = amx.model_info()
         kernels = load_kernels()
         if kernels is not None and kernels.linear_bf16 is not None:  # this CPU has AVX512-BF16: bf16 mode
-            assert (info.dtype, info.kv_cache_dtype, info.attention_backend) == ("bfloat16", "float32", "cpu")
+            # bf16 mode keeps K/V in bf16: 1,024-byte blocks, twice the fp32 pool's 16 of the same budget
+            assert (info.dtype, info.kv_cache_dtype, info.attention_backend) == ("bfloat16", "bfloat16", "cpu")
+            assert (default.pool.bytes_per_block, default.pool.num_blocks) == (2048, 16)
+            assert (amx.pool.bytes_per_block, amx.pool.num_blocks, info.num_blocks) == (1024, 32, 32)
+            fp32_kv = build_runner(RunnerConfig(**common, kv_cache_dtype="float32"), flags=AMX)  # type: ignore[arg-type]
+            runners.append(fp32_kv)
+            assert (fp32_kv.model_info().dtype, fp32_kv.model_info().kv_cache_dtype) == ("bfloat16", "float32")
+            assert (fp32_kv.pool.bytes_per_block, fp32_kv.pool.num_blocks) == (2048, 16)
             assert "native batch-invariant bf16 kernels built here" in info.dtype_reason
             assert "bf16 GEMMs with fp32 accumulation" in info.attention_backend_reason
             assert amx.model.model.layers[0].self_attn.qkv_proj.packed.mode == "native_bf16"  # type: ignore[union-attr]
@@ -210,3 +218,26 @@ def test_batch_invariant_without_the_native_kernels_is_refused(tiny_llama_dir: P
     with pytest.raises(ValueError, match="batch_invariant needs the native CPU kernels on float32 weights "
                                          r"\(fp32 or bf16 mode\); here: dtype float32, attention backend torch"):
         build_runner(config, flags=EPYC_AVX2)
+
+
+def test_auto_kv_dtype_is_bf16_in_native_bf16_mode_only() -> None:
+    """bf16 mode on the native kernels: a bf16 pool; anything else: the model's dtype (fp32 mode
+    keeps fp32, the exact mode); an explicit float32 / bfloat16 is kept, and off the CPU only where
+    it is the model's dtype (only the CPU backends convert)."""
+    bf16 = select_kv_dtype("auto", torch.float32, native_bf16=True, device_type="cpu")
+    assert bf16.value == "bfloat16" and bf16.reason.startswith("auto: bf16 mode keeps K/V in bf16")
+    assert select_kv_dtype("auto", torch.float32, native_bf16=False, device_type="cpu").value == "float32"
+    assert select_kv_dtype("auto", torch.bfloat16, native_bf16=False, device_type="cpu").value == "bfloat16"
+    assert select_kv_dtype("float32", torch.float32, native_bf16=True, device_type="cpu").value == "float32"
+    assert select_kv_dtype("bfloat16", torch.float32, native_bf16=False, device_type="cpu").value == "bfloat16"
+    assert select_kv_dtype("int4", torch.float32, native_bf16=True, device_type="cpu").value == "int4"
+    assert select_kv_dtype("bfloat16", torch.bfloat16, native_bf16=False, device_type="cuda").value == "bfloat16"
+    with pytest.raises(FailedPrecondition, match="kv_cache_dtype=bfloat16 with float32 weights runs on the CPU only"):
+        select_kv_dtype("bfloat16", torch.float32, native_bf16=False, device_type="cuda")
+
+
+def test_kv_cache_dtype_values() -> None:
+    for value in ("auto", "float32", "bfloat16", "fp8_e4m3", "int4"):
+        assert RunnerConfig(kv_cache_dtype=value).kv_cache_dtype == value
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, float32, bfloat16, fp8_e4m3, int4"):
+        RunnerConfig(kv_cache_dtype="float16")

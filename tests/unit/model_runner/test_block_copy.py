@@ -144,3 +144,21 @@ def test_an_mla_pool_copies_its_one_plane(tmp_path: Path) -> None:
         _, kv_shaped = _staging(tmp_path, 2, row=(LAYERS, 2, BLOCK, 1, 6))
         with pytest.raises(InvalidArgument, match="shape or dtype does not match"):
             copy_blocks(mla, kv_shaped, [4], [0], into_pool=False)
+
+
+def test_a_bf16_pool_copies_out_and_back_byte_for_byte(tmp_path: Path) -> None:
+    """bf16 mode's pool: 2-byte elements, half the fp32 block's bytes; a block copied out and into
+    another block arrives bit for bit (the offload store moves raw bytes)."""
+    per_block = bytes_per_block(LAYERS, BLOCK, KV_HEADS, HEAD_DIM, torch.bfloat16)
+    with KVPool(num_layers=LAYERS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, block_size=BLOCK,
+                memory_bytes=NUM_BLOCKS * per_block, dtype=torch.bfloat16, shm_dir=str(tmp_path)) as p:  # fmt: skip
+        assert p.bytes_per_block * 2 == bytes_per_block(LAYERS, BLOCK, KV_HEADS, HEAD_DIM, torch.float32)
+        p.tensor[:, :, 4] = torch.randn(ROW, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+        staging, handle = _staging(tmp_path, 2, torch.bfloat16)
+        assert copy_blocks(p, handle, [4], [1], into_pool=False) == p.bytes_per_block
+        assert torch.equal(staging[1].view(torch.int16), p.tensor[:, :, 4].view(torch.int16))
+        assert copy_blocks(p, handle, [6], [1], into_pool=True) == p.bytes_per_block
+        assert torch.equal(p.tensor[:, :, 6].view(torch.int16), p.tensor[:, :, 4].view(torch.int16))
+        _, fp32_handle = _staging(tmp_path, 2, torch.float32)
+        with pytest.raises(InvalidArgument, match="shape or dtype does not match"):
+            copy_blocks(p, fp32_handle, [4], [0], into_pool=False)

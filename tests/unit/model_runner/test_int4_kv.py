@@ -112,7 +112,7 @@ def test_hadamard_needs_int4() -> None:
                hadamard=True)  # fmt: skip
     with pytest.raises(ValueError, match="kv_cache_hadamard needs kv_cache_dtype int4"):
         RunnerConfig(kv_cache_hadamard=True)
-    with pytest.raises(ValueError, match="auto, fp8_e4m3 or int4"):
+    with pytest.raises(ValueError, match="one of auto, float32, bfloat16, fp8_e4m3, int4"):
         RunnerConfig(kv_cache_dtype="int8")
     assert RunnerConfig(kv_cache_dtype="int4", kv_cache_hadamard=True).kv_cache_hadamard
 

@@ -94,7 +94,7 @@ def test_a_dropped_pool_unlinks_its_file() -> None:
     assert not os.path.exists(path)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float8_e4m3fn])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
 def test_another_process_shares_the_pool_both_ways(dtype: torch.dtype) -> None:
     with _pool(dtype=dtype) as pool:
         pool.tensor[1, 0, 3] = 0.5  # 4 * 2 * 8 = 64 elements -> sum 32 (0.5 is exact in fp8)

@@ -67,21 +67,29 @@ GEMMS = {("float32", "none"): ("native", "float32"), ("bfloat16", "none"): ("nat
          ("float32", "int8_weight_only"): ("native_int8", "int8")}
 
 
-@pytest.mark.parametrize(("gemm_dtype", "quantization"), sorted(GEMMS))
+# the KV pool's dtypes per mode: fp32, and bf16 (bf16 mode's default; fp32 weights over it too)
+CASES = [(*gemm, kv) for gemm in sorted(GEMMS) for kv in ("float32", "bfloat16")
+         if gemm[1] == "none" or kv == "float32"]
+
+
+@pytest.mark.parametrize(("gemm_dtype", "quantization", "kv_cache_dtype"), CASES)
 @pytest.mark.parametrize("name", ["llama", "qwen2", "mistral", "llama3"])
 def test_decode_steps_are_bitwise_the_per_layer_path(
-    checkpoint: Any, make_runner: Any, name: str, gemm_dtype: str, quantization: str, monkeypatch: pytest.MonkeyPatch
+    checkpoint: Any, make_runner: Any, name: str, gemm_dtype: str, quantization: str, kv_cache_dtype: str,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """In fp32, in bf16 mode and with int8 weights (the stack's GEMMs then the bf16 or int8 ones,
-    as the per-layer path's)."""
+    as the per-layer path's), over an fp32 and a bf16 pool (the stack's K/V writes and reads then
+    the bf16 ones, as the per-layer path's)."""
     mode, reported = GEMMS[(gemm_dtype, quantization)]
     if mode != "native":
         kernels = load_kernels()
         if kernels is None or kernels.linear_bf16 is None or kernels.linear_int8 is None:
             pytest.skip("the CPU has no AVX512-BF16: no native bf16 / int8 GEMM here")
-    runner = make_runner(checkpoint(name), backend="cpu", gemm_dtype=gemm_dtype, quantization=quantization)
+    runner = make_runner(checkpoint(name), backend="cpu", gemm_dtype=gemm_dtype, quantization=quantization,
+                         kv_cache_dtype=kv_cache_dtype)
     stack = _stack(runner)
-    assert runner.model_info().dtype == reported
+    assert (runner.model_info().dtype, runner.model_info().kv_cache_dtype) == (reported, kv_cache_dtype)
     assert {layer.self_attn.qkv_proj.packed.mode for layer in runner.model.model.layers} == {mode}
     ran: list[bool] = []
     run = stack.run
