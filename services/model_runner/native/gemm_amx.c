@@ -1,0 +1,304 @@
+/*
+ * The bf16 GEMMs on AMX tiles (Sapphire Rapids and later): kvmesh_linear_bf16 and
+ * kvmesh_linear_bf16_swiglu (gemm_bf16.c) run these where kvmesh_linear_bf16_amx() is 1.
+ *
+ * Why: one TDPBF16PS multiplies a 16 x 32 bf16 tile by a 32 x 16 one into 16 x 16 fp32 sums,
+ * 16 times the work of a vdpbf16ps per instruction; the AVX512-BF16 kernel is bound by its
+ * broadcasts and FMAs at batch and prefill sizes (docs/model_runner.md has the figures).
+ *
+ * Same packed weights, no repack: gemm_bf16.c's layout [ceil(n / 48)][kp][48][2] bf16 holds, for
+ * 16 columns of a panel over 16 k pairs, exactly a B tile in the VNNI form TDPBF16PS takes (row =
+ * one k pair, 16 columns x 2 bf16 = 64 bytes; rows 48 x 2 x 2 = 192 bytes apart). x is rounded to
+ * bf16 as in gemm_bf16.c into xb [mp][2 kpp]: A tiles, 16 rows x 16 k pairs, rows 4 kpp bytes
+ * apart. The tails are padding, never a differently shaped tile: rows past m are zero rows of xb
+ * (mp = m rounded up to 16; their sums are computed and dropped), k pairs past kp are zero columns
+ * of xb (kpp = kp rounded up to 16) and zero rows of a per-thread copy of the panel's last partial
+ * k tile (the panel itself ends there), columns past n are the panel's zero columns.
+ *
+ * Batch invariance, by construction: each output is
+ *     C = 0; for each k tile q in order: C = TDPBF16PS(C, A_q, B_q) (its 16 k pairs in order); C + b
+ * and TDPBF16PS computes each element of C from its own row of A and column of B only, whatever
+ * the other rows hold. The row tile a row lands in, the chunk, the thread, the blocking of tiles
+ * (one or two row tiles per pass) change which sums run together, never any sum's terms or order.
+ * The bits differ from the AVX512-BF16 kernel's (another order of fp32 additions), so a process
+ * uses one kernel for every m and both entry points: decode rows (m = 1 included) must equal the
+ * prefill rows of the same positions, and the fused SwiGLU must equal the GEMM + SwiGLU.
+ *
+ * Selection, once per process, when the object is loaded (a constructor): built with AMX
+ * (-march=native on such a CPU defines __AMX_TILE__ / __AMX_BF16__), not disabled by
+ * KVMESH_NATIVE_AMX=0, and Linux grants the tile data state (arch_prctl ARCH_REQ_XCOMP_PERM,
+ * process-wide). Deciding at load means no call can see another answer later in the process.
+ * The tile configuration is per thread: each OpenMP thread loads it at the start of each
+ * parallel region and releases the tiles at its end.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "gemm_bf16.h"
+#include "kernels.h"
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512F__)
+
+#include <omp.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include "exp_math.h"
+#include "pairs.h"
+
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+#define KT 16            /* k pairs per tile */
+#define MT 16            /* rows per tile */
+#define ROW_CHUNK 256    /* rows of xb per pass over the panels (their A tiles stay in L2) */
+#define B_STRIDE (BF16_PANEL * 2 * 2)  /* bytes between a panel's k pairs */
+
+static int amx_in_use;
+
+__attribute__((constructor)) static void amx_select(void)
+{
+    const char *env = getenv("KVMESH_NATIVE_AMX");
+    if (env != NULL && strcmp(env, "0") == 0) return;
+    amx_in_use = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+}
+
+int64_t kvmesh_linear_bf16_amx(void) { return amx_in_use; }
+
+/* Tiles: 0-5 C (two row tiles x three column tiles), 6 A, 7 B; all 16 rows x 64 bytes. */
+typedef struct __attribute__((aligned(64))) {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} TileConfig;
+
+static void tiles_begin(void)
+{
+    TileConfig cfg;
+    memset(&cfg, 0, sizeof(cfg));
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        cfg.colsb[t] = 64;
+        cfg.rows[t] = 16;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+/* One panel's B tile q: in the panel, or (q == the partial last one) in `tail`. */
+static inline const uint16_t *b_tile(const uint16_t *panel, const uint16_t *tail, int64_t q, int64_t full)
+{
+    return q < full ? panel + q * KT * 2 * BF16_PANEL : tail;
+}
+
+#define DP_COL(c, j) \
+    do { \
+        _tile_loadd(7, b + (j) * 32, B_STRIDE); \
+        _tile_dpbf16ps(c, 6, 7); \
+    } while (0)
+
+/* C (one row tile, `ct` column tiles of the panel) = A (16 rows of xb) B, stored to c [16][48]. */
+static void amx_rows16(const uint16_t *a, int64_t a_stride, int64_t ktiles, const uint16_t *panel,
+                       const uint16_t *tail, int64_t full, int ct, float *c)
+{
+    _tile_zero(0); _tile_zero(1); _tile_zero(2);
+    for (int64_t q = 0; q < ktiles; q++) {
+        const uint16_t *b = b_tile(panel, tail, q, full);
+        _tile_loadd(6, a + q * 2 * KT, a_stride);
+        DP_COL(0, 0);
+        if (ct > 1) DP_COL(1, 1);
+        if (ct > 2) DP_COL(2, 2);
+    }
+    _tile_stored(0, c, BF16_PANEL * 4);
+    if (ct > 1) _tile_stored(1, c + 16, BF16_PANEL * 4);
+    if (ct > 2) _tile_stored(2, c + 32, BF16_PANEL * 4);
+}
+
+/* The same for two row tiles (a and a + 16 rows) into c [32][48]: each B tile loaded once for both. */
+static void amx_rows32(const uint16_t *a, int64_t a_stride, int64_t ktiles, const uint16_t *panel,
+                       const uint16_t *tail, int64_t full, int ct, float *c)
+{
+    const uint16_t *a1 = a + MT * (a_stride / 2);
+    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3); _tile_zero(4); _tile_zero(5);
+    for (int64_t q = 0; q < ktiles; q++) {
+        const uint16_t *b = b_tile(panel, tail, q, full);
+        for (int j = 0; j < ct; j++) {
+            _tile_loadd(7, b + j * 32, B_STRIDE);
+            _tile_loadd(6, a + q * 2 * KT, a_stride);
+            if (j == 0) _tile_dpbf16ps(0, 6, 7);
+            else if (j == 1) _tile_dpbf16ps(1, 6, 7);
+            else _tile_dpbf16ps(2, 6, 7);
+            _tile_loadd(6, a1 + q * 2 * KT, a_stride);
+            if (j == 0) _tile_dpbf16ps(3, 6, 7);
+            else if (j == 1) _tile_dpbf16ps(4, 6, 7);
+            else _tile_dpbf16ps(5, 6, 7);
+        }
+    }
+    float *c1 = c + MT * BF16_PANEL;
+    _tile_stored(0, c, BF16_PANEL * 4);
+    _tile_stored(3, c1, BF16_PANEL * 4);
+    if (ct > 1) { _tile_stored(1, c + 16, BF16_PANEL * 4); _tile_stored(4, c1 + 16, BF16_PANEL * 4); }
+    if (ct > 2) { _tile_stored(2, c + 32, BF16_PANEL * 4); _tile_stored(5, c1 + 32, BF16_PANEL * 4); }
+}
+
+/* c [rows][48] + bias (NULL: none) -> out's first `cols` columns of `rows` rows. */
+static void store_rows(const float *c, int64_t rows, int64_t cols, const float *bias, float *out, int64_t out_stride)
+{
+    for (int j = 0; j * 16 < cols; j++) {
+        const int64_t left = cols - j * 16;
+        const __mmask16 live = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1u);
+        const __m512 bv = bias != NULL ? _mm512_maskz_loadu_ps(live, bias + j * 16) : _mm512_setzero_ps();
+        for (int64_t r = 0; r < rows; r++)
+            _mm512_mask_storeu_ps(out + r * out_stride + j * 16, live,
+                                  _mm512_add_ps(_mm512_loadu_ps(c + r * BF16_PANEL + j * 16), bv));
+    }
+}
+
+/* The panel's partial last k tile (kp % 16 pairs), zero-padded to 16, into tail [16][48][2]. */
+static void copy_tail(const uint16_t *panel, int64_t full, int64_t kp, uint16_t *tail)
+{
+    const int64_t pairs = kp - full * KT;
+    memcpy(tail, panel + full * KT * 2 * BF16_PANEL, sizeof(uint16_t) * (size_t)(pairs * 2 * BF16_PANEL));
+    memset(tail + pairs * 2 * BF16_PANEL, 0, sizeof(uint16_t) * (size_t)((KT - pairs) * 2 * BF16_PANEL));
+}
+
+typedef struct {
+    const uint16_t *xb;
+    int64_t kp, kpp, full, ktiles, panel_size;
+} AmxShape;
+
+/* x -> xb [mp][2 kpp], rows past m zero. NULL when the scratch cannot be had. */
+static uint16_t *amx_round(const float *x, int64_t x_stride, int64_t m, int64_t k, AmxShape *s)
+{
+    s->kp = (k + 1) / 2;
+    s->kpp = (s->kp + KT - 1) / KT * KT;
+    s->full = s->kp / KT;
+    s->ktiles = s->kpp / KT;
+    s->panel_size = s->kp * 2 * BF16_PANEL;
+    const int64_t mp = (m + MT - 1) / MT * MT, width = 2 * s->kpp;
+    uint16_t *xb = aligned_alloc(64, sizeof(uint16_t) * (size_t)(mp * width));
+    if (xb == NULL) return NULL;
+    bf16_round_rows(x, x_stride, m, k, xb, width);
+    memset(xb + m * width, 0, sizeof(uint16_t) * (size_t)((mp - m) * width));
+    s->xb = xb;
+    return xb;
+}
+
+/* Rows [row, row + rows) (rows <= 32; the xb rows up to the next multiple of 16 exist) times one
+ * panel into c [32][48]. */
+static inline void amx_block(const AmxShape *s, int64_t row, int64_t rows, const uint16_t *panel,
+                             const uint16_t *tail, int ct, float *c)
+{
+    const uint16_t *a = s->xb + row * 2 * s->kpp;
+    if (rows > MT) amx_rows32(a, 4 * s->kpp, s->ktiles, panel, tail, s->full, ct, c);
+    else amx_rows16(a, 4 * s->kpp, s->ktiles, panel, tail, s->full, ct, c);
+}
+
+int kvmesh_amx_linear_bf16(const float *x, int64_t x_stride, int64_t m, int64_t k, const uint16_t *packed, int64_t n,
+                           const float *bias, float *out, int64_t out_stride)
+{
+    AmxShape s;
+    uint16_t *xb = amx_round(x, x_stride, m, k, &s);
+    if (xb == NULL) return -1;
+    const int64_t panels = (n + BF16_PANEL - 1) / BF16_PANEL;
+    for (int64_t r0 = 0; r0 < m; r0 += ROW_CHUNK) {
+        const int64_t rows = m - r0 < ROW_CHUNK ? m - r0 : ROW_CHUNK;
+        int64_t claimed[MAX_PAIRS] = {0};
+        #pragma omp parallel if (panels > 1)
+        {
+            float c[2 * MT * BF16_PANEL] __attribute__((aligned(64)));
+            uint16_t tail[KT * 2 * BF16_PANEL] __attribute__((aligned(64)));
+            PairedRun run;
+            paired_run_init(&run, panels, claimed);
+            tiles_begin();
+            for (int64_t taken = 0;; taken++) {
+                const int64_t p = paired_run_take(&run, taken);
+                if (p < 0) break;
+                const uint16_t *panel = packed + p * s.panel_size;
+                const int64_t cols = n - p * BF16_PANEL < BF16_PANEL ? n - p * BF16_PANEL : BF16_PANEL;
+                const int ct = (int)((cols + 15) / 16);
+                if (s.full < s.ktiles) copy_tail(panel, s.full, s.kp, tail);
+                for (int64_t row = r0; row < r0 + rows; row += 2 * MT) {
+                    const int64_t live = r0 + rows - row < 2 * MT ? r0 + rows - row : 2 * MT;
+                    amx_block(&s, row, live, panel, tail, ct, c);
+                    store_rows(c, live, cols, bias != NULL ? bias + p * BF16_PANEL : NULL,
+                               out + row * out_stride + p * BF16_PANEL, out_stride);
+                }
+            }
+            _tile_release();
+        }
+    }
+    free(xb);
+    return 0;
+}
+
+int kvmesh_amx_linear_bf16_swiglu(const float *x, int64_t x_stride, int64_t m, int64_t k, const uint16_t *packed,
+                                  int64_t inter, const float *bias, float *out, int64_t out_stride)
+{
+    AmxShape s;
+    uint16_t *xb = amx_round(x, x_stride, m, k, &s);
+    if (xb == NULL) return -1;
+    const int64_t panels = inter / BF16_PANEL;
+    for (int64_t r0 = 0; r0 < m; r0 += ROW_CHUNK) {
+        const int64_t rows = m - r0 < ROW_CHUNK ? m - r0 : ROW_CHUNK;
+        int64_t claimed[MAX_PAIRS] = {0};
+        #pragma omp parallel if (panels > 1)
+        {
+            float gate[2 * MT * BF16_PANEL] __attribute__((aligned(64)));
+            float up[2 * MT * BF16_PANEL] __attribute__((aligned(64)));
+            uint16_t gtail[KT * 2 * BF16_PANEL] __attribute__((aligned(64)));
+            uint16_t utail[KT * 2 * BF16_PANEL] __attribute__((aligned(64)));
+            PairedRun run;
+            paired_run_init(&run, panels, claimed);
+            tiles_begin();
+            for (int64_t taken = 0;; taken++) {
+                const int64_t g = paired_run_take(&run, taken);
+                if (g < 0) break;
+                const uint16_t *gp = packed + g * s.panel_size, *upp = packed + (g + panels) * s.panel_size;
+                if (s.full < s.ktiles) {
+                    copy_tail(gp, s.full, s.kp, gtail);
+                    copy_tail(upp, s.full, s.kp, utail);
+                }
+                for (int64_t row = r0; row < r0 + rows; row += 2 * MT) {
+                    const int64_t live = r0 + rows - row < 2 * MT ? r0 + rows - row : 2 * MT;
+                    amx_block(&s, row, live, gp, gtail, 3, gate);
+                    amx_block(&s, row, live, upp, utail, 3, up);
+                    /* gate + bias and up + bias as kvmesh_linear_bf16 writes them, then the SwiGLU of
+                     * kvmesh_silu_mul_f32: bitwise the unfused pair */
+                    for (int j = 0; j < BF16_PANEL; j += 16) {
+                        const __m512 gb = bias != NULL ? _mm512_loadu_ps(bias + g * BF16_PANEL + j) : _mm512_setzero_ps();
+                        const __m512 ub = bias != NULL ? _mm512_loadu_ps(bias + inter + g * BF16_PANEL + j)
+                                                       : _mm512_setzero_ps();
+                        for (int64_t r = 0; r < live; r++)
+                            _mm512_storeu_ps(out + (row + r) * out_stride + g * BF16_PANEL + j,
+                                             silu_mul512(_mm512_add_ps(_mm512_loadu_ps(gate + r * BF16_PANEL + j), gb),
+                                                         _mm512_add_ps(_mm512_loadu_ps(up + r * BF16_PANEL + j), ub)));
+                    }
+                }
+            }
+            _tile_release();
+        }
+    }
+    free(xb);
+    return 0;
+}
+
+#else
+
+/* Built without AMX (another CPU, or the tests' -mno-amx-tile variant): the AVX512-BF16 kernel runs. */
+int64_t kvmesh_linear_bf16_amx(void) { return 0; }
+
+int kvmesh_amx_linear_bf16(const float *x, int64_t x_stride, int64_t m, int64_t k, const uint16_t *packed, int64_t n,
+                           const float *bias, float *out, int64_t out_stride)
+{
+    (void)x; (void)x_stride; (void)m; (void)k; (void)packed; (void)n; (void)bias; (void)out; (void)out_stride;
+    return -2;
+}
+
+int kvmesh_amx_linear_bf16_swiglu(const float *x, int64_t x_stride, int64_t m, int64_t k, const uint16_t *packed,
+                                  int64_t inter, const float *bias, float *out, int64_t out_stride)
+{
+    (void)x; (void)x_stride; (void)m; (void)k; (void)packed; (void)inter; (void)bias; (void)out; (void)out_stride;
+    return -2;
+}
+
+#endif
