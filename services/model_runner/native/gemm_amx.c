@@ -24,6 +24,16 @@
  * uses one kernel for every m and both entry points: decode rows (m = 1 included) must equal the
  * prefill rows of the same positions, and the fused SwiGLU must equal the GEMM + SwiGLU.
  *
+ * Kernel: per panel, rows in blocks of two row tiles: 2 x 2 C tiles over the panel's first 32
+ * columns (each A and B tile loaded once for two TDPBF16PS, every operand in its own tile
+ * register), then 2 x 1 for its last 16; a last block of up to 16 rows takes one row tile x 3.
+ * The C tiles are stored to a scratch and the bias added on the way out. At every row count the
+ * next panel is prefetched (panel_prefetch.h) over the current one's k tiles: the weights come
+ * from L3 or memory (a decode step's whole model, a prefill chunk's 3 MB gate_up), and the
+ * hardware prefetcher alone left the tiles waiting on them (bench/gemm_bf16_amx.py,
+ * docs/model_runner.md). A block of 2 row tiles x 3 column tiles sharing one A and one B tile
+ * register measured no faster.
+ *
  * Selection, once per process, when the object is loaded (a constructor): built with AMX
  * (-march=native on such a CPU defines __AMX_TILE__ / __AMX_BF16__), not disabled by
  * KVMESH_NATIVE_AMX=0, and Linux grants the tile data state (arch_prctl ARCH_REQ_XCOMP_PERM,
@@ -46,6 +56,7 @@
 
 #include "exp_math.h"
 #include "pairs.h"
+#include "panel_prefetch.h"
 
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
@@ -90,54 +101,64 @@ static inline const uint16_t *b_tile(const uint16_t *panel, const uint16_t *tail
     return q < full ? panel + q * KT * 2 * BF16_PANEL : tail;
 }
 
-#define DP_COL(c, j) \
-    do { \
-        _tile_loadd(7, b + (j) * 32, B_STRIDE); \
-        _tile_dpbf16ps(c, 6, 7); \
-    } while (0)
-
-/* C (one row tile, `ct` column tiles of the panel) = A (16 rows of xb) B, stored to c [16][48]. */
+/* C (one row tile, `ct` column tiles of the panel) = A (16 rows of xb) B, stored to c [16][48].
+ * Tiles 0-2 C, 3 A, 4-6 B: no tile is reloaded while a TDPBF16PS may still read it. */
 static void amx_rows16(const uint16_t *a, int64_t a_stride, int64_t ktiles, const uint16_t *panel,
-                       const uint16_t *tail, int64_t full, int ct, float *c)
+                       const uint16_t *tail, int64_t full, int ct, float *c, PanelPrefetch *pf)
 {
     _tile_zero(0); _tile_zero(1); _tile_zero(2);
     for (int64_t q = 0; q < ktiles; q++) {
         const uint16_t *b = b_tile(panel, tail, q, full);
-        _tile_loadd(6, a + q * 2 * KT, a_stride);
-        DP_COL(0, 0);
-        if (ct > 1) DP_COL(1, 1);
-        if (ct > 2) DP_COL(2, 2);
+        panel_prefetch_step(pf);
+        _tile_loadd(3, a + q * 2 * KT, a_stride);
+        _tile_loadd(4, b, B_STRIDE);
+        _tile_dpbf16ps(0, 3, 4);
+        if (ct > 1) { _tile_loadd(5, b + 32, B_STRIDE); _tile_dpbf16ps(1, 3, 5); }
+        if (ct > 2) { _tile_loadd(6, b + 64, B_STRIDE); _tile_dpbf16ps(2, 3, 6); }
     }
     _tile_stored(0, c, BF16_PANEL * 4);
     if (ct > 1) _tile_stored(1, c + 16, BF16_PANEL * 4);
     if (ct > 2) _tile_stored(2, c + 32, BF16_PANEL * 4);
 }
 
-/* The same for two row tiles (a and a + 16 rows) into c [32][48]: each B tile loaded once for both. */
+/* Two row tiles x two column tiles (tiles 0-3 C, 4-5 A, 6-7 B: every operand its own tile, each A
+ * and B tile used twice), then the panel's third column tile for both row tiles (0-1 C). */
 static void amx_rows32(const uint16_t *a, int64_t a_stride, int64_t ktiles, const uint16_t *panel,
-                       const uint16_t *tail, int64_t full, int ct, float *c)
+                       const uint16_t *tail, int64_t full, int ct, float *c, PanelPrefetch *pf)
 {
     const uint16_t *a1 = a + MT * (a_stride / 2);
-    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3); _tile_zero(4); _tile_zero(5);
+    float *c1 = c + MT * BF16_PANEL;
+    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
     for (int64_t q = 0; q < ktiles; q++) {
         const uint16_t *b = b_tile(panel, tail, q, full);
-        for (int j = 0; j < ct; j++) {
-            _tile_loadd(7, b + j * 32, B_STRIDE);
-            _tile_loadd(6, a + q * 2 * KT, a_stride);
-            if (j == 0) _tile_dpbf16ps(0, 6, 7);
-            else if (j == 1) _tile_dpbf16ps(1, 6, 7);
-            else _tile_dpbf16ps(2, 6, 7);
-            _tile_loadd(6, a1 + q * 2 * KT, a_stride);
-            if (j == 0) _tile_dpbf16ps(3, 6, 7);
-            else if (j == 1) _tile_dpbf16ps(4, 6, 7);
-            else _tile_dpbf16ps(5, 6, 7);
+        panel_prefetch_step(pf);
+        _tile_loadd(4, a + q * 2 * KT, a_stride);
+        _tile_loadd(6, b, B_STRIDE);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_loadd(5, a1 + q * 2 * KT, a_stride);
+        _tile_dpbf16ps(2, 5, 6);
+        if (ct > 1) {
+            _tile_loadd(7, b + 32, B_STRIDE);
+            _tile_dpbf16ps(1, 4, 7);
+            _tile_dpbf16ps(3, 5, 7);
         }
     }
-    float *c1 = c + MT * BF16_PANEL;
     _tile_stored(0, c, BF16_PANEL * 4);
-    _tile_stored(3, c1, BF16_PANEL * 4);
-    if (ct > 1) { _tile_stored(1, c + 16, BF16_PANEL * 4); _tile_stored(4, c1 + 16, BF16_PANEL * 4); }
-    if (ct > 2) { _tile_stored(2, c + 32, BF16_PANEL * 4); _tile_stored(5, c1 + 32, BF16_PANEL * 4); }
+    _tile_stored(2, c1, BF16_PANEL * 4);
+    if (ct > 1) { _tile_stored(1, c + 16, BF16_PANEL * 4); _tile_stored(3, c1 + 16, BF16_PANEL * 4); }
+    if (ct < 3) return;
+    _tile_zero(0); _tile_zero(1);
+    for (int64_t q = 0; q < ktiles; q++) {
+        const uint16_t *b = b_tile(panel, tail, q, full);
+        panel_prefetch_step(pf);
+        _tile_loadd(4, a + q * 2 * KT, a_stride);
+        _tile_loadd(6, b + 64, B_STRIDE);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_loadd(5, a1 + q * 2 * KT, a_stride);
+        _tile_dpbf16ps(1, 5, 6);
+    }
+    _tile_stored(0, c + 32, BF16_PANEL * 4);
+    _tile_stored(1, c1 + 32, BF16_PANEL * 4);
 }
 
 /* c [rows][48] + bias (NULL: none) -> out's first `cols` columns of `rows` rows. */
@@ -186,11 +207,11 @@ static uint16_t *amx_round(const float *x, int64_t x_stride, int64_t m, int64_t 
 /* Rows [row, row + rows) (rows <= 32; the xb rows up to the next multiple of 16 exist) times one
  * panel into c [32][48]. */
 static inline void amx_block(const AmxShape *s, int64_t row, int64_t rows, const uint16_t *panel,
-                             const uint16_t *tail, int ct, float *c)
+                             const uint16_t *tail, int ct, float *c, PanelPrefetch *pf)
 {
     const uint16_t *a = s->xb + row * 2 * s->kpp;
-    if (rows > MT) amx_rows32(a, 4 * s->kpp, s->ktiles, panel, tail, s->full, ct, c);
-    else amx_rows16(a, 4 * s->kpp, s->ktiles, panel, tail, s->full, ct, c);
+    if (rows > MT) amx_rows32(a, 4 * s->kpp, s->ktiles, panel, tail, s->full, ct, c, pf);
+    else amx_rows16(a, 4 * s->kpp, s->ktiles, panel, tail, s->full, ct, c, pf);
 }
 
 int kvmesh_amx_linear_bf16(const float *x, int64_t x_stride, int64_t m, int64_t k, const uint16_t *packed, int64_t n,
@@ -217,9 +238,13 @@ int kvmesh_amx_linear_bf16(const float *x, int64_t x_stride, int64_t m, int64_t 
                 const int64_t cols = n - p * BF16_PANEL < BF16_PANEL ? n - p * BF16_PANEL : BF16_PANEL;
                 const int ct = (int)((cols + 15) / 16);
                 if (s.full < s.ktiles) copy_tail(panel, s.full, s.kp, tail);
+                const int64_t next = paired_run_after(&run, p);
+                PanelPrefetch pf = panel_prefetch(next >= 0 ? packed + next * s.panel_size : NULL,
+                                                  s.panel_size * (int64_t)sizeof(uint16_t),
+                                                  (rows + 2 * MT - 1) / (2 * MT) * s.ktiles);
                 for (int64_t row = r0; row < r0 + rows; row += 2 * MT) {
                     const int64_t live = r0 + rows - row < 2 * MT ? r0 + rows - row : 2 * MT;
-                    amx_block(&s, row, live, panel, tail, ct, c);
+                    amx_block(&s, row, live, panel, tail, ct, c, &pf);
                     store_rows(c, live, cols, bias != NULL ? bias + p * BF16_PANEL : NULL,
                                out + row * out_stride + p * BF16_PANEL, out_stride);
                 }
@@ -258,10 +283,15 @@ int kvmesh_amx_linear_bf16_swiglu(const float *x, int64_t x_stride, int64_t m, i
                     copy_tail(gp, s.full, s.kp, gtail);
                     copy_tail(upp, s.full, s.kp, utail);
                 }
+                const int64_t next = paired_run_after(&run, g), steps = (rows + 2 * MT - 1) / (2 * MT) * s.ktiles;
+                const int64_t bytes = s.panel_size * (int64_t)sizeof(uint16_t);
+                PanelPrefetch pg = panel_prefetch(next >= 0 ? packed + next * s.panel_size : NULL, bytes, steps);
+                PanelPrefetch pu = panel_prefetch(next >= 0 ? packed + (next + panels) * s.panel_size : NULL, bytes,
+                                                  steps);
                 for (int64_t row = r0; row < r0 + rows; row += 2 * MT) {
                     const int64_t live = r0 + rows - row < 2 * MT ? r0 + rows - row : 2 * MT;
-                    amx_block(&s, row, live, gp, gtail, 3, gate);
-                    amx_block(&s, row, live, upp, utail, 3, up);
+                    amx_block(&s, row, live, gp, gtail, 3, gate, &pg);
+                    amx_block(&s, row, live, upp, utail, 3, up, &pu);
                     /* gate + bias and up + bias as kvmesh_linear_bf16 writes them, then the SwiGLU of
                      * kvmesh_silu_mul_f32: bitwise the unfused pair */
                     for (int j = 0; j < BF16_PANEL; j += 16) {
