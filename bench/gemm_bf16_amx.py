@@ -5,7 +5,10 @@ Why: the machine is shared; the three take turns call by call, so a neighbour's 
 alike. The AVX512 kernel is the build without AMX (``load_kernels(no_amx=True)``): a process runs
 one bf16 kernel for every call, so the A/B needs two builds, not a switch. torch's bf16 GEMM is
 the speed reference only (kvmesh cannot use it: its result for a row depends on the batch).
-Reports the median GFLOP/s (wall time) of ``--repeats`` rounds after a warm-up, per thread count.
+Reports the median GFLOP/s of ``--repeats`` rounds after a warm-up, per thread count: in thread CPU
+time at 1 thread (the OpenMP region runs on the calling thread, so time slices lost to other
+processes do not count), wall time at more. The weights of a shape repeat call after call, so
+they come from L2 / L3 (a decode step streams them from L3 or memory: bench/roofline.py).
 
 Run: ``python bench/gemm_bf16_amx.py [--threads 1 2] [--rows 1 8 32 64 512] [--repeats 7]``.
 """
@@ -32,17 +35,19 @@ SHAPES = {"up 576x1536": (576, 1536), "gate_up 576x3072": (576, 3072), "down 153
           "qkv 576x960": (576, 960), "swiglu 576x3072": (576, 3072)}  # name: (k, n)  # fmt: skip
 
 
-def _calls(kernels: native.NativeKernels, name: str, x: torch.Tensor, w: torch.Tensor) -> Callable[[], None]:
+def _calls(kernels: native.NativeKernels, name: str, x: torch.Tensor, w: torch.Tensor) -> Callable[[], object]:
     packed = PackedWeight(w, None, "native_bf16", kernels)
     if not name.startswith("swiglu"):
         return lambda: packed(x)
     inter = w.shape[0] // 2
     out = torch.empty(x.shape[0], inter)
-    fn, ptr = kernels.linear_bf16_swiglu, packed.packed.data_ptr()  # type: ignore[union-attr]
+    fn, weight = kernels.linear_bf16_swiglu, packed.packed
+    assert fn is not None and isinstance(weight, torch.Tensor)
+    ptr = weight.data_ptr()
     return lambda: fn(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], ptr, inter, None, out.data_ptr(), inter)
 
 
-def _torch_call(name: str, x: torch.Tensor, w: torch.Tensor) -> Callable[[], None]:
+def _torch_call(name: str, x: torch.Tensor, w: torch.Tensor) -> Callable[[], object]:
     xb, wb = x.to(torch.bfloat16), w.to(torch.bfloat16)
     if not name.startswith("swiglu"):
         return lambda: torch.nn.functional.linear(xb, wb)
@@ -55,9 +60,9 @@ def _torch_call(name: str, x: torch.Tensor, w: torch.Tensor) -> Callable[[], Non
     return call
 
 
-def _seconds(fn: Callable[[], None], budget: float = 0.05) -> float:
-    start, calls = time.perf_counter(), 0
-    while (elapsed := time.perf_counter() - start) < budget or calls < 3:
+def _seconds(fn: Callable[[], object], clock: Callable[[], float], budget: float = 0.03) -> float:
+    start, calls = clock(), 0
+    while (elapsed := clock() - start) < budget or calls < 3:
         fn()
         calls += 1
     return elapsed / calls
@@ -75,17 +80,18 @@ def main() -> None:
     print("threads  shape              rows   AMX  AVX512  torch  GFLOP/s (median)")
     for threads in args.threads:
         torch.set_num_threads(threads)
+        clock = time.thread_time if threads == 1 else time.perf_counter
         for name, (k, n) in SHAPES.items():
             for m in args.rows:
                 gen = torch.Generator().manual_seed(m)
                 x, w = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen)
                 fns = [_calls(amx, name, x, w), _calls(avx, name, x, w), _torch_call(name, x, w)]
                 for fn in fns:
-                    _seconds(fn, 0.01)
+                    _seconds(fn, clock, 0.01)
                 times: list[list[float]] = [[], [], []]
                 for _ in range(args.repeats):
                     for i, fn in enumerate(fns):
-                        times[i].append(_seconds(fn))
+                        times[i].append(_seconds(fn, clock))
                 flops = 2.0 * m * k * n
                 rates = [flops / statistics.median(t) / 1e9 for t in times]
                 print(f"{threads:7d}  {name:17s} {m:5d} " + " ".join(f"{r:6.0f}" for r in rates), flush=True)

@@ -13,8 +13,9 @@
  * and the weights only (tests/kernels/test_native_gemm_bf16.py checks it bitwise for 1..33 rows).
  *
  * Rounding: the weights are rounded to bf16 once, when packed (round to nearest even, by torch);
- * x is rounded to bf16 here, at the GEMM input (vcvtne2ps2bf16: round to nearest even, denormals
- * to zero), once per call. The products of two bf16 are exact in fp32; the sums are fp32.
+ * x is rounded to bf16 here, at the GEMM input (gemm_bf16.h's bf16_round_rows, vcvtne2ps2bf16:
+ * round to nearest even, denormals to zero), once per call. The products of two bf16 are exact
+ * in fp32; the sums are fp32.
  *
  * Layout: W [n, k] becomes packed [ceil(n / PANEL)][kp][PANEL][2] bf16, kp = ceil(k / 2): per
  * panel of PANEL output columns and per k pair, the two weights of each column side by side, as
@@ -27,6 +28,12 @@
  * (up to PREFETCH_TILES row tiles) prefetches the next panel as in gemm.c; a prefill-sized one
  * does not: its tiles reuse the panel from cache, and the prefetch's per-k-pair bookkeeping cost
  * them 5-8% (bench/kernel_ab.py, docs/benchmarks.md). Threads split the panels as pairs.h describes.
+ *
+ * Two kernels behind the two entry points: this file's, and AMX tiles' (gemm_amx.c) on the same
+ * packed weights where kvmesh_linear_bf16_amx() is 1 (a CPU with AMX-BF16, chosen once when the
+ * object loads; KVMESH_NATIVE_AMX=0 keeps this one). Their bits differ (another fp32 summation
+ * order), so a process runs one of them for every call, whatever m: never AMX for prefill and
+ * this kernel for decode, which would make a decoded row differ from the same row prefilled.
  *
  * Built only where the compiler targets AVX512-BF16 (-march=native on such a CPU defines
  * __AVX512BF16__); elsewhere kvmesh_linear_bf16_available() is 0 and the runner never packs bf16.

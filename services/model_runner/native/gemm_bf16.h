@@ -15,7 +15,9 @@
 #include <immintrin.h>
 
 /* x [m, k] fp32 (rows x_stride apart) -> xb [m, width] bf16 (round to nearest even, denormals to
- * zero), the columns past k zero; width a multiple of 32, at least 2 ceil(k / 2). */
+ * zero), the columns past k zero; width a multiple of 32, at least 2 ceil(k / 2). One thread: a
+ * 512 x 1536 prefill input is 0.8 M conversions, less than an OpenMP fork and join costs on a
+ * loaded machine (one parallel region per GEMM, not two). */
 static inline void bf16_round_rows(const float *x, int64_t x_stride, int64_t m, int64_t k, uint16_t *xb,
                                    int64_t width)
 {
