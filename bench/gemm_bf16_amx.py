@@ -43,8 +43,9 @@ def _calls(kernels: native.NativeKernels, name: str, x: torch.Tensor, w: torch.T
     out = torch.empty(x.shape[0], inter)
     fn, weight = kernels.linear_bf16_swiglu, packed.packed
     assert fn is not None and isinstance(weight, torch.Tensor)
-    ptr = weight.data_ptr()
-    return lambda: fn(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], ptr, inter, None, out.data_ptr(), inter)
+    # NOTE: the closure holds `weight` itself, not only its address: the packed tensor must outlive the calls
+    return lambda: fn(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], weight.data_ptr(), inter, None,
+                      out.data_ptr(), inter)
 
 
 def _torch_call(name: str, x: torch.Tensor, w: torch.Tensor) -> Callable[[], object]:
