@@ -10,10 +10,11 @@
  * 16 columns of a panel over 16 k pairs, exactly a B tile in the VNNI form TDPBF16PS takes (row =
  * one k pair, 16 columns x 2 bf16 = 64 bytes; rows 48 x 2 x 2 = 192 bytes apart). x is rounded to
  * bf16 as in gemm_bf16.c into xb [mp][2 kpp]: A tiles, 16 rows x 16 k pairs, rows 4 kpp bytes
- * apart. The tails are padding, never a differently shaped tile: rows past m are zero rows of xb
- * (mp = m rounded up to 16; their sums are computed and dropped), k pairs past kp are zero columns
- * of xb (kpp = kp rounded up to 16) and zero rows of a per-thread copy of the panel's last partial
- * k tile (the panel itself ends there), columns past n are the panel's zero columns.
+ * apart. Tails: a lone last row tile of fewer than 16 rows is a shorter tile; the second row
+ * tile of a 17-31-row block reads zero rows of xb past m (mp = m rounded up to 16) and drops
+ * their sums; k pairs past kp are zero columns of xb (kpp = kp rounded up to 16) and zero rows of
+ * a per-thread copy of the panel's last partial k tile (the panel itself ends there); columns
+ * past n are the panel's zero columns.
  *
  * Batch invariance, by construction: each output is
  *     C = 0; for each k tile q in order: C = TDPBF16PS(C, A_q, B_q) (its 16 k pairs in order); C + b
@@ -26,7 +27,8 @@
  *
  * Kernel: per panel, rows in blocks of two row tiles: 2 x 2 C tiles over the panel's first 32
  * columns (each A and B tile loaded once for two TDPBF16PS, every operand in its own tile
- * register), then 2 x 1 for its last 16; a last block of up to 16 rows takes one row tile x 3.
+ * register), then 2 x 1 for its last 16; a last block of up to 16 rows takes one row tile x 3,
+ * its C and A tiles configured as high as its live rows.
  * The C tiles are stored to a scratch and the bias added on the way out. At every row count the
  * next panel is prefetched (panel_prefetch.h) over the current one's k tiles: the weights come
  * from L3 or memory (a decode step's whole model, a prefill chunk's 3 MB gate_up), and the
@@ -38,8 +40,8 @@
  * (-march=native on such a CPU defines __AMX_TILE__ / __AMX_BF16__), not disabled by
  * KVMESH_NATIVE_AMX=0, and Linux grants the tile data state (arch_prctl ARCH_REQ_XCOMP_PERM,
  * process-wide). Deciding at load means no call can see another answer later in the process.
- * The tile configuration is per thread: each OpenMP thread loads it at the start of each
- * parallel region and releases the tiles at its end.
+ * The tile configuration is per thread: each OpenMP thread loads it in each parallel region
+ * before its first tile and releases the tiles at the region's end.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -83,16 +85,24 @@ typedef struct __attribute__((aligned(64))) {
     uint8_t rows[16];
 } TileConfig;
 
-static void tiles_begin(void)
+/* Loads the tile configuration for a block of `rows` rows unless this thread has it loaded
+ * already (*current; 0: none): tiles 0-3 (the C and A tiles of a lone row tile) min(rows, 16)
+ * rows high, the rest 16. A block of fewer than 16 rows (a decode batch of 1-15, a chunk's last
+ * rows) then costs TDPBF16PS its live rows only; a row's sums are the same whatever the tile's
+ * height. Loading zeroes every tile, so it happens between blocks only. */
+static inline void tiles_rows(int *current, int64_t rows)
 {
+    const int want = rows < MT ? (int)rows : MT;
+    if (*current == want) return;
     TileConfig cfg;
     memset(&cfg, 0, sizeof(cfg));
     cfg.palette = 1;
     for (int t = 0; t < 8; t++) {
         cfg.colsb[t] = 64;
-        cfg.rows[t] = 16;
+        cfg.rows[t] = (uint8_t)(t < 4 ? want : MT);
     }
     _tile_loadconfig(&cfg);
+    *current = want;
 }
 
 /* One panel's B tile q: in the panel, or (q == the partial last one) in `tail`. */
@@ -207,9 +217,10 @@ static uint16_t *amx_round(const float *x, int64_t x_stride, int64_t m, int64_t 
 /* Rows [row, row + rows) (rows <= 32; the xb rows up to the next multiple of 16 exist) times one
  * panel into c [32][48]. */
 static inline void amx_block(const AmxShape *s, int64_t row, int64_t rows, const uint16_t *panel,
-                             const uint16_t *tail, int ct, float *c, PanelPrefetch *pf)
+                             const uint16_t *tail, int ct, float *c, PanelPrefetch *pf, int *config)
 {
     const uint16_t *a = s->xb + row * 2 * s->kpp;
+    tiles_rows(config, rows);
     if (rows > MT) amx_rows32(a, 4 * s->kpp, s->ktiles, panel, tail, s->full, ct, c, pf);
     else amx_rows16(a, 4 * s->kpp, s->ktiles, panel, tail, s->full, ct, c, pf);
 }
@@ -230,7 +241,7 @@ int kvmesh_amx_linear_bf16(const float *x, int64_t x_stride, int64_t m, int64_t 
             uint16_t tail[KT * 2 * BF16_PANEL] __attribute__((aligned(64)));
             PairedRun run;
             paired_run_init(&run, panels, claimed);
-            tiles_begin();
+            int config = 0;  /* the rows of this thread's loaded tile configuration; 0: none */
             for (int64_t taken = 0;; taken++) {
                 const int64_t p = paired_run_take(&run, taken);
                 if (p < 0) break;
@@ -244,12 +255,12 @@ int kvmesh_amx_linear_bf16(const float *x, int64_t x_stride, int64_t m, int64_t 
                                                   (rows + 2 * MT - 1) / (2 * MT) * s.ktiles);
                 for (int64_t row = r0; row < r0 + rows; row += 2 * MT) {
                     const int64_t live = r0 + rows - row < 2 * MT ? r0 + rows - row : 2 * MT;
-                    amx_block(&s, row, live, panel, tail, ct, c, &pf);
+                    amx_block(&s, row, live, panel, tail, ct, c, &pf, &config);
                     store_rows(c, live, cols, bias != NULL ? bias + p * BF16_PANEL : NULL,
                                out + row * out_stride + p * BF16_PANEL, out_stride);
                 }
             }
-            _tile_release();
+            if (config) _tile_release();
         }
     }
     free(xb);
@@ -274,7 +285,7 @@ int kvmesh_amx_linear_bf16_swiglu(const float *x, int64_t x_stride, int64_t m, i
             uint16_t utail[KT * 2 * BF16_PANEL] __attribute__((aligned(64)));
             PairedRun run;
             paired_run_init(&run, panels, claimed);
-            tiles_begin();
+            int config = 0;  /* the rows of this thread's loaded tile configuration; 0: none */
             for (int64_t taken = 0;; taken++) {
                 const int64_t g = paired_run_take(&run, taken);
                 if (g < 0) break;
@@ -290,8 +301,8 @@ int kvmesh_amx_linear_bf16_swiglu(const float *x, int64_t x_stride, int64_t m, i
                                                   steps);
                 for (int64_t row = r0; row < r0 + rows; row += 2 * MT) {
                     const int64_t live = r0 + rows - row < 2 * MT ? r0 + rows - row : 2 * MT;
-                    amx_block(&s, row, live, gp, gtail, 3, gate, &pg);
-                    amx_block(&s, row, live, upp, utail, 3, up, &pu);
+                    amx_block(&s, row, live, gp, gtail, 3, gate, &pg, &config);
+                    amx_block(&s, row, live, upp, utail, 3, up, &pu, &config);
                     /* gate + bias and up + bias as kvmesh_linear_bf16 writes them, then the SwiGLU of
                      * kvmesh_silu_mul_f32: bitwise the unfused pair */
                     for (int j = 0; j < BF16_PANEL; j += 16) {
@@ -305,7 +316,7 @@ int kvmesh_amx_linear_bf16_swiglu(const float *x, int64_t x_stride, int64_t m, i
                     }
                 }
             }
-            _tile_release();
+            if (config) _tile_release();
         }
     }
     free(xb);
