@@ -30,10 +30,10 @@ What is here, and why torch alone was not enough (measurements in docs/model_run
 * ``int4_kv.c`` — the INT4 KV cache's slot writes (quantize + pack, byte for byte
   ``attention/int4.py``) and paged attention reading the packed rows in place (decodes and prefill
   rows alike, each row as the decode of its position);
-* ``exp_math.h`` — the exponential they use; ``kernels.h`` — the entry points' declarations; ``gemm_bf16.h`` — what
-  the two bf16 GEMM files share;
-  ``pairs.h`` — how the GEMM and decode attention split work over threads; ``panel_prefetch.h``
-  — the GEMMs' prefetch of the next weight panel.
+* ``exp_math.h`` — the exponential they use; ``kernels.h`` — the entry points' declarations;
+  ``gemm_bf16.h`` — what the two bf16 GEMM files share; ``pairs.h`` — how the GEMM and decode
+  attention split work over threads; ``panel_prefetch.h`` — the GEMMs' prefetch of the next
+  weight panel.
 
 The sources are built together into one shared object in a cache folder
 (``$KVMESH_NATIVE_CACHE``, else ``$KVMESH_CACHE_DIR/native``, else ``~/.cache/kvmesh/native``),
