@@ -235,10 +235,11 @@ def build_runner(config: RunnerConfig, flags: Iterable[str] | None = None) -> Mo
                          f"here: dtype "
                          f"{dtype_choice.value}, attention backend {backend_choice.value} ({backend_choice.reason})")
     kv_choice = select_kv_dtype(config.kv_cache_dtype, dtype, native_bf16, device.type)
-    log.info("dtype %s (%s); attention backend %s (%s); KV cache %s (%s)%s%s", dtype_choice.value,
+    log.info("dtype %s (%s); attention backend %s (%s); KV cache %s (%s)%s%s%s", dtype_choice.value,
              dtype_choice.reason, backend_choice.value, backend_choice.reason, kv_choice.value, kv_choice.reason,
              "; batch invariant" if config.batch_invariant else "",
-             "" if config.quantization == "none" else f"; quantization {config.quantization}")
+             "" if config.quantization == "none" else f"; quantization {config.quantization}",
+             _bf16_gemm_note() if native_bf16 else "")
     planes, heads, dim = mcfg.kv_cache_geometry
     pool = KVPool(
         num_layers=mcfg.num_layers, layer_slots=layers_per_group(mcfg.kv_groups), num_kv_heads=heads,
@@ -307,6 +308,14 @@ def _check_int8_weight_only(device: torch.device, flags: frozenset[str], backend
     if why:
         raise ValueError(f"quantization=int8_weight_only needs the native CPU kernels' int8 GEMM (a CPU with "
                          f"AVX512-BF16); here {why}")
+
+
+def _bf16_gemm_note() -> str:
+    """Which kernel bf16 mode's GEMMs run on in this process (chosen once, when the kernels load)."""
+    kernels = load_kernels()
+    if kernels is not None and kernels.linear_bf16_amx:
+        return "; bf16 GEMMs on AMX tiles (native/gemm_amx.c)"
+    return "; bf16 GEMMs on AVX512-BF16 (native/gemm_bf16.c)"
 
 
 def _bf16_kernels(config: RunnerConfig, device: torch.device, flags: frozenset[str], mcfg: ModelConfig) -> bool:

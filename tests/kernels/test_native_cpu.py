@@ -142,7 +142,7 @@ def test_without_a_compiler_the_backend_falls_back_to_torch(
     assert torch.equal(_forward(backend, batch)[:5], _forward(TorchAttentionBackend(), batch)[:5])
 
 
-@pytest.mark.parametrize("extra", [(), native.PORTABLE_CFLAGS])
+@pytest.mark.parametrize("extra", [(), native.PORTABLE_CFLAGS, native.NO_AMX_CFLAGS])
 def test_sources_compile_without_warnings(extra: tuple[str, ...], tmp_path: object,
                                           monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVMESH_NATIVE_CACHE", str(tmp_path))

@@ -1,13 +1,21 @@
-"""The native bf16 GEMM (``services/model_runner/native/gemm_bf16.c``) and its packed layout.
+"""The native bf16 GEMM's two kernels (AMX ``gemm_amx.c``, AVX512-BF16 ``gemm_bf16.c``) and the packed layout.
 
 Against a float64 reference of the same bf16-rounded inputs (so only the fp32 accumulation's
-rounding is left: a tight tolerance), over partial panels and tiles, odd k, more rows than one
-256-row chunk, strided rows and biases; and batch invariance: each row's output is bitwise the
-same computed alone or within batches of 1..33 rows, at any offset. Skipped on a CPU without
-AVX512-BF16 (the kernel is not built there, and the runner never packs bf16).
+rounding is left: a tight tolerance), over partial panels and tiles, odd k and k not a whole
+number of AMX k tiles, more rows than one 256-row chunk, strided rows and biases; and batch
+invariance: each row's output is bitwise the same computed alone or within batches of 1..33
+rows, at any offset. Each test runs on both kernels where the CPU has AMX: the default build
+(AMX) and the build without it (``load_kernels(no_amx=True)``), since a process runs one kernel
+for every call. Skipped on a CPU without AVX512-BF16 (the GEMM is not built there, and the
+runner never packs bf16).
 """
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,14 +23,30 @@ import torch
 from services.model_runner import native
 from services.model_runner.model.packed import PackedWeight, pack_panels_bf16
 
+ROOT = Path(__file__).resolve().parents[2]
 
-def _kernels() -> native.NativeKernels:
+
+def _amx_cpu() -> bool:
+    flags = native._cpu_flags().split()
+    return "amx_tile" in flags and "amx_bf16" in flags
+
+
+@pytest.fixture(params=["default", "no_amx"])
+def kernel_build(request: pytest.FixtureRequest) -> native.NativeKernels:
+    """The default build (AMX where the CPU has it), and the AVX512-BF16 kernel's build where the
+    default is AMX (elsewhere the default already is that kernel)."""
     kernels = native.load_kernels()
     if kernels is None:
         pytest.skip("the native kernels did not build here")
     if kernels.linear_bf16 is None:
         pytest.skip("the CPU has no AVX512-BF16: the native bf16 GEMM is not built here")
-    return kernels
+    if request.param == "default":
+        return kernels
+    if not kernels.linear_bf16_amx:
+        pytest.skip("the default build runs the AVX512-BF16 kernel already (no AMX here)")
+    other = native.load_kernels(no_amx=True)
+    assert other is not None and other.linear_bf16 is not None and not other.linear_bf16_amx
+    return other
 
 
 def _bf16(t: torch.Tensor) -> torch.Tensor:
@@ -46,9 +70,10 @@ def test_panel_layout_pairs_k_per_column() -> None:
     (9, 50, 1),
 ])  # fmt: skip
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_linear_bf16_matches_float64_of_the_rounded_inputs(rows: int, out_features: int, in_features: int,
+def test_linear_bf16_matches_float64_of_the_rounded_inputs(kernel_build: native.NativeKernels, rows: int,
+                                                           out_features: int, in_features: int,
                                                            with_bias: bool) -> None:  # fmt: skip
-    kernels = _kernels()
+    kernels = kernel_build
     gen = torch.Generator().manual_seed(rows * 1000 + out_features)
     x = torch.randn(rows, in_features + 3, generator=gen)[:, 1 : in_features + 1]  # strided rows
     weight = torch.randn(out_features, in_features, generator=gen)
@@ -59,22 +84,25 @@ def test_linear_bf16_matches_float64_of_the_rounded_inputs(rows: int, out_featur
     torch.testing.assert_close(out.double(), expected, atol=2e-5 * in_features**0.5, rtol=1e-5)
 
 
-def test_rounding_is_at_the_input_not_a_truncation() -> None:
+def test_rounding_is_at_the_input_not_a_truncation(kernel_build: native.NativeKernels) -> None:
     """x = 1 + 2^-8 + 2^-9 rounds (to nearest even) to 1 + 2^-7 in bf16, not down to 1."""
-    kernels = _kernels()
+    kernels = kernel_build
     x = torch.full((1, 2), 1 + 2**-8 + 2**-9)
     out = PackedWeight(torch.ones(1, 2), None, "native_bf16", kernels)(x)
     assert out.item() == 2 * (1 + 2**-7)
 
 
-def test_each_row_is_bitwise_the_same_alone_or_in_any_batch() -> None:
+@pytest.mark.parametrize("in_features", [576, 99])
+def test_each_row_is_bitwise_the_same_alone_or_in_any_batch(kernel_build: native.NativeKernels,
+                                                            in_features: int) -> None:  # fmt: skip
     """Batch invariance: rows of one 40-row x, computed in batches of 1..33 rows starting at
     every offset, give bitwise the outputs of each row computed alone (2 threads split the
-    panels; row tiles of 8 and their partial tails all take part)."""
-    kernels = _kernels()
+    panels; the AVX512 kernel's row tiles of 8, the AMX kernel's blocks of 32 and 16 rows, and
+    their partial tails all take part; k = 99 ends in a partial AMX k tile)."""
+    kernels = kernel_build
     gen = torch.Generator().manual_seed(7)
-    x = torch.randn(40, 576, generator=gen)
-    weight = torch.randn(200, 576, generator=gen)
+    x = torch.randn(40, in_features, generator=gen)
+    weight = torch.randn(200, in_features, generator=gen)
     packed = PackedWeight(weight, torch.randn(200, generator=gen), "native_bf16", kernels)
     alone = torch.cat([packed(x[i : i + 1]) for i in range(40)])
     for batch in range(1, 34):
@@ -82,9 +110,9 @@ def test_each_row_is_bitwise_the_same_alone_or_in_any_batch() -> None:
             assert torch.equal(packed(x[start : start + batch]), alone[start : start + batch]), (batch, start)
 
 
-def test_more_rows_than_a_chunk_are_invariant_too() -> None:
+def test_more_rows_than_a_chunk_are_invariant_too(kernel_build: native.NativeKernels) -> None:
     """300 rows (two 256-row chunks): each row bitwise its value alone."""
-    kernels = _kernels()
+    kernels = kernel_build
     gen = torch.Generator().manual_seed(8)
     x = torch.randn(300, 64, generator=gen)
     packed = PackedWeight(torch.randn(130, 64, generator=gen), None, "native_bf16", kernels)
@@ -98,7 +126,7 @@ def test_not_offered_without_the_kernel() -> None:
     kernels = native.load_kernels(portable=True)
     if kernels is None:
         pytest.skip("the native kernels did not build here")
-    assert kernels.linear_bf16 is None  # the portable build has no AVX-512 at all
+    assert kernels.linear_bf16 is None and not kernels.linear_bf16_amx  # the portable build has no AVX-512 at all
     with pytest.raises(ValueError, match="not built here"):
         PackedWeight(torch.ones(4, 4), None, "native_bf16", kernels)
 
@@ -123,13 +151,13 @@ def _swiglu_fused(kernels: native.NativeKernels, x: torch.Tensor, packed: Packed
     return act
 
 
-@pytest.mark.parametrize(("rows", "inter", "in_features"), [(1, 48, 64), (37, 96, 576), (300, 144, 33)])
+@pytest.mark.parametrize(("rows", "inter", "in_features"), [(1, 48, 64), (37, 96, 576), (300, 144, 33), (16, 48, 1536)])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_fused_swiglu_is_bitwise_the_gemm_then_swiglu(rows: int, inter: int, in_features: int,
-                                                      with_bias: bool) -> None:  # fmt: skip
+def test_fused_swiglu_is_bitwise_the_gemm_then_swiglu(kernel_build: native.NativeKernels, rows: int, inter: int,
+                                                      in_features: int, with_bias: bool) -> None:  # fmt: skip
     """gate_up GEMM + SwiGLU in one kernel: bitwise kvmesh_linear_bf16 then kvmesh_silu_mul_f32,
     over partial row tiles, odd k, two 256-row chunks, with and without the bias."""
-    kernels = _kernels()
+    kernels = kernel_build
     gen = torch.Generator().manual_seed(rows + inter)
     x = torch.randn(rows, in_features + 2, generator=gen)[:, 1 : in_features + 1]  # strided rows
     bias = torch.randn(2 * inter, generator=gen) if with_bias else None
@@ -137,9 +165,9 @@ def test_fused_swiglu_is_bitwise_the_gemm_then_swiglu(rows: int, inter: int, in_
     assert torch.equal(_swiglu_fused(kernels, x, packed), _swiglu_unfused(kernels, x, packed))
 
 
-def test_fused_swiglu_takes_whole_panels_only() -> None:
+def test_fused_swiglu_takes_whole_panels_only(kernel_build: native.NativeKernels) -> None:
     """An intermediate size that is not a multiple of the panel width: status -3, nothing written."""
-    kernels = _kernels()
+    kernels = kernel_build
     packed = PackedWeight(torch.randn(2 * 40, 16), None, "native_bf16", kernels)
     out = torch.zeros(3, 40)
     assert isinstance(packed.packed, torch.Tensor) and kernels.linear_bf16_swiglu is not None
@@ -148,3 +176,29 @@ def test_fused_swiglu_takes_whole_panels_only() -> None:
                                         out.data_ptr(), 40)  # fmt: skip
     assert status == -3
     assert torch.equal(out, torch.zeros(3, 40))
+
+
+def test_amx_is_the_kernel_on_an_amx_cpu() -> None:
+    """Where the CPU has AMX-BF16 and Linux grants the tile state, the default build's bf16 GEMMs run
+    on AMX, for every call; the build without AMX runs the AVX512-BF16 kernel."""
+    if not _amx_cpu():
+        pytest.skip("the CPU has no AMX-BF16 (amx_tile, amx_bf16 not in /proc/cpuinfo)")
+    if os.environ.get("KVMESH_NATIVE_AMX") == "0":
+        pytest.skip("KVMESH_NATIVE_AMX=0 is set for this process")
+    kernels, other = native.load_kernels(), native.load_kernels(no_amx=True)
+    assert kernels is not None and other is not None
+    assert kernels.linear_bf16_amx is True
+    assert other.linear_bf16 is not None and other.linear_bf16_amx is False
+
+
+def test_env_keeps_the_avx512_kernel() -> None:
+    """KVMESH_NATIVE_AMX=0 (read when the object loads): the default build runs the AVX512-BF16 kernel."""
+    if not _amx_cpu():
+        pytest.skip("the CPU has no AMX-BF16: there is nothing to turn off")
+    code = (
+        "from services.model_runner import native; k = native.load_kernels(); "
+        "print(k.linear_bf16 is not None, k.linear_bf16_amx)"
+    )
+    env = {**os.environ, "KVMESH_NATIVE_AMX": "0", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True, cwd=ROOT)
+    assert done.stdout.strip() == "True False"  # the bf16 GEMM is there, on the AVX512-BF16 kernel

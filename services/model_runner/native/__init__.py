@@ -19,6 +19,10 @@ What is here, and why torch alone was not enough (measurements in docs/model_run
   (AVX512-BF16's ``vdpbf16ps``; only where the CPU has it): bf16 mode's GEMMs, batch invariant by
   construction, which torch's bf16 GEMMs are not; and the gate_up GEMM with SwiGLU in its
   epilogue (prefill chunks: the [T, 2I] projection is never written out and read back);
+* ``gemm_amx.c`` — the bf16 GEMMs on AMX tiles (``TDPBF16PS``; Sapphire Rapids and later) on the
+  same packed weights, chosen once per process when the object loads (``KVMESH_NATIVE_AMX=0``
+  keeps the AVX512-BF16 kernel) and then used for every row count and both entry points, so a
+  row's bits never depend on its batch (``NativeKernels.linear_bf16_amx`` says which one runs);
 * ``gemm_int8.c`` — the same arithmetic on int8 weights with a scale per output channel, widened
   to bf16 in registers (``quantization=int8_weight_only``): half bf16 mode's weight bytes, for
   single-stream decode, which streams every weight once per token;
@@ -28,8 +32,9 @@ What is here, and why torch alone was not enough (measurements in docs/model_run
   ``attention/int4.py``) and paged attention reading the packed rows in place (decodes and prefill
   rows alike, each row as the decode of its position);
 * ``exp_math.h`` — the exponential they use; ``kernels.h`` — the entry points' declarations;
-  ``pairs.h`` — how the GEMM and decode attention split work over threads; ``panel_prefetch.h``
-  — the GEMMs' prefetch of the next weight panel.
+  ``gemm_bf16.h`` — what the two bf16 GEMM files share; ``pairs.h`` — how the GEMM and decode
+  attention split work over threads; ``panel_prefetch.h`` — the GEMMs' prefetch of the next
+  weight panel.
 
 The sources are built together into one shared object in a cache folder
 (``$KVMESH_NATIVE_CACHE``, else ``$KVMESH_CACHE_DIR/native``, else ``~/.cache/kvmesh/native``),
@@ -69,6 +74,9 @@ CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11", 
 # What a CPU without AVX-512 runs (the GEMM's AVX2 tile where it has AVX2 + FMA, the plain C
 # loops otherwise); the tests check both variants.
 PORTABLE_CFLAGS = ("-mno-avx512f",)
+# The build without AMX (the bf16 GEMM's AVX512-BF16 kernel on an AMX CPU): the tests run each bf16
+# GEMM test on both kernels in one process (a process uses one of them, chosen when loaded).
+NO_AMX_CFLAGS = ("-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8")
 _I64 = ctypes.c_int64
 _PTR = ctypes.c_void_p
 _F32 = ctypes.c_float
@@ -163,6 +171,7 @@ class NativeKernels:
     paged_attention_int4: Any | None = None  # kvmesh_paged_attention_int4
     linear_int8: Any | None = None  # kvmesh_linear_int8; None unless built for AVX512-BF16, as linear_bf16
     linear_bf16_swiglu: Any | None = None  # kvmesh_linear_bf16_swiglu (gate_up GEMM + SwiGLU); as linear_bf16
+    linear_bf16_amx: bool = False  # kvmesh_linear_bf16_amx(): the bf16 GEMMs run on AMX tiles (gemm_amx.c)
     # the attention kernels over a bf16 pool (same arguments; the caches uint16): always built, the
     # defaults only keep hand-made NativeKernels valid
     paged_decode_bf16: Any = None  # kvmesh_paged_decode_bf16
@@ -178,16 +187,18 @@ def _bind(lib: ctypes.CDLL, name: str, restype: Any, argtypes: list[Any]) -> Any
 
 
 @functools.cache
-def load_kernels(portable: bool = False) -> NativeKernels | None:
+def load_kernels(portable: bool = False, no_amx: bool = False) -> NativeKernels | None:
     """The built kernels, or None when they cannot be built here (logged once).
 
     Args:
         portable: the plain-C variant without the AVX-512 paths (for tests).
+        no_amx: the variant built without AMX, whose bf16 GEMMs run the AVX512-BF16 kernel (for tests).
     """
     # NOTE: torch is imported at the top of this module, so its libgomp is loaded before the
     # kernels' object and both share one thread pool.
+    flags = (*(PORTABLE_CFLAGS if portable else ()), *(NO_AMX_CFLAGS if no_amx else ()))
     try:
-        lib = ctypes.CDLL(str(build(extra_cflags=PORTABLE_CFLAGS if portable else ())))
+        lib = ctypes.CDLL(str(build(extra_cflags=flags)))
     except (OSError, RuntimeError) as exc:
         log.warning("native CPU kernels unavailable, using the torch path: %s", exc)
         return None
@@ -269,4 +280,5 @@ def load_kernels(portable: bool = False) -> NativeKernels | None:
             _PTR, _I64, _PTR,  # packed (scales, then int8 panels: pack_int8), n, bias (or NULL)
             _PTR, _I64,  # out, out_stride
         ]) if _bind(lib, "kvmesh_linear_int8_available", _I64, [])() else None,
+        linear_bf16_amx=bf16 and bool(_bind(lib, "kvmesh_linear_bf16_amx", _I64, [])()),
     )  # fmt: skip

@@ -13,8 +13,9 @@
  * and the weights only (tests/kernels/test_native_gemm_bf16.py checks it bitwise for 1..33 rows).
  *
  * Rounding: the weights are rounded to bf16 once, when packed (round to nearest even, by torch);
- * x is rounded to bf16 here, at the GEMM input (vcvtne2ps2bf16: round to nearest even, denormals
- * to zero), once per call. The products of two bf16 are exact in fp32; the sums are fp32.
+ * x is rounded to bf16 here, at the GEMM input (gemm_bf16.h's bf16_round_rows, vcvtne2ps2bf16:
+ * round to nearest even, denormals to zero), once per call. The products of two bf16 are exact
+ * in fp32; the sums are fp32.
  *
  * Layout: W [n, k] becomes packed [ceil(n / PANEL)][kp][PANEL][2] bf16, kp = ceil(k / 2): per
  * panel of PANEL output columns and per k pair, the two weights of each column side by side, as
@@ -28,6 +29,12 @@
  * does not: its tiles reuse the panel from cache, and the prefetch's per-k-pair bookkeeping cost
  * them 5-8% (bench/kernel_ab.py, docs/benchmarks.md). Threads split the panels as pairs.h describes.
  *
+ * Two kernels behind the two entry points: this file's, and AMX tiles' (gemm_amx.c) on the same
+ * packed weights where kvmesh_linear_bf16_amx() is 1 (a CPU with AMX-BF16, chosen once when the
+ * object loads; KVMESH_NATIVE_AMX=0 keeps this one). Their bits differ (another fp32 summation
+ * order), so a process runs one of them for every call, whatever m: never AMX for prefill and
+ * this kernel for decode, which would make a decoded row differ from the same row prefilled.
+ *
  * Built only where the compiler targets AVX512-BF16 (-march=native on such a CPU defines
  * __AVX512BF16__); elsewhere kvmesh_linear_bf16_available() is 0 and the runner never packs bf16.
  */
@@ -36,11 +43,12 @@
 #include <omp.h>
 
 #include "exp_math.h"
+#include "gemm_bf16.h"
 #include "kernels.h"
 #include "pairs.h"
 #include "panel_prefetch.h"
 
-#define PANEL 48
+#define PANEL BF16_PANEL
 #define ROW_TILE 8
 #define ROW_CHUNK 256
 #define PREFETCH_TILES 4  /* row tiles per chunk up to which the next panel is prefetched (decode) */
@@ -50,26 +58,6 @@ typedef int32_t __attribute__((may_alias)) bf16_pair;  /* two bf16 read as one b
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 
 int64_t kvmesh_linear_bf16_available(void) { return 1; }
-
-/* x [m, k] fp32 (rows x_stride apart) -> xb [m, 2 kp] bf16, the padding k zero. One thread: a
- * 512 x 1536 prefill input is 0.8 M conversions, less than an OpenMP fork and join costs on a
- * loaded machine (one parallel region per GEMM, not two). */
-static void round_rows(const float *x, int64_t x_stride, int64_t m, int64_t k, uint16_t *xb, int64_t kp)
-{
-    for (int64_t r = 0; r < m; r++) {
-        const float *src = x + r * x_stride;
-        uint16_t *dst = xb + r * 2 * kp;
-        for (int64_t i = 0; i < 2 * kp; i += 32) {
-            const int64_t left = k - i;
-            const __mmask16 lo = left >= 16 ? (__mmask16)0xFFFF : left > 0 ? (__mmask16)((1u << left) - 1u) : 0;
-            const __mmask16 hi = left >= 32 ? (__mmask16)0xFFFF : left > 16 ? (__mmask16)((1u << (left - 16)) - 1u) : 0;
-            const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(hi, src + i + 16), _mm512_maskz_loadu_ps(lo, src + i));
-            const int64_t out_left = 2 * kp - i;
-            const __mmask32 live = out_left >= 32 ? (__mmask32)0xFFFFFFFFu : (__mmask32)((1u << out_left) - 1u);
-            _mm512_mask_storeu_epi16(dst + i, live, (__m512i)v);
-        }
-    }
-}
 
 /* One row tile (mr rows, a compile-time constant after inlining) times one panel; `prefetch`
  * (also a constant) steps the next panel's prefetch once per k pair. */
@@ -125,10 +113,12 @@ static void tile_dispatch(const uint16_t *xb, int64_t xb_stride, int64_t kp, con
 int kvmesh_linear_bf16(const float *x, int64_t x_stride, int64_t m, int64_t k, const uint16_t *packed, int64_t n,
                        const float *bias, float *out, int64_t out_stride)
 {
+    if (kvmesh_linear_bf16_amx()) return kvmesh_amx_linear_bf16(x, x_stride, m, k, packed, n, bias, out, out_stride);
     const int64_t kp = (k + 1) / 2, panels = (n + PANEL - 1) / PANEL, panel_size = kp * 2 * PANEL;
-    uint16_t *xb = malloc(sizeof(uint16_t) * (size_t)(m * 2 * kp) + 64);
+    const int64_t width = (2 * kp + 31) / 32 * 32;  /* xb's row: a whole number of 32-bf16 stores */
+    uint16_t *xb = malloc(sizeof(uint16_t) * (size_t)(m * width) + 64);
     if (xb == NULL) return -1;
-    round_rows(x, x_stride, m, k, xb, kp);
+    bf16_round_rows(x, x_stride, m, k, xb, width);
     for (int64_t r0 = 0; r0 < m; r0 += ROW_CHUNK) {
         const int64_t rows = m - r0 < ROW_CHUNK ? m - r0 : ROW_CHUNK, tiles = (rows + ROW_TILE - 1) / ROW_TILE;
         int64_t claimed[MAX_PAIRS] = {0};
@@ -148,7 +138,7 @@ int kvmesh_linear_bf16(const float *x, int64_t x_stride, int64_t m, int64_t k, c
                 for (int64_t t = 0; t < tiles; t++) {
                     const int64_t row = r0 + t * ROW_TILE;
                     const int mr = (int)(r0 + rows - row < ROW_TILE ? r0 + rows - row : ROW_TILE);
-                    tile_dispatch(xb + row * 2 * kp, 2 * kp, kp, panel, bias != NULL ? bias + p * PANEL : NULL,
+                    tile_dispatch(xb + row * width, width, kp, panel, bias != NULL ? bias + p * PANEL : NULL,
                                   out + row * out_stride + p * PANEL, out_stride, mr, cols, pfp);
                 }
             }
@@ -170,10 +160,13 @@ int kvmesh_linear_bf16_swiglu(const float *x, int64_t x_stride, int64_t m, int64
                               int64_t inter, const float *bias, float *out, int64_t out_stride)
 {
     if (inter <= 0 || inter % PANEL) return -3;
+    if (kvmesh_linear_bf16_amx())
+        return kvmesh_amx_linear_bf16_swiglu(x, x_stride, m, k, packed, inter, bias, out, out_stride);
     const int64_t kp = (k + 1) / 2, panels = inter / PANEL, panel_size = kp * 2 * PANEL;
-    uint16_t *xb = malloc(sizeof(uint16_t) * (size_t)(m * 2 * kp) + 64);
+    const int64_t width = (2 * kp + 31) / 32 * 32;
+    uint16_t *xb = malloc(sizeof(uint16_t) * (size_t)(m * width) + 64);
     if (xb == NULL) return -1;
-    round_rows(x, x_stride, m, k, xb, kp);
+    bf16_round_rows(x, x_stride, m, k, xb, width);
     for (int64_t r0 = 0; r0 < m; r0 += ROW_CHUNK) {
         const int64_t rows = m - r0 < ROW_CHUNK ? m - r0 : ROW_CHUNK, tiles = (rows + ROW_TILE - 1) / ROW_TILE;
         int64_t claimed[MAX_PAIRS] = {0};
@@ -189,10 +182,10 @@ int kvmesh_linear_bf16_swiglu(const float *x, int64_t x_stride, int64_t m, int64
                 for (int64_t t = 0; t < tiles; t++) {
                     const int64_t row = r0 + t * ROW_TILE;
                     const int mr = (int)(r0 + rows - row < ROW_TILE ? r0 + rows - row : ROW_TILE);
-                    const uint16_t *xr = xb + row * 2 * kp;
-                    tile_dispatch(xr, 2 * kp, kp, gp, bias != NULL ? bias + g * PANEL : NULL, gate, PANEL, mr, PANEL,
+                    const uint16_t *xr = xb + row * width;
+                    tile_dispatch(xr, width, kp, gp, bias != NULL ? bias + g * PANEL : NULL, gate, PANEL, mr, PANEL,
                                   NULL);
-                    tile_dispatch(xr, 2 * kp, kp, upp, bias != NULL ? bias + inter + g * PANEL : NULL, up, PANEL, mr,
+                    tile_dispatch(xr, width, kp, upp, bias != NULL ? bias + inter + g * PANEL : NULL, up, PANEL, mr,
                                   PANEL, NULL);
                     for (int r = 0; r < mr; r++)
                         for (int j = 0; j < PANEL; j += 16)

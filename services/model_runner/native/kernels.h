@@ -43,6 +43,7 @@ int kvmesh_linear_bf16(const float *x, int64_t x_stride, int64_t m, int64_t k, c
 int kvmesh_linear_bf16_swiglu(const float *x, int64_t x_stride, int64_t m, int64_t k, const uint16_t *packed,
                               int64_t inter, const float *bias, float *out, int64_t out_stride);
 int64_t kvmesh_linear_bf16_available(void);
+int64_t kvmesh_linear_bf16_amx(void);
 int kvmesh_linear_int8(const float *x, int64_t x_stride, int64_t m, int64_t k, const void *packed, int64_t n,
                        const float *bias, float *out, int64_t out_stride);
 int64_t kvmesh_linear_int8_available(void);
