@@ -251,7 +251,8 @@ def build_runner(config: RunnerConfig, flags: Iterable[str] | None = None) -> Mo
         model, pool, make_backend(backend_choice.value, device, config.batch_invariant, mla=mla),
         model_id=config.model_id or Path(config.model_dir).name,
         max_model_len=config.max_model_len or None, quantization=config.quantization,
-        pack_tied_head=config.pack_tied_head, dtype_reason=dtype_choice.reason,
+        pack_tied_head=config.pack_tied_head,
+        dtype_reason=dtype_choice.reason + (_bf16_gemm_note() if native_bf16 else ""),
         attention_backend_reason=backend_choice.reason, gemm_dtype="bfloat16" if native_bf16 else "float32",
         streaming_sinks=config.streaming_sinks, streaming_window=config.streaming_window,
     )

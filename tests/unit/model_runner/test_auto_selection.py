@@ -169,6 +169,9 @@ def test_build_runner_default_per_machine(tiny_llama_dir: Path) -> None:
             assert (fp32_kv.model_info().dtype, fp32_kv.model_info().kv_cache_dtype) == ("bfloat16", "float32")
             assert (fp32_kv.pool.bytes_per_block, fp32_kv.pool.num_blocks) == (2048, 16)
             assert "native batch-invariant bf16 kernels built here" in info.dtype_reason
+            # which bf16 GEMM this process runs (one for every m: their bits differ) is in GetModelInfo too
+            assert info.dtype_reason.endswith("; bf16 GEMMs on AMX tiles (native/gemm_amx.c)" if kernels.linear_bf16_amx
+                                              else "; bf16 GEMMs on AVX512-BF16 (native/gemm_bf16.c)")
             assert "bf16 GEMMs with fp32 accumulation" in info.attention_backend_reason
             assert amx.model.model.layers[0].self_attn.qkv_proj.packed.mode == "native_bf16"  # type: ignore[union-attr]
             assert amx.model.model.norm.weight.dtype == torch.float32  # norms, residual stream: fp32
