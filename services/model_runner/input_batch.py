@@ -156,12 +156,16 @@ def _block_error(requests: Sequence[ScheduledRequest], table: np.ndarray, in_tab
                f"pool [0, {num_blocks})")  # fmt: skip
 
 
-def extend_tables(request_id: str, tables: Sequence[int], new_ids: Sequence[int], groups: int) -> list[int]:
-    """Each group's table of ``tables`` with its run of ``new_ids`` appended (both group-major).
+def extend_tables(request_id: str, tables: list[int], new_ids: Sequence[int], groups: int) -> list[int]:
+    """Each group's table of ``tables`` with its run of ``new_ids`` appended (both group-major): a
+    new list, or ``tables`` itself when there is nothing to append (most decode steps; lists of
+    block ids are never changed in place).
 
     Raises:
         InvalidArgument: ``new_ids`` does not split into ``groups`` equal runs.
     """
+    if not new_ids:
+        return tables
     if groups == 1:
         return [*tables, *new_ids]
     if len(new_ids) % groups:
