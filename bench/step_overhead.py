@@ -9,7 +9,9 @@ One process, one thread (``torch.set_num_threads(1)``). Every native kernel entr
 (``services/model_runner/native``'s ``NativeKernels``) is wrapped in a timer before the runner is
 built, so a step splits into the time inside kvmesh's C kernels and the rest ("python": input
 preparation, the torch ops between kernels, sampling, the runner's bookkeeping). The wrapper
-itself costs ~0.3 us a call (2 calls a decode step, ~10 a layer on the per-layer path).
+itself costs ~0.3 us a call (2 calls a decode step, ~10 a layer on the per-layer path). Both wall
+time and the thread's CPU time (``time.thread_time``) are split so: on a shared machine the CPU
+time is the steadier figure (preemption by other processes is not in it).
 
 Per ``--batches`` size: ``B`` prompts of ``--input-len`` random tokens are prefilled, then
 ``--steps`` decode steps of all ``B`` are timed (after 2 untimed ones). The mixed step: ``B - 1``
@@ -67,7 +69,7 @@ from services.model_runner.runner import ModelRunner  # noqa: E402
 from services.model_runner.types import CachedRequestData, NewRequestData, StepInput, StepOutput  # noqa: E402
 
 BLOCK_SIZE = 16
-NATIVE_SECONDS = [0.0]  # time inside native kernels since the last reset
+NATIVE_SECONDS = [0.0, 0.0]  # wall and thread-CPU time inside native kernels since the last reset
 
 
 def _time_native_kernels() -> None:
@@ -86,11 +88,12 @@ def _time_native_kernels() -> None:
 
 def _timed(fn: Callable[..., Any]) -> Callable[..., Any]:
     def call(*args: Any) -> Any:
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.thread_time()
         try:
             return fn(*args)
         finally:
             NATIVE_SECONDS[0] += time.perf_counter() - start
+            NATIVE_SECONDS[1] += time.thread_time() - cpu
 
     return call
 
@@ -173,16 +176,24 @@ def _build(model: str, batch: int, blocks_per_seq: int, max_len: int) -> ModelRu
 
 
 def _timed_steps(fn: Callable[[], float]) -> dict[str, float]:
+    """Medians of ``fn``'s steps: wall time, and this thread's CPU time (what other processes on a
+    busy machine do not inflate; with one thread it is all the step's compute), each split into
+    the native kernels' share and the rest."""
     for _ in range(2):
         fn()
-    steps, natives = [], []
+    steps, natives, cpus, native_cpus = [], [], [], []
     for _ in range(NS.steps):
-        NATIVE_SECONDS[0] = 0.0
+        NATIVE_SECONDS[:] = [0.0, 0.0]
+        cpu = time.thread_time()
         steps.append(fn())
+        cpus.append(time.thread_time() - cpu)
         natives.append(NATIVE_SECONDS[0])
+        native_cpus.append(NATIVE_SECONDS[1])
     med = statistics.median
     return {"step_ms": med(steps) * 1e3, "native_ms": med(natives) * 1e3,
             "python_ms": med([s - n for s, n in zip(steps, natives, strict=True)]) * 1e3,
+            "step_cpu_ms": med(cpus) * 1e3, "native_cpu_ms": med(native_cpus) * 1e3,
+            "python_cpu_ms": med([s - n for s, n in zip(cpus, native_cpus, strict=True)]) * 1e3,
             "step_min_ms": min(steps) * 1e3}  # fmt: skip
 
 
