@@ -25,8 +25,11 @@ middle blocks may be 0, and the table grows past the pool's size over an endless
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import cached_property
+from itertools import chain
+from typing import Any
 
 import numpy as np
 import torch
@@ -58,7 +61,7 @@ class PoolGeometry:
     group_windows: tuple[int | None, ...] = (None,)  # per KV cache group its window, None = full
     group_sink_tokens: tuple[int, ...] = ()  # per KV cache group its attention-sink tokens; empty = none
 
-    @property
+    @cached_property
     def max_blocks_per_seq(self) -> int:
         """Longest block table one sequence can need: ``max_model_len``'s blocks when no group keeps
         every block (attention sinks, or windows in every group: the freed positions stay in the
@@ -98,56 +101,71 @@ class BatchInputs:
         return self.metas[0]
 
 
-def validate_request(req: ScheduledRequest, geometry: PoolGeometry) -> None:
-    """Raises :class:`InvalidArgument` when ``req``'s counts or block table do not fit the pool.
-
-    Token ids are checked by :func:`check_token_ids`, vectorized, once they are in an array.
-    """
-    rid = req.request_id
-    computed, new = req.num_computed_tokens, req.num_new_tokens
-    if computed < 0 or new <= 0:
-        raise InvalidArgument(f"{rid}: num_computed_tokens={computed} must be >= 0 and num_new_tokens={new} > 0")
-    end = computed + new
-    if end > len(req.token_ids):
-        raise InvalidArgument(f"{rid}: {computed} computed + {new} new tokens exceed its {len(req.token_ids)} tokens")
-    if end > geometry.max_model_len:
-        raise InvalidArgument(f"{rid}: {end} tokens exceed max_model_len {geometry.max_model_len}")
+def _count_error(requests: Sequence[ScheduledRequest], computed: np.ndarray, new: np.ndarray, known: np.ndarray,
+                 table_lens: np.ndarray, geometry: PoolGeometry) -> tuple[int, str] | None:
+    """``(index, message)`` of the first request whose counts or table length do not fit the pool
+    (checked for the whole batch at once: one numpy op per rule, not a Python loop per request)."""
     groups = len(geometry.group_windows)
-    if len(req.block_ids) % groups:
-        raise InvalidArgument(
-            f"{rid}: {len(req.block_ids)} block ids do not split into {groups} equal block tables (one per KV "
-            "cache group)"
-        )
-    width = len(req.block_ids) // groups
-    if width > geometry.max_blocks_per_seq:
-        raise InvalidArgument(
-            f"{rid}: block table of {width} blocks exceeds the {geometry.max_blocks_per_seq} one sequence can use"
-        )
+    end = computed + new
+    width = table_lens // groups
     needed = -(-end // geometry.block_size)
-    if width < needed:
-        raise InvalidArgument(f"{rid}: {end} tokens need {needed} blocks of {geometry.block_size}, block table has "
-                              f"{width}")  # fmt: skip
-    for group, window in enumerate(geometry.group_windows):
-        table = req.block_ids[group * width : group * width + needed]
-        live = dead_blocks(window, geometry.block_size, computed)
-        sinks = geometry.sink_blocks(group)
-        for position, block_id in enumerate(table):
-            if (position >= live or position < sinks) and not 0 < block_id < geometry.num_blocks:
-                where = "" if groups == 1 else f" (KV cache group {group}, block {position})"
-                raise InvalidArgument(
-                    f"{rid}: block id {block_id}{where} is outside the pool [1, {geometry.num_blocks})"
-                )
-            if not 0 <= block_id < geometry.num_blocks:
-                raise InvalidArgument(f"{rid}: block id {block_id} (KV cache group {group}, block {position}, out of "
-                                      f"its window) is outside the pool [0, {geometry.num_blocks})")  # fmt: skip
+    rules: tuple[tuple[np.ndarray, Callable[[int], str]], ...] = (
+        ((computed < 0) | (new <= 0),
+         lambda i: f"num_computed_tokens={computed[i]} must be >= 0 and num_new_tokens={new[i]} > 0"),
+        (end > known, lambda i: f"{computed[i]} computed + {new[i]} new tokens exceed its {known[i]} tokens"),
+        (end > geometry.max_model_len, lambda i: f"{end[i]} tokens exceed max_model_len {geometry.max_model_len}"),
+        (table_lens % groups != 0,
+         lambda i: f"{table_lens[i]} block ids do not split into {groups} equal block tables (one per KV cache "
+                   "group)"),
+        (width > geometry.max_blocks_per_seq,
+         lambda i: f"block table of {width[i]} blocks exceeds the {geometry.max_blocks_per_seq} one sequence can use"),
+        (width < needed,
+         lambda i: f"{end[i]} tokens need {needed[i]} blocks of {geometry.block_size}, block table has {width[i]}"),
+    )  # fmt: skip
+    bad = rules[0][0]
+    for mask, _ in rules[1:]:
+        bad = bad | mask
+    if not bad.any():
+        return None
+    i = int(bad.argmax())
+    message = next(text(i) for mask, text in rules if mask[i])
+    return i, f"{requests[i].request_id}: {message}"
 
 
-def extend_tables(request_id: str, tables: Sequence[int], new_ids: Sequence[int], groups: int) -> list[int]:
-    """Each group's table of ``tables`` with its run of ``new_ids`` appended (both group-major).
+def _block_error(requests: Sequence[ScheduledRequest], table: np.ndarray, in_table: np.ndarray, group: int,
+                 computed: np.ndarray, geometry: PoolGeometry) -> tuple[int, str] | None:
+    """``(index, message)`` of the first request whose ``group`` table ``[B, W]`` (``in_table``: the
+    positions its context needs) holds an id outside the pool: outside ``[1, num_blocks)`` at a
+    live block (in or after the window of the step's first query, or a sink block), outside
+    ``[0, num_blocks)`` at a dead one (the kv-cache-manager freed it: the null block is fine)."""
+    window, num_blocks = geometry.group_windows[group], geometry.num_blocks
+    bad_live = bad = in_table & ((table < 1) | (table >= num_blocks))  # a full group: every block is live
+    if window is not None:
+        dead = np.array([dead_blocks(window, geometry.block_size, c) for c in computed.tolist()], dtype=np.int64)
+        position = np.arange(table.shape[1])
+        bad_live = bad & ((position >= dead[:, None]) | (position < geometry.sink_blocks(group)))
+        bad = bad_live | (in_table & ((table < 0) | (table >= num_blocks)))
+    if not bad.any():
+        return None
+    i, p = (int(x) for x in np.unravel_index(int(bad.argmax()), bad.shape))
+    rid, block_id = requests[i].request_id, int(table[i, p])
+    if bad_live[i, p]:
+        where = "" if len(geometry.group_windows) == 1 else f" (KV cache group {group}, block {p})"
+        return i, f"{rid}: block id {block_id}{where} is outside the pool [1, {num_blocks})"
+    return i, (f"{rid}: block id {block_id} (KV cache group {group}, block {p}, out of its window) is outside the "
+               f"pool [0, {num_blocks})")  # fmt: skip
+
+
+def extend_tables(request_id: str, tables: list[int], new_ids: Sequence[int], groups: int) -> list[int]:
+    """Each group's table of ``tables`` with its run of ``new_ids`` appended (both group-major): a
+    new list, or ``tables`` itself when there is nothing to append (most decode steps; lists of
+    block ids are never changed in place).
 
     Raises:
         InvalidArgument: ``new_ids`` does not split into ``groups`` equal runs.
     """
+    if not new_ids:
+        return tables
     if groups == 1:
         return [*tables, *new_ids]
     if len(new_ids) % groups:
@@ -159,10 +177,21 @@ def extend_tables(request_id: str, tables: Sequence[int], new_ids: Sequence[int]
 
 def check_token_ids(token_ids: np.ndarray, request_id: str, vocab_size: int) -> None:
     """Raises :class:`InvalidArgument` naming the first token id outside ``[0, vocab_size)``."""
-    bad = (token_ids < 0) | (token_ids >= vocab_size)
-    if bad.any():
-        token = int(token_ids[int(bad.argmax())])
-        raise InvalidArgument(f"{request_id}: token id {token} is outside the vocabulary [0, {vocab_size})")
+    error = _token_error(token_ids, request_id, vocab_size)
+    if error is not None:
+        raise InvalidArgument(error)
+
+
+def _token_error(token_ids: np.ndarray, request_id: str, vocab_size: int) -> str | None:
+    bad = _bad_tokens(token_ids, vocab_size)
+    if not bad.any():
+        return None
+    token = int(token_ids[int(bad.argmax())])
+    return f"{request_id}: token id {token} is outside the vocabulary [0, {vocab_size})"
+
+
+def _bad_tokens(token_ids: np.ndarray, vocab_size: int) -> np.ndarray:
+    return (token_ids < 0) | (token_ids >= vocab_size)
 
 
 def prepare_inputs(
@@ -170,51 +199,78 @@ def prepare_inputs(
 ) -> BatchInputs:
     """Validates every request, then lays the step out as flat tensors (see the module docstring).
 
+    Every rule is checked for the whole batch at once, in numpy; the error names the first request
+    in step order that breaks one (its counts, then its block tables group by group, then its
+    token ids).
+
     Raises:
         InvalidArgument: on the first request that cannot run; nothing is built then.
     """
     if not requests:
         raise InvalidArgument("a step needs at least one scheduled request")
-    chunks = []
-    for req in requests:
-        validate_request(req, geometry)
-        end = req.num_computed_tokens + req.num_new_tokens
-        chunks.append(np.asarray(req.token_ids[req.num_computed_tokens : end], dtype=np.int64))
-        check_token_ids(chunks[-1], req.request_id, geometry.vocab_size)
-    bs = geometry.block_size
-    computed = np.array([r.num_computed_tokens for r in requests], dtype=np.int64)  # [B]
-    q_lens = np.array([r.num_new_tokens for r in requests], dtype=np.int64)  # [B]
+    n, bs, groups = len(requests), geometry.block_size, len(geometry.group_windows)
+    computed = np.fromiter((r.num_computed_tokens for r in requests), np.int64, n)  # [B]
+    q_lens = np.fromiter((r.num_new_tokens for r in requests), np.int64, n)  # [B]
+    known = np.fromiter((len(r.token_ids) for r in requests), np.int64, n)  # [B]
+    table_lens = np.fromiter((len(r.block_ids) for r in requests), np.int64, n)  # [B]
+    counts = _count_error(requests, computed, q_lens, known, table_lens, geometry)
+    if counts is not None:
+        # NOTE: an earlier request's table or token error comes first, as it does in step order.
+        if counts[0]:
+            prepare_inputs(requests[: counts[0]], geometry, device)
+        raise InvalidArgument(counts[1])
     seq_lens = computed + q_lens  # [B]
-    query_start_loc = np.concatenate(([0], np.cumsum(q_lens)))  # [B + 1]
-    width = int(-(-seq_lens.max() // bs))
-    req_of_token = np.repeat(np.arange(len(requests)), q_lens)  # [T]
-    positions = np.arange(int(query_start_loc[-1])) - query_start_loc[req_of_token] + computed[req_of_token]  # [T]
-    input_ids = np.concatenate(chunks)  # [T]
-    samples = [i for i, r in enumerate(requests) if int(seq_lens[i]) == len(r.token_ids)]
-    logits_indices = query_start_loc[1:][samples] - 1  # [N]
+    query_start_loc = np.zeros(n + 1, dtype=np.int64)  # [B + 1]
+    np.cumsum(q_lens, out=query_start_loc[1:])
+    num_tokens = int(query_start_loc[-1])
+    needed = -(-seq_lens // bs)  # [B] blocks of each context
+    width = int(needed.max())
+    req_of_token = np.repeat(np.arange(n), q_lens)  # [T]
+    positions = np.arange(num_tokens) - query_start_loc[req_of_token] + computed[req_of_token]  # [T]
+    input_ids = np.fromiter(chain.from_iterable(
+        r.token_ids[c:e] for r, c, e in zip(requests, computed.tolist(), seq_lens.tolist(), strict=True)
+    ), np.int64, num_tokens)  # [T]  # fmt: skip
+    # Every request's block ids back to back; group g of request i starts at its offset + g * its width.
+    all_ids = np.fromiter(chain.from_iterable(r.block_ids for r in requests), np.int64, int(table_lens.sum()))
+    offsets = np.cumsum(table_lens) - table_lens  # [B]
+    column = np.arange(width)
+    in_table = column < needed[:, None]  # [B, W] positions each context uses
+    tables = []
+    errors = []
+    for group in range(groups):
+        index = (offsets + group * (table_lens // groups))[:, None] + column  # [B, W]
+        table = np.where(in_table, all_ids[np.minimum(index, len(all_ids) - 1)], 0)  # [B, W], 0 = null block
+        tables.append(table)
+        errors.append(_block_error(requests, table, in_table, group, computed, geometry))
+    bad_token = _bad_tokens(input_ids, geometry.vocab_size)  # [T]
+    if bad_token.any():
+        i = int(req_of_token[int(bad_token.argmax())])
+        chunk = input_ids[query_start_loc[i] : query_start_loc[i + 1]]
+        errors.append((i, str(_token_error(chunk, requests[i].request_id, geometry.vocab_size))))
+    found = [e for e in errors if e is not None]
+    if found:
+        raise InvalidArgument(min(found, key=lambda e: e[0])[1])  # NOTE: min keeps the first of equal indices
+    sampling = (seq_lens == known).nonzero()[0]  # requests whose scheduled tokens reach their last token
+    logits_indices = query_start_loc[1:][sampling] - 1  # [N]
 
-    def to(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(array)).to(device=device, dtype=dtype)
+    on_cpu = torch.device(device).type == "cpu"
 
-    shared_starts, shared_lens = to(query_start_loc, torch.int32), to(seq_lens, torch.int32)
-    metas = []
-    groups = len(geometry.group_windows)
-    for group, window in enumerate(geometry.group_windows):
-        block_tables = np.zeros((len(requests), width), dtype=np.int64)  # [B, W], 0 = null block
-        for i, r in enumerate(requests):
-            n = len(r.block_ids) // groups
-            blocks = r.block_ids[group * n : group * n + -(-int(seq_lens[i]) // bs)]
-            block_tables[i, : len(blocks)] = blocks
-        slot_mapping = block_tables[req_of_token, positions // bs] * bs + positions % bs  # [T]
-        metas.append(AttentionMetadata(
-            slot_mapping=to(slot_mapping, torch.int64), query_start_loc=shared_starts, seq_lens=shared_lens,
-            block_tables=to(block_tables, torch.int32), max_query_len=int(q_lens.max()),
-            max_seq_len=int(seq_lens.max()), window=window,
-        ))  # fmt: skip
+    def to(array: np.ndarray, dtype: type[np.signedinteger[Any]]) -> torch.Tensor:
+        tensor = torch.from_numpy(np.ascontiguousarray(array, dtype=dtype))
+        return tensor if on_cpu else tensor.to(device)
+
+    shared_starts, shared_lens = to(query_start_loc, np.int32), to(seq_lens, np.int32)
+    max_query_len, max_seq_len = int(q_lens.max()), int(seq_lens.max())
+    block_of_token, offset_in_block = positions // bs, positions % bs
+    metas = tuple(AttentionMetadata(
+        slot_mapping=to(table[req_of_token, block_of_token] * bs + offset_in_block, np.int64),  # [T]
+        query_start_loc=shared_starts, seq_lens=shared_lens, block_tables=to(table, np.int32),
+        max_query_len=max_query_len, max_seq_len=max_seq_len, window=window,
+    ) for table, window in zip(tables, geometry.group_windows, strict=True))  # fmt: skip
     return BatchInputs(
-        input_ids=to(input_ids, torch.int64),
-        positions=to(positions, torch.int64),
-        metas=tuple(metas),
-        logits_indices=to(logits_indices, torch.int64),
-        sampling_requests=tuple(samples),
+        input_ids=to(input_ids, np.int64),
+        positions=to(positions, np.int64),
+        metas=metas,
+        logits_indices=to(logits_indices, np.int64),
+        sampling_requests=tuple(sampling.tolist()),
     )

@@ -62,6 +62,7 @@ class _Planned:
     request_id: str
     state: _Request
     scheduled: ScheduledRequest
+    block_ids: list[int]  # the request's tables after the step (``scheduled.block_ids``), never mutated
 
 
 class ModelRunner:
@@ -174,7 +175,7 @@ class ModelRunner:
         for p in planned:
             self._requests[p.request_id] = p.state
             p.state.num_computed_tokens += p.scheduled.num_new_tokens
-            p.state.block_ids = list(p.scheduled.block_ids)
+            p.state.block_ids = p.block_ids
         for token in sampled:
             state = self._requests[token.request_id]
             state.token_ids.append(token.token_id)
@@ -184,7 +185,7 @@ class ModelRunner:
     def _plan(self, step: StepInput) -> list[_Planned]:
         """Validates the step against the state after its finished ids; mutates nothing."""
         finished = set(step.finished_request_ids)
-        live = {rid: r for rid, r in self._requests.items() if rid not in finished}
+        live = {rid: r for rid, r in self._requests.items() if rid not in finished} if finished else self._requests
         seen: set[str] = set()
         planned: list[_Planned] = []
         for new in step.new_requests:
@@ -197,8 +198,9 @@ class ModelRunner:
                     new.request_id,
                     state,
                     ScheduledRequest(
-                        new.request_id, state.token_ids, new.block_ids, new.num_computed_tokens, new.num_new_tokens
+                        new.request_id, state.token_ids, state.block_ids, new.num_computed_tokens, new.num_new_tokens
                     ),
+                    state.block_ids,
                 )
             )
         for cached in step.cached_requests:
@@ -219,6 +221,7 @@ class ModelRunner:
                     ScheduledRequest(
                         cached.request_id, state.token_ids, blocks, state.num_computed_tokens, cached.num_new_tokens
                     ),
+                    blocks,
                 )
             )
         return planned

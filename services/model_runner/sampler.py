@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from services.model_runner.types import SampledLogprobs, TokenLogprob
@@ -80,7 +81,7 @@ def sample(logits: torch.Tensor, states: Sequence[RequestSamplingState]) -> list
     if not states:
         return []
     logits = apply_penalties(logits.float(), states)  # [N, V]; the input is not modified
-    tokens = logits.argmax(dim=-1)  # [N]; first maximum on ties, i.e. the lowest id
+    tokens = greedy_tokens(logits)  # [N]
     random_rows = [i for i, s in enumerate(states) if not s.params.is_greedy]
     if random_rows:
         rows = torch.tensor(random_rows, device=logits.device)
@@ -89,6 +90,20 @@ def sample(logits: torch.Tensor, states: Sequence[RequestSamplingState]) -> list
         tokens[rows] = _draw(probs, [states[i].generator for i in random_rows])
     token_list: list[int] = tokens.tolist()
     return list(zip(token_list, _logprobs(logits, token_list, states), strict=True))
+
+
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """``[N]`` int64: each row's first maximum (the lowest id on ties; a NaN counts as the maximum),
+    exactly ``logits.argmax(dim=-1)``.
+
+    NOTE: a CPU float32 row goes through numpy's SIMD argmax: torch's CPU argmax over the last
+    dimension is not vectorized and took a sizeable part of a batch-32 decode step at a 49k
+    vocabulary (docs/model_runner.md, "Per-step overhead"). Both take the first maximum and treat
+    NaN as larger than any number, so the tokens are the same (tests/unit/model_runner/test_sampler.py).
+    """
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2 and logits.shape[1]:
+        return torch.from_numpy(np.argmax(logits.numpy(), axis=-1).astype(np.int64, copy=False))
+    return logits.argmax(dim=-1)
 
 
 def apply_penalties(logits: torch.Tensor, states: Sequence[RequestSamplingState]) -> torch.Tensor:

@@ -7,6 +7,7 @@ so reading a wrong block or a slot past a sequence's length shows.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Iterator
 
@@ -14,6 +15,7 @@ import pytest
 import torch
 
 from services.model_runner import native
+from services.model_runner.attention import cpu_backend
 from services.model_runner.attention.base import AttentionMetadata
 from services.model_runner.attention.cpu_backend import CpuAttentionBackend
 from services.model_runner.attention.torch_backend import TorchAttentionBackend
@@ -156,6 +158,27 @@ def test_build_is_cached_by_content(tmp_path: object, monkeypatch: pytest.Monkey
     assert native.build() == first and first.stat().st_mtime_ns == mtime  # not rebuilt
     assert native.build(extra_cflags=native.PORTABLE_CFLAGS) != first
     assert sorted(p.name for p in first.parent.iterdir() if p.name.startswith(".")) == []  # no temp files left
+
+
+@pytest.mark.parametrize("window", [None, 32])
+def test_a_decode_steps_plan_is_the_general_one(window: int | None) -> None:
+    """A decode step's plan is built from the metadata's own arrays, without the general path's
+    per-sequence passes; it must be that path's plan (which does not read ``max_query_len``)."""
+    gen = torch.Generator().manual_seed(0)
+    lens = torch.randint(1, 300, (37,), generator=gen).int()
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(37, dtype=torch.int64), query_start_loc=torch.arange(38, dtype=torch.int32),
+        seq_lens=lens, block_tables=torch.randint(0, 99, (37, 19), generator=gen, dtype=torch.int32),
+        max_query_len=1, max_seq_len=int(lens.max()), window=window,
+    )  # fmt: skip
+    for per_row in (False, True):
+        fast = cpu_backend._native_plan(meta, 16, per_row)
+        general = cpu_backend._native_plan(dataclasses.replace(meta, max_query_len=2), 16, per_row)
+        for name in ("rows", "seq_lens", "tables"):
+            got, want = getattr(fast, name), getattr(general, name)
+            assert got.dtype == want.dtype and got.is_contiguous() and torch.equal(got, want)
+        assert (fast.max_len, fast.chunks, fast.chunk_tables, fast.window) == (
+            general.max_len, general.chunks, general.chunk_tables, general.window)
 
 
 def test_metadata_without_decodes_runs_no_kernel(backend: CpuAttentionBackend) -> None:

@@ -191,6 +191,15 @@ class CpuAttentionBackend(TorchAttentionBackend):
 
 def _native_plan(meta: AttentionMetadata, block_size: int, per_row: bool) -> NativeDecodePlan:
     """The native decode arrays of one step's metadata (see :meth:`CpuAttentionBackend._plan_native`)."""
+    num_seqs = meta.seq_lens.shape[0]
+    if meta.max_query_len == 1 and int(meta.query_start_loc[-1]) == num_seqs:
+        # NOTE: every sequence one decode row (a decode step; ``per_row`` changes nothing then): the
+        # arrays are the metadata's own, with no Python pass over the sequences.
+        decode_lens = meta.seq_lens.to(torch.int32).contiguous()
+        return NativeDecodePlan(rows=meta.query_start_loc[:-1].to(torch.int32).contiguous(), seq_lens=decode_lens,
+                                tables=meta.block_tables.to(torch.int32).contiguous(),
+                                max_len=int(decode_lens.max()) if num_seqs else 0, chunks=[],
+                                window=meta.window or 0)  # fmt: skip
     starts: list[int] = meta.query_start_loc.tolist()
     seq_lens: list[int] = meta.seq_lens.tolist()
     tables = meta.block_tables.to(torch.int32)

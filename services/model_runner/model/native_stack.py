@@ -127,6 +127,7 @@ class NativeDecodeStack:
         # the pool self._layers points into
         self._cache_key: tuple[int, tuple[int, ...], int, torch.dtype | None] = (0, (), 0, None)
         self._shape = _Shape()
+        self._scratch = [torch.empty(0, 1)]  # see _scratch_rows
 
     def run(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext
@@ -149,10 +150,7 @@ class NativeDecodeStack:
             return None
         self._bind_cache(cache, plan.window)
         out, residual = x, torch.empty_like(x)  # x is this forward's own embedding: overwritten
-        d = self._dims
-        scratch = [torch.empty(tokens, n, dtype=torch.float32) for n in (
-            d.hidden, d.q_size + 2 * d.kv_size, d.q_size + d.kv_size, d.q_size, 2 * d.intermediate, d.intermediate,
-        )]  # fmt: skip
+        scratch = self._scratch_rows(tokens)
         step = _Step(
             tokens, cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), plan.tables.data_ptr(),
             plan.seq_lens.data_ptr(), plan.rows.data_ptr(), plan.tables.stride(0), plan.max_len,
@@ -162,6 +160,21 @@ class NativeDecodeStack:
         if status != 0:
             raise RuntimeError(f"native decode stack failed with status {status}")
         return out, residual
+
+    def _scratch_rows(self, tokens: int) -> list[torch.Tensor]:
+        """The C code's per-row buffers (norm output, qkv, rotated q/k, attention, gate_up, SwiGLU)
+        for ``tokens`` rows: views of buffers kept between steps, grown to the largest step seen.
+
+        NOTE: the C code writes every row of them before reading it, so what a step leaves there
+        never reaches the next one; kept, they cost no allocation (and no page faults) per step.
+        """
+        if self._scratch[0].shape[0] < tokens:
+            d = self._dims
+            self._scratch = [torch.empty(tokens, n, dtype=torch.float32) for n in (
+                d.hidden, d.q_size + 2 * d.kv_size, d.q_size + d.kv_size, d.q_size, 2 * d.intermediate,
+                d.intermediate,
+            )]  # fmt: skip
+        return [buffer[:tokens] for buffer in self._scratch]
 
     def _bind_cache(self, cache: torch.Tensor, window: int) -> None:
         """Points each layer at its K/V halves of ``cache`` ``[L, 2, blocks, block_size, KV, D]``;

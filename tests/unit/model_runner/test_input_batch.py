@@ -88,6 +88,24 @@ def test_rejects(req: ScheduledRequest, message: str) -> None:
         prepare_inputs([ok, req], GEOMETRY)
 
 
+@pytest.mark.parametrize(
+    ("reqs", "message"),
+    [
+        # the first request in step order that breaks a rule is named, whichever rule a later one breaks
+        ([_req("a", tokens=[*A_TOKENS[:9], 100]), _req("b", new=0)], "a: token id 100"),
+        ([_req("a", blocks=(3, 16, 8)), _req("b", tokens=[-1, *A_TOKENS[1:]])], "a: block id 16"),
+        ([_req("a", new=0), _req("b", blocks=(3, 0, 8))], "a: num_computed_tokens=0 .* num_new_tokens=0"),
+        ([_req("a"), _req("b", blocks=(3, 0, 8)), _req("c", new=0)], "b: block id 0"),
+        # within one request: its counts, then its table, then its tokens
+        ([_req("a", tokens=[-1, *A_TOKENS[1:]], blocks=(3, 7))], "a: 10 tokens need 3 blocks"),
+        ([_req("a", tokens=[-1, *A_TOKENS[1:]], blocks=(3, 0, 8))], "a: block id 0"),
+    ],
+)
+def test_names_the_first_bad_request_in_step_order(reqs: list[ScheduledRequest], message: str) -> None:
+    with pytest.raises(InvalidArgument, match=message):
+        prepare_inputs(reqs, GEOMETRY)
+
+
 def test_rejects_an_empty_step() -> None:
     with pytest.raises(InvalidArgument):
         prepare_inputs([], GEOMETRY)

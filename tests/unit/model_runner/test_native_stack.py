@@ -115,6 +115,22 @@ def test_decode_steps_are_bitwise_the_per_layer_path(
         assert torch.equal(runner.pool.tensor, pool_after_fused)
 
 
+def test_steps_of_changing_batch_sizes_are_bitwise_the_per_layer_path(checkpoint: Any, make_runner: Any) -> None:
+    """The stack's scratch rows are kept between steps (views of buffers grown to the largest
+    step): a smaller step after a larger one, and a larger one again, still match."""
+    runner = make_runner(checkpoint("llama"), backend="cpu")
+    tables = _prefilled(runner)
+    bs = runner.pool.block_size
+    for step, rows in ((0, 3), (1, 1), (1, 2), (1, 3)):  # NOTE: the tables hold 2 decode positions
+        reqs = _decodes(tables, step)[:rows]
+        fused = _forward(runner, reqs, stack=True)
+        pool_after_fused = runner.pool.tensor.clone()
+        for slot in prepare_inputs(reqs, runner.geometry).meta.slot_mapping.tolist():
+            runner.pool.tensor[:, :, slot // bs, slot % bs] = 0.0
+        assert torch.equal(fused, _forward(runner, reqs, stack=False))
+        assert torch.equal(runner.pool.tensor, pool_after_fused)
+
+
 def test_only_decode_only_steps_take_the_stack(checkpoint: Any, make_runner: Any) -> None:
     runner = make_runner(checkpoint("llama"), backend="cpu")
     stack = _stack(runner)

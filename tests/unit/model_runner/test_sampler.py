@@ -9,7 +9,13 @@ from typing import Any
 import pytest
 import torch
 
-from services.model_runner.sampler import RequestSamplingState, apply_penalties, filtered_probs, sample
+from services.model_runner.sampler import (
+    RequestSamplingState,
+    apply_penalties,
+    filtered_probs,
+    greedy_tokens,
+    sample,
+)
 from shared.sampling_params import SamplingParams
 
 # probabilities 0.5, 0.3, 0.15, 0.05 as logits
@@ -51,6 +57,27 @@ def test_greedy_is_exactly_argmax_and_leaves_logits_untouched() -> None:
     tokens = [t for t, _ in sample(logits, [state() for _ in range(8)])]
     assert tokens == logits.argmax(dim=-1).tolist()
     assert torch.equal(logits, before)
+
+
+@pytest.mark.parametrize("case", ["random", "ties", "nan", "inf", "non_contiguous"])
+def test_greedy_tokens_equal_torch_argmax(case: str) -> None:
+    # the numpy argmax of CPU fp32 rows must be torch's argmax exactly: first maximum, NaN largest
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(33, 4099, generator=gen)
+    if case == "ties":
+        logits = logits.round()
+    if case in ("nan", "inf"):
+        logits[torch.rand(logits.shape, generator=gen) < 0.001] = float(case)
+        logits[3] = float(case)  # a whole row of it
+        logits[4, 7], logits[4, 9] = float(case), float(case)
+    if case == "non_contiguous":
+        logits = logits.t().contiguous().t()
+    with torch.inference_mode():
+        tokens = greedy_tokens(logits)
+    assert tokens.dtype == torch.int64 and torch.equal(tokens, logits.argmax(dim=-1))
+    edge = torch.tensor([[0.0, -0.0, 0.0], [-float("inf")] * 3, [1.0, float("inf"), float("nan")],
+                         [float("nan"), 2.0, float("nan")]])  # fmt: skip
+    assert greedy_tokens(edge).tolist() == edge.argmax(dim=-1).tolist() == [0, 0, 2, 0]
 
 
 def test_top_k_1_equals_greedy() -> None:
