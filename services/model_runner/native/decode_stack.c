@@ -91,22 +91,13 @@ int kvmesh_decode_stack_f32(const KvmLayer *layers, int64_t num_layers, const Kv
         if (failed) return 100 - failed;
         kvmesh_rope_f32(step->qkv, qkv_size, step->cos, step->sin, d, step->qk, t,
                         shape->num_heads + shape->num_kv_heads, d);
-        int status;
-        if (shape->kv_bf16) {
-            kvmesh_write_kv_bf16(step->qk + q_size, qk_size, step->qkv + qk_size, qkv_size, w->k_cache, w->v_cache,
-                                 step->slots, t, kv_size, shape->num_slots);
-            status = kvmesh_paged_decode_bf16(
-                step->qk, qk_size, w->k_cache, w->v_cache, shape->block_stride, step->tables, step->table_stride,
-                step->seq_lens, step->rows, t, step->attn, q_size, shape->num_heads, shape->num_kv_heads, d,
-                shape->block_size, step->max_seq_len, shape->scale, shape->window);
-        } else {
-            kvmesh_write_kv_f32(step->qk + q_size, qk_size, step->qkv + qk_size, qkv_size, w->k_cache, w->v_cache,
-                                step->slots, t, kv_size, shape->num_slots);
-            status = kvmesh_paged_decode_f32(
-                step->qk, qk_size, w->k_cache, w->v_cache, shape->block_stride, step->tables, step->table_stride,
-                step->seq_lens, step->rows, t, step->attn, q_size, shape->num_heads, shape->num_kv_heads, d,
-                shape->block_size, step->max_seq_len, shape->scale, shape->window);
-        }
+        const int esz = shape->kv_bf16 ? 2 : 4;
+        kvmesh_write_kv_elem(step->qk + q_size, qk_size, step->qkv + qk_size, qkv_size, (char *)w->k_cache,
+                             (char *)w->v_cache, step->slots, t, kv_size, shape->num_slots, esz);
+        const int status = kvmesh_paged_decode_elem(
+            step->qk, qk_size, (const char *)w->k_cache, (const char *)w->v_cache, shape->block_stride, step->tables,
+            step->table_stride, step->seq_lens, step->rows, t, step->attn, q_size, shape->num_heads,
+            shape->num_kv_heads, d, shape->block_size, step->max_seq_len, shape->scale, shape->window, esz);
         if (status != 0) return status;
         failed = linear(shape, step->attn, q_size, t, q_size, w->o, hidden, w->o_bias, step->x);
         if (failed) return 100 - failed;

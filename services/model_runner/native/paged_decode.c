@@ -280,7 +280,9 @@ static inline int64_t first_key(int64_t len, int64_t window) {
 /* Returns 0, -1 for an unsupported shape (too many query heads per KV head, head_dim > 256),
  * -2 when a thread could not allocate its score buffer. window: 0 = full attention; block_stride
  * in elements; esz: the cache element's bytes (4 fp32, 2 bf16). */
-static int paged_decode(
+/* The decode attention over a pool of esz-byte elements (4: fp32, 2: bf16 widened exactly on load,
+ * kv_elem.h); the typed entry points below and decode_stack.c call it. */
+int kvmesh_paged_decode_elem(
     const float *q, int64_t q_row_stride,
     const char *k_cache, const char *v_cache, int64_t block_stride,
     const int32_t *tables, int64_t table_stride,
@@ -386,9 +388,9 @@ int kvmesh_paged_decode_f32(
     float *out, int64_t out_row_stride, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
     int64_t block_size, int64_t max_seq_len, float scale, int64_t window)
 {
-    return paged_decode(q, q_row_stride, (const char *)k_cache, (const char *)v_cache, block_stride, tables,
-                        table_stride, seq_lens, rows, num_seqs, out, out_row_stride, num_heads, num_kv_heads,
-                        head_dim, block_size, max_seq_len, scale, window, 4);
+    return kvmesh_paged_decode_elem(q, q_row_stride, (const char *)k_cache, (const char *)v_cache, block_stride,
+                                    tables, table_stride, seq_lens, rows, num_seqs, out, out_row_stride, num_heads,
+                                    num_kv_heads, head_dim, block_size, max_seq_len, scale, window, 4);
 }
 
 /* The same over a bf16 cache (block_stride in elements): bitwise the fp32 entry point over the
@@ -399,46 +401,54 @@ int kvmesh_paged_decode_bf16(
     float *out, int64_t out_row_stride, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
     int64_t block_size, int64_t max_seq_len, float scale, int64_t window)
 {
-    return paged_decode(q, q_row_stride, (const char *)k_cache, (const char *)v_cache, block_stride, tables,
-                        table_stride, seq_lens, rows, num_seqs, out, out_row_stride, num_heads, num_kv_heads,
-                        head_dim, block_size, max_seq_len, scale, window, 2);
+    return kvmesh_paged_decode_elem(q, q_row_stride, (const char *)k_cache, (const char *)v_cache, block_stride,
+                                    tables, table_stride, seq_lens, rows, num_seqs, out, out_row_stride, num_heads,
+                                    num_kv_heads, head_dim, block_size, max_seq_len, scale, window, 2);
 }
 
 /* Stores T tokens' K and V rows (each kv_elems contiguous floats, rows row_stride apart) at their
- * pool slots; slot -1 (batch padding) is skipped. Single-threaded on purpose: a decode step writes
- * a few KB per layer, less than an OpenMP fork costs. Returns the number of rows written. */
+ * pool slots of esz-byte elements (4: copied; 2: each value rounded to nearest even, kv_elem.h:
+ * torch's fp32 -> bf16 conversion bit for bit); slot -1 (batch padding) is skipped.
+ * Single-threaded on purpose: a decode step writes a few KB per layer, less than an OpenMP fork
+ * costs. Returns the number of rows written. */
+int64_t kvmesh_write_kv_elem(
+    const float *key, int64_t key_row_stride, const float *value, int64_t value_row_stride,
+    char *k_cache, char *v_cache, const int64_t *slots, int64_t num_tokens, int64_t kv_elems,
+    int64_t num_slots, int esz)
+{
+    int64_t written = 0;
+    for (int64_t i = 0; i < num_tokens; i++) {
+        const int64_t slot = slots[i];
+        if (slot < 0 || slot >= num_slots) continue;
+        const float *ks = key + i * key_row_stride, *vs = value + i * value_row_stride;
+        char *kd = k_cache + slot * kv_elems * esz, *vd = v_cache + slot * kv_elems * esz;
+        if (esz == 2) {
+            for (int64_t e = 0; e < kv_elems; e++) ((uint16_t *)kd)[e] = kv_f32_to_bf16(ks[e]);
+            for (int64_t e = 0; e < kv_elems; e++) ((uint16_t *)vd)[e] = kv_f32_to_bf16(vs[e]);
+        } else {
+            memcpy(kd, ks, sizeof(float) * (size_t)kv_elems);
+            memcpy(vd, vs, sizeof(float) * (size_t)kv_elems);
+        }
+        written++;
+    }
+    return written;
+}
+
 int64_t kvmesh_write_kv_f32(
     const float *key, int64_t key_row_stride, const float *value, int64_t value_row_stride,
     float *k_cache, float *v_cache, const int64_t *slots, int64_t num_tokens, int64_t kv_elems,
     int64_t num_slots)
 {
-    int64_t written = 0;
-    for (int64_t i = 0; i < num_tokens; i++) {
-        const int64_t slot = slots[i];
-        if (slot < 0 || slot >= num_slots) continue;
-        memcpy(k_cache + slot * kv_elems, key + i * key_row_stride, sizeof(float) * (size_t)kv_elems);
-        memcpy(v_cache + slot * kv_elems, value + i * value_row_stride, sizeof(float) * (size_t)kv_elems);
-        written++;
-    }
-    return written;
+    return kvmesh_write_kv_elem(key, key_row_stride, value, value_row_stride, (char *)k_cache, (char *)v_cache,
+                                slots, num_tokens, kv_elems, num_slots, 4);
 }
 
-/* kvmesh_write_kv_f32 into a bf16 cache: each value rounded to nearest even (kv_elem.h; torch's
- * fp32 -> bf16 conversion bit for bit). */
+/* kvmesh_write_kv_f32 into a bf16 cache. */
 int64_t kvmesh_write_kv_bf16(
     const float *key, int64_t key_row_stride, const float *value, int64_t value_row_stride,
     uint16_t *k_cache, uint16_t *v_cache, const int64_t *slots, int64_t num_tokens, int64_t kv_elems,
     int64_t num_slots)
 {
-    int64_t written = 0;
-    for (int64_t i = 0; i < num_tokens; i++) {
-        const int64_t slot = slots[i];
-        if (slot < 0 || slot >= num_slots) continue;
-        uint16_t *kd = k_cache + slot * kv_elems, *vd = v_cache + slot * kv_elems;
-        const float *ks = key + i * key_row_stride, *vs = value + i * value_row_stride;
-        for (int64_t e = 0; e < kv_elems; e++) kd[e] = kv_f32_to_bf16(ks[e]);
-        for (int64_t e = 0; e < kv_elems; e++) vd[e] = kv_f32_to_bf16(vs[e]);
-        written++;
-    }
-    return written;
+    return kvmesh_write_kv_elem(key, key_row_stride, value, value_row_stride, (char *)k_cache, (char *)v_cache,
+                                slots, num_tokens, kv_elems, num_slots, 2);
 }
