@@ -38,7 +38,8 @@ CHAT_TEMPLATE = (
 )
 
 
-def build_tiny_checkpoint(folder: Path, arch: str = "llama", vocab_size: int = 384, seed: int = 0) -> Path:
+def build_tiny_checkpoint(folder: Path, arch: str = "llama", vocab_size: int = 384, seed: int = 0,
+                          hidden_size: int = 64) -> Path:
     """A tiny random-weight HF checkpoint with a real byte-level BPE tokenizer and chat template.
 
     The tokenizer is trained on a few sentences in milliseconds (no download), so text prompts,
@@ -61,7 +62,7 @@ def build_tiny_checkpoint(folder: Path, arch: str = "llama", vocab_size: int = 3
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(folder)
     common = dict(
-        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
         eos_token_id=fast.eos_token_id, bos_token_id=fast.bos_token_id, pad_token_id=fast.pad_token_id,
         tie_word_embeddings=False,
@@ -82,6 +83,13 @@ def build_tiny_checkpoint(folder: Path, arch: str = "llama", vocab_size: int = 3
 def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Llama checkpoint + tokenizer, built once per test session."""
     return build_tiny_checkpoint(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_hd32_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Llama with head_dim 32 (hidden 128, 4 heads): the smallest head the native bf16
+    attention dot products take (kv_elem.h's kv_bf16_dots; head_dim 16 reads a bf16 pool widened)."""
+    return build_tiny_checkpoint(tmp_path_factory.mktemp("tiny-llama-hd32"), hidden_size=128)
 
 
 @pytest.fixture(scope="session")

@@ -36,6 +36,9 @@ BF16_FLAGS = ("amx_bf16", "avx512_bf16")
 # The native decode attention's limits (native/paged_decode.c: MAX_GROUP, MAX_HEAD_DIM).
 NATIVE_MAX_GROUP = 16
 NATIVE_MAX_HEAD_DIM = 256
+# The most query heads whose bf16 pool the native kernels attend in bf16 dot products (native/kv_elem.h's
+# KV_BF16_DOTS_MAX_HEADS).
+NATIVE_BF16_DOTS_MAX_HEADS = 128
 
 
 @dataclass(frozen=True)
@@ -235,8 +238,10 @@ def build_runner(config: RunnerConfig, flags: Iterable[str] | None = None) -> Mo
                          f"here: dtype "
                          f"{dtype_choice.value}, attention backend {backend_choice.value} ({backend_choice.reason})")
     kv_choice = select_kv_dtype(config.kv_cache_dtype, dtype, native_bf16, device.type)
+    backend_reason = backend_choice.reason + _bf16_attention_note(kv_choice.value, backend_choice.value, mcfg,
+                                                                  config.block_size)
     log.info("dtype %s (%s); attention backend %s (%s); KV cache %s (%s)%s%s%s", dtype_choice.value,
-             dtype_choice.reason, backend_choice.value, backend_choice.reason, kv_choice.value, kv_choice.reason,
+             dtype_choice.reason, backend_choice.value, backend_reason, kv_choice.value, kv_choice.reason,
              "; batch invariant" if config.batch_invariant else "",
              "" if config.quantization == "none" else f"; quantization {config.quantization}",
              _bf16_gemm_note() if native_bf16 else "")
@@ -253,7 +258,7 @@ def build_runner(config: RunnerConfig, flags: Iterable[str] | None = None) -> Mo
         max_model_len=config.max_model_len or None, quantization=config.quantization,
         pack_tied_head=config.pack_tied_head,
         dtype_reason=dtype_choice.reason + (_bf16_gemm_note() if native_bf16 else ""),
-        attention_backend_reason=backend_choice.reason, gemm_dtype="bfloat16" if native_bf16 else "float32",
+        attention_backend_reason=backend_reason, gemm_dtype="bfloat16" if native_bf16 else "float32",
         streaming_sinks=config.streaming_sinks, streaming_window=config.streaming_window,
     )
     if pool.is_fp8:
@@ -317,6 +322,19 @@ def _bf16_gemm_note() -> str:
     if kernels is not None and kernels.linear_bf16_amx:
         return "; bf16 GEMMs on AMX tiles (native/gemm_amx.c)"
     return "; bf16 GEMMs on AVX512-BF16 (native/gemm_bf16.c)"
+
+
+def _bf16_attention_note(kv_dtype: str, backend: str, mcfg: ModelConfig, block_size: int) -> str:
+    """How the native kernels attend a bf16 pool in this process: in bf16 dot products where the
+    build has AVX512-BF16 and the shape allows (``native/kv_elem.h``'s ``kv_bf16_dots``), else in
+    fp32 over the widened values. Both give a prefill row the decode's bits; their bits differ."""
+    if kv_dtype != "bfloat16" or backend != "cpu":
+        return ""
+    kernels = load_kernels()
+    if (kernels is not None and kernels.attention_bf16_dots and mcfg.head_dim % 32 == 0 and block_size % 2 == 0
+            and mcfg.num_heads <= NATIVE_BF16_DOTS_MAX_HEADS):
+        return "; a bf16 pool attended in bf16 dot products (vdpbf16ps, fp32 sums)"
+    return "; a bf16 pool attended in fp32 (K/V widened)"
 
 
 def _bf16_kernels(config: RunnerConfig, device: torch.device, flags: frozenset[str], mcfg: ModelConfig) -> bool:

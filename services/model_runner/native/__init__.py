@@ -172,6 +172,8 @@ class NativeKernels:
     linear_int8: Any | None = None  # kvmesh_linear_int8; None unless built for AVX512-BF16, as linear_bf16
     linear_bf16_swiglu: Any | None = None  # kvmesh_linear_bf16_swiglu (gate_up GEMM + SwiGLU); as linear_bf16
     linear_bf16_amx: bool = False  # kvmesh_linear_bf16_amx(): the bf16 GEMMs run on AMX tiles (gemm_amx.c)
+    # kvmesh_attention_bf16_dots(): a bf16 pool is attended in bf16 dot products (kv_elem.h's kv_bf16_dots)
+    attention_bf16_dots: bool = False
     # the attention kernels over a bf16 pool (same arguments; the caches uint16): always built, the
     # defaults only keep hand-made NativeKernels valid
     paged_decode_bf16: Any = None  # kvmesh_paged_decode_bf16
@@ -281,4 +283,5 @@ def load_kernels(portable: bool = False, no_amx: bool = False) -> NativeKernels 
             _PTR, _I64,  # out, out_stride
         ]) if _bind(lib, "kvmesh_linear_int8_available", _I64, [])() else None,
         linear_bf16_amx=bf16 and bool(_bind(lib, "kvmesh_linear_bf16_amx", _I64, [])()),
+        attention_bf16_dots=bool(_bind(lib, "kvmesh_attention_bf16_dots", _I64, [])()),
     )  # fmt: skip

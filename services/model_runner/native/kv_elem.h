@@ -36,6 +36,31 @@ static inline float kv_load1(const char *base, int64_t i, int esz) {
     return ((const float *)base)[i];
 }
 
+/*
+ * bf16 dot products in attention over a bf16 pool (bf16 mode's default pool, docs/model_runner.md,
+ * "bf16 attention"): where the build has AVX512-BF16, the decode and prefill kernels both attend a
+ * bf16 pool with vdpbf16ps instead of fp32 FMAs on widened values. The scaled query and the
+ * softmax numerators are rounded to bf16 (kv_round_bf16 / vcvtneps2bf16), K and V are the pool's
+ * own bf16 values, every sum is fp32: scores over dimension pairs, the weighted V sum over key
+ * pairs (keys 2u, 2u+1 by absolute position; a key outside the row's range counts as p = 0, v = 0),
+ * the normalising sum over the rounded numerators. Twice the FMA rate on the FLOPs that dominate a
+ * long prefill. Both kernels decide with this one predicate and run the same instructions on the
+ * same operands in the same order, so a prefill row stays bitwise the decode of its position.
+ * Elsewhere (no AVX512-BF16, a head_dim that is not a multiple of 32, an odd block size, more
+ * heads than the decode kernel takes) a bf16 pool is read widened into fp32 arithmetic as before.
+ */
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#define KV_BF16_DOTS_BUILT 1
+#else
+#define KV_BF16_DOTS_BUILT 0
+#endif
+#define KV_BF16_DOTS_MAX_HEADS 128  /* paged_decode.c's MAX_HEADS */
+
+static inline int kv_bf16_dots(int esz, int64_t num_heads, int64_t head_dim, int64_t block_size) {
+    return KV_BF16_DOTS_BUILT && esz == 2 && head_dim % 32 == 0 && head_dim <= 256 && block_size % 2 == 0
+           && num_heads <= KV_BF16_DOTS_MAX_HEADS;
+}
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 /* 16 elements from p as fp32 (esz 4: fp32, 2: bf16 widened). */
@@ -43,6 +68,33 @@ static inline __attribute__((always_inline)) __m512 kv_load16(const char *p, con
     if (esz == 2)
         return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
     return _mm512_loadu_ps((const float *)p);
+}
+#endif
+
+#if KV_BF16_DOTS_BUILT
+/* dst[i] = bf16(src[i] * scale), n a multiple of 32 (a query row: the one rounding both kernels use). */
+static inline void kv_round_bf16(const float *src, float scale, uint16_t *dst, int64_t n) {
+    const __m512 s = _mm512_set1_ps(scale);
+    for (int64_t i = 0; i < n; i += 32) {
+        const __m512 lo = _mm512_mul_ps(_mm512_loadu_ps(src + i), s);
+        const __m512 hi = _mm512_mul_ps(_mm512_loadu_ps(src + i + 16), s);
+        _mm512_storeu_si512(dst + i, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+    }
+}
+
+/* The 32-bit pair at p (two bf16 values, the even-indexed one in the low half), broadcast. */
+static inline __m512bh kv_pair_bcast(const uint16_t *p) {
+    int32_t w;
+    memcpy(&w, p, sizeof w);
+    return (__m512bh)_mm512_set1_epi32(w);
+}
+
+/* Softmax numerators e (16 lanes) rounded to bf16: stored as bf16 at dst under mask live, and
+ * returned widened (what the normalising sum adds). */
+static inline __m512 kv_round_p16(__m512 e, uint16_t *dst, __mmask16 live) {
+    const __m256i b = (__m256i)_mm512_cvtneps_pbh(e);
+    _mm256_mask_storeu_epi16(dst, live, b);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
 }
 #endif
 

@@ -185,6 +185,210 @@ static void attend_tile(const float *kt, const float *vc, const float *q, int64_
     }
 #undef ATTEND
 }
+#if KV_BF16_DOTS_BUILT
+/* score_rows in bf16 dot products (kv_elem.h): kb one 16-key tile of bf16 pairs ([head_dim / 2]
+ * [16]: word P*16 + t holds key t's dimensions 2P, 2P + 1), qb RH rows of rounded queries. Lane l
+ * of chunk j's partial is vdpbf16ps over pair 16j + l from zero, then the same tree: paged_decode.c's
+ * attend_seq_bf16dots order, so the scores are bitwise a decode's. */
+static inline __attribute__((always_inline)) void score_rows_bf16(const uint32_t *kb, const uint16_t *qb,
+                                                                  int64_t head_dim, int nd, __m512 *a)
+{
+    const int np = nd / 2;
+    __m512 half[RH];
+    for (int r = 0; r < RH; r++) half[r] = _mm512_setzero_ps();
+    for (int c = 0; c < 4; c++) {
+        __m512 p[4][RH];
+        for (int i = 0; i < 4; i++) {
+            const int64_t l = 4 * c + i;
+            for (int r = 0; r < RH; r++) p[i][r] = _mm512_setzero_ps();
+            for (int j = 0; j < np; j++) {
+                const int64_t pair = l + 16 * j;
+                const __m512bh k = (__m512bh)_mm512_loadu_si512(kb + pair * 16);
+                for (int r = 0; r < RH; r++)
+                    p[i][r] = _mm512_dpbf16_ps(p[i][r], kv_pair_bcast(qb + r * head_dim + 2 * pair), k);
+            }
+        }
+        for (int r = 0; r < RH; r++) {
+            const __m512 q = _mm512_add_ps(_mm512_add_ps(p[0][r], p[2][r]), _mm512_add_ps(p[1][r], p[3][r]));
+            if (c == 0 || c == 2) half[r] = q;
+            else if (c == 1) a[r] = _mm512_add_ps(half[r], q);
+            else a[r] = _mm512_add_ps(a[r], _mm512_add_ps(half[r], q));
+        }
+    }
+}
+
+/* attend_rows in bf16 dot products. kt: the head's K tiles of pairs, vp: its V as key-pair words
+ * ([n_keys / 2][head_dim]: word (u, d) = v[2u][d] | v[2u + 1][d] << 16), both from local key 0 =
+ * kbase (even, so a local pair is an absolute pair). Each row: the rounded query, scores as the
+ * decode's, the softmax numerators rounded to bf16 into its pb row (at local key index, the keys
+ * just outside its range zeroed), the weighted V over the row's key pairs in order, a pair's key
+ * outside the row's range masked to zero in v as the decode does. */
+static inline __attribute__((always_inline)) void attend_rows_bf16(
+    const uint32_t *kt, const uint32_t *vp, const float *q, int64_t q_row_stride, float *out,
+    int64_t out_row_stride, int64_t group, int64_t kvh, int64_t ctx0, int64_t kbase, int64_t window, int64_t row0,
+    int64_t rows_total, float scale, uint16_t *qb, float *sc, int64_t sc_stride, uint16_t *pb, int64_t pb_stride,
+    const int nd)
+{
+    const int64_t head_dim = 16 * (int64_t)nd;
+    int64_t len[RT], lo[RT], tok[RT], head[RT];  /* a row's keys: local lo[r] .. len[r] - 1 */
+    int64_t max_len = 0, min_len = INT64_MAX, min_lo = INT64_MAX, max_lo = 0;
+    for (int r = 0; r < RT; r++) {
+        const int64_t row = row0 + r < rows_total ? row0 + r : rows_total - 1;  /* padding repeats the last */
+        tok[r] = row / group;
+        head[r] = kvh * group + row % group;
+        const int64_t pos = ctx0 + tok[r];
+        len[r] = pos + 1 - kbase;
+        lo[r] = (window > 0 && pos + 1 > window ? pos + 1 - window : 0) - kbase;
+        if (len[r] > max_len) max_len = len[r];
+        if (len[r] < min_len) min_len = len[r];
+        if (lo[r] < min_lo) min_lo = lo[r];
+        if (lo[r] > max_lo) max_lo = lo[r];
+        kv_round_bf16(q + tok[r] * q_row_stride + head[r] * head_dim, scale, qb + r * head_dim, head_dim);
+    }
+    /* 1. scores, 16 keys at a time */
+    for (int64_t t0 = min_lo / 16 * 16; t0 < max_len; t0 += 16) {
+        const uint32_t *kb = kt + (t0 / 16) * (head_dim / 2) * 16;
+        __m512 a[RT];
+        for (int h = 0; h < RT; h += RH) score_rows_bf16(kb, qb + h * head_dim, head_dim, nd, a + h);
+        for (int r = 0; r < RT; r++) {
+            const int64_t n = len[r] - t0;
+            if (n <= 0 || t0 + 16 <= lo[r]) continue;
+            const __mmask16 below = lo[r] > t0 ? (__mmask16)((1u << (lo[r] - t0)) - 1u) : (__mmask16)0;
+            const __mmask16 live = (n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1u)) & (__mmask16)~below;
+            _mm512_mask_storeu_ps(sc + r * sc_stride + (t0 - lo[r]), live, a[r]);
+        }
+    }
+    /* 2. per row: the maximum, then the numerators rounded to bf16 (pb at local key index) and their sum */
+    float inv_sum[RT];
+    for (int r = 0; r < RT; r++) {
+        const float *sr = sc + r * sc_stride;
+        uint16_t *pr = pb + r * pb_stride;
+        const int64_t n_keys = len[r] - lo[r];
+        __m512 mv = _mm512_set1_ps(-3.0e38f);
+        for (int64_t t = 0; t < n_keys; t += 16) {
+            const __mmask16 live = n_keys - t >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n_keys - t)) - 1u);
+            mv = _mm512_mask_max_ps(mv, live, mv, _mm512_maskz_loadu_ps(live, sr + t));
+        }
+        const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t t = 0; t < n_keys; t += 16) {
+            const __mmask16 live = n_keys - t >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n_keys - t)) - 1u);
+            const __m512 e = exp512_neg(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, sr + t), m));
+            sum = _mm512_mask_add_ps(sum, live, sum, kv_round_p16(e, pr + lo[r] + t, live));
+        }
+        inv_sum[r] = 1.0f / _mm512_reduce_add_ps(sum);
+        if (lo[r] & 1) pr[lo[r] - 1] = 0;
+        if (len[r] & 1) pr[len[r]] = 0;
+    }
+    /* 3. weighted V over key pairs, 16 dims at a time: pairs some row holds only partly or not at all
+     * (masked per row), pairs every row holds whole, then the later rows' last pairs */
+    const int64_t u_lo = min_lo / 2, u_hi = (max_len + 1) / 2;
+    const int64_t s0 = (max_lo + 1) / 2, s1 = min_len / 2 > s0 ? min_len / 2 : s0;
+    for (int j = 0; j < nd; j++) {
+        __m512 acc[RT];
+        for (int r = 0; r < RT; r++) acc[r] = _mm512_setzero_ps();
+#define CHECKED_PAIR(u)                                                                                       \
+        do {                                                                                                  \
+            const __m512i v = _mm512_loadu_si512(vp + (u) * head_dim + j * 16);                              \
+            for (int r = 0; r < RT; r++) {                                                                    \
+                if ((u) < lo[r] / 2 || (u) >= (len[r] + 1) / 2) continue;                                     \
+                const uint32_t keep = (2 * (u) >= lo[r] ? 0x0000FFFFu : 0u) | (2 * (u) + 1 < len[r] ? 0xFFFF0000u : 0u); \
+                const __m512i vr = keep == 0xFFFFFFFFu ? v : _mm512_and_si512(v, _mm512_set1_epi32((int)keep)); \
+                acc[r] = _mm512_dpbf16_ps(acc[r], kv_pair_bcast(pb + r * pb_stride + 2 * (u)), (__m512bh)vr); \
+            }                                                                                                 \
+        } while (0)
+        for (int64_t u = u_lo; u < s0 && u < u_hi; u++) CHECKED_PAIR(u);
+        for (int64_t u = s0; u < s1; u++) {
+            const __m512bh v = (__m512bh)_mm512_loadu_si512(vp + u * head_dim + j * 16);
+            for (int r = 0; r < RT; r++)
+                acc[r] = _mm512_dpbf16_ps(acc[r], kv_pair_bcast(pb + r * pb_stride + 2 * u), v);
+        }
+        for (int64_t u = s1; u < u_hi; u++) CHECKED_PAIR(u);
+#undef CHECKED_PAIR
+        for (int r = 0; r < RT; r++) {
+            if (row0 + r >= rows_total) continue;
+            _mm512_storeu_ps(out + tok[r] * out_row_stride + head[r] * head_dim + j * 16,
+                             _mm512_mul_ps(acc[r], _mm512_set1_ps(inv_sum[r])));
+        }
+    }
+}
+
+static void attend_tile_bf16(const uint32_t *kt, const uint32_t *vp, const float *q, int64_t q_row_stride,
+                             float *out, int64_t out_row_stride, int64_t group, int64_t kvh, int64_t ctx0,
+                             int64_t kbase, int64_t window, int64_t row0, int64_t rows_total, int64_t head_dim,
+                             float scale, uint16_t *qb, float *sc, int64_t sc_stride, uint16_t *pb, int64_t pb_stride)
+{
+#define ATTEND(nd) attend_rows_bf16(kt, vp, q, q_row_stride, out, out_row_stride, group, kvh, ctx0, kbase, window, \
+                                    row0, rows_total, scale, qb, sc, sc_stride, pb, pb_stride, nd)
+    switch (head_dim / 16) {
+    case 4: ATTEND(4); break;
+    case 8: ATTEND(8); break;
+    default: ATTEND((int)(head_dim / 16)); break;
+    }
+#undef ATTEND
+}
+
+/* prefill_attention's bf16-dot path (kv_bf16_dots holds): K gathered into 16-key tiles of bf16 pairs,
+ * V into key-pair words, from kbase = the first gathered key rounded down to even (that key, when it
+ * is before the first query's window, is left zero: no row reads it unmasked). */
+static int prefill_attention_bf16dots(
+    const float *q, int64_t q_row_stride, const uint16_t *k_cache, const uint16_t *v_cache, int64_t block_stride,
+    const int32_t *table, int64_t num_q, int64_t seq_len, float *out, int64_t out_row_stride, int64_t num_heads,
+    int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, int64_t window)
+{
+    const int64_t group = num_heads / num_kv_heads, token_stride = num_kv_heads * head_dim;
+    const int64_t ctx0 = seq_len - num_q, kstart = window > 0 && ctx0 + 1 > window ? ctx0 + 1 - window : 0;
+    const int64_t kbase = kstart & ~(int64_t)1, n_keys = seq_len - kbase, tiles = (n_keys + 15) / 16;
+    const int64_t padded = tiles * 16, half = head_dim / 2;
+    uint32_t *kt = (uint32_t *)calloc((size_t)(num_kv_heads * padded * half), sizeof(uint32_t));
+    uint32_t *vp = (uint32_t *)calloc((size_t)(num_kv_heads * (padded / 2) * head_dim), sizeof(uint32_t));
+    if (kt == NULL || vp == NULL) {
+        free(kt);
+        free(vp);
+        return -2;
+    }
+    for (int64_t t = kstart; t < seq_len; t++) {
+        const int64_t off = (int64_t)table[t / block_size] * block_stride + (t % block_size) * token_stride;
+        const int64_t u = t - kbase;
+        const int shift = (int)(u & 1) * 16;
+        for (int64_t h = 0; h < num_kv_heads; h++) {
+            const uint16_t *ks = k_cache + off + h * head_dim, *vs = v_cache + off + h * head_dim;
+            uint32_t *kd = kt + h * padded * half + (u / 16) * half * 16 + (u % 16);
+            for (int64_t p = 0; p < half; p++) kd[p * 16] = (uint32_t)ks[2 * p] | (uint32_t)ks[2 * p + 1] << 16;
+            uint32_t *vd = vp + (h * (padded / 2) + u / 2) * head_dim;
+            for (int64_t d = 0; d < head_dim; d++) vd[d] |= (uint32_t)vs[d] << shift;
+        }
+    }
+    const int64_t rows = num_q * group, per_head = (rows + RT - 1) / RT, items = num_kv_heads * per_head;
+    const int64_t sc_stride = padded, pb_stride = padded + 2;
+    int failed = 0;
+    #pragma omp parallel if (items > 1)
+    {
+        uint16_t *qb = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)(RT * head_dim));
+        float *sc_buf = (float *)malloc(sizeof(float) * (size_t)(RT * sc_stride + 16));
+        float *sc = sc_buf == NULL ? NULL : sc_buf + 16;
+        uint16_t *pb = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)(RT * pb_stride));
+        if (qb == NULL || sc == NULL || pb == NULL) {
+            #pragma omp atomic write
+            failed = 1;
+        }
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < items; item++) {
+            if (qb == NULL || sc == NULL || pb == NULL) continue;
+            const int64_t h = item / per_head, tile = per_head - 1 - item % per_head;
+            attend_tile_bf16(kt + h * padded * half, vp + h * (padded / 2) * head_dim, q, q_row_stride, out,
+                             out_row_stride, group, h, ctx0, kbase, window, tile * RT, rows, head_dim, scale, qb, sc,
+                             sc_stride, pb, pb_stride);
+        }
+        free(qb);
+        free(sc_buf);
+        free(pb);
+    }
+    free(kt);
+    free(vp);
+    return failed ? -2 : 0;
+}
+#endif
 #endif
 
 /* esz: the cache element's bytes (4 fp32, 2 bf16); block_stride in elements */
@@ -199,6 +403,12 @@ static int prefill_attention(
 #if defined(__AVX512F__)
     if (num_kv_heads <= 0 || num_heads % num_kv_heads || head_dim % 16 || head_dim > PF_MAX_DIM) return -1;
     if (num_q <= 0 || seq_len < num_q) return num_q <= 0 ? 0 : -1;
+#if KV_BF16_DOTS_BUILT
+    if (kv_bf16_dots(esz, num_heads, head_dim, block_size))
+        return prefill_attention_bf16dots(q, q_row_stride, (const uint16_t *)k_cache, (const uint16_t *)v_cache,
+                                          block_stride, table, num_q, seq_len, out, out_row_stride, num_heads,
+                                          num_kv_heads, head_dim, block_size, scale, window);
+#endif
     const int64_t group = num_heads / num_kv_heads, token_stride = num_kv_heads * head_dim;
     /* the first query's first key: nothing before it is gathered (window 0 = full attention) */
     const int64_t ctx0 = seq_len - num_q, kstart = window > 0 && ctx0 + 1 > window ? ctx0 + 1 - window : 0;

@@ -173,6 +173,9 @@ def test_build_runner_default_per_machine(tiny_llama_dir: Path) -> None:
             assert info.dtype_reason.endswith("; bf16 GEMMs on AMX tiles (native/gemm_amx.c)" if kernels.linear_bf16_amx
                                               else "; bf16 GEMMs on AVX512-BF16 (native/gemm_bf16.c)")
             assert "bf16 GEMMs with fp32 accumulation" in info.attention_backend_reason
+            # head_dim 16: the bf16 dot products take multiples of 32 (tests/integration/test_default_mode.py's
+            # head_dim-32 twin says the other)
+            assert info.attention_backend_reason.endswith("; a bf16 pool attended in fp32 (K/V widened)")
             assert amx.model.model.layers[0].self_attn.qkv_proj.packed.mode == "native_bf16"  # type: ignore[union-attr]
             assert amx.model.model.norm.weight.dtype == torch.float32  # norms, residual stream: fp32
         else:  # no bf16 GEMM here, whatever the flags say: fp32
