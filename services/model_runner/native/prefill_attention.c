@@ -280,35 +280,47 @@ static inline __attribute__((always_inline)) void attend_rows_bf16(
         if (lo[r] & 1) pr[lo[r] - 1] = 0;
         if (len[r] & 1) pr[len[r]] = 0;
     }
-    /* 3. weighted V over key pairs, 16 dims at a time: pairs some row holds only partly or not at all
-     * (masked per row), pairs every row holds whole, then the later rows' last pairs */
+    /* 3. weighted V over key pairs, 32 dims at a time (two 16-lane slices: each broadcast numerator
+     * pair feeds two vdpbf16ps, so a pass loads 1 V line per 4 products instead of 1 per 8 plus
+     * a broadcast per product; every lane's sum is the same chain over the pairs in order): pairs
+     * some row holds only partly or not at all (masked per row), pairs every row holds whole, then
+     * the later rows' last pairs */
     const int64_t u_lo = min_lo / 2, u_hi = (max_len + 1) / 2;
     const int64_t s0 = (max_lo + 1) / 2, s1 = min_len / 2 > s0 ? min_len / 2 : s0;
-    for (int j = 0; j < nd; j++) {
-        __m512 acc[RT];
-        for (int r = 0; r < RT; r++) acc[r] = _mm512_setzero_ps();
+    for (int j = 0; j < nd; j += 2) {  /* nd is even here (head_dim a multiple of 32) */
+        __m512 acc[RT][2];
+        for (int r = 0; r < RT; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
 #define CHECKED_PAIR(u)                                                                                       \
         do {                                                                                                  \
-            const __m512i v = _mm512_loadu_si512(vp + (u) * head_dim + j * 16);                              \
+            const __m512i v0 = _mm512_loadu_si512(vp + (u) * head_dim + j * 16);                             \
+            const __m512i v1 = _mm512_loadu_si512(vp + (u) * head_dim + j * 16 + 16);                        \
             for (int r = 0; r < RT; r++) {                                                                    \
                 if ((u) < lo[r] / 2 || (u) >= (len[r] + 1) / 2) continue;                                     \
                 const uint32_t keep = (2 * (u) >= lo[r] ? 0x0000FFFFu : 0u) | (2 * (u) + 1 < len[r] ? 0xFFFF0000u : 0u); \
-                const __m512i vr = keep == 0xFFFFFFFFu ? v : _mm512_and_si512(v, _mm512_set1_epi32((int)keep)); \
-                acc[r] = _mm512_dpbf16_ps(acc[r], kv_pair_bcast(pb + r * pb_stride + 2 * (u)), (__m512bh)vr); \
+                const __m512i m = _mm512_set1_epi32((int)keep);                                               \
+                const __m512bh p = kv_pair_bcast(pb + r * pb_stride + 2 * (u));                               \
+                acc[r][0] = _mm512_dpbf16_ps(acc[r][0], p, (__m512bh)_mm512_and_si512(v0, m));                \
+                acc[r][1] = _mm512_dpbf16_ps(acc[r][1], p, (__m512bh)_mm512_and_si512(v1, m));                \
             }                                                                                                 \
         } while (0)
         for (int64_t u = u_lo; u < s0 && u < u_hi; u++) CHECKED_PAIR(u);
         for (int64_t u = s0; u < s1; u++) {
-            const __m512bh v = (__m512bh)_mm512_loadu_si512(vp + u * head_dim + j * 16);
-            for (int r = 0; r < RT; r++)
-                acc[r] = _mm512_dpbf16_ps(acc[r], kv_pair_bcast(pb + r * pb_stride + 2 * u), v);
+            const __m512bh v0 = (__m512bh)_mm512_loadu_si512(vp + u * head_dim + j * 16);
+            const __m512bh v1 = (__m512bh)_mm512_loadu_si512(vp + u * head_dim + j * 16 + 16);
+            for (int r = 0; r < RT; r++) {
+                const __m512bh p = kv_pair_bcast(pb + r * pb_stride + 2 * u);
+                acc[r][0] = _mm512_dpbf16_ps(acc[r][0], p, v0);
+                acc[r][1] = _mm512_dpbf16_ps(acc[r][1], p, v1);
+            }
         }
         for (int64_t u = s1; u < u_hi; u++) CHECKED_PAIR(u);
 #undef CHECKED_PAIR
         for (int r = 0; r < RT; r++) {
             if (row0 + r >= rows_total) continue;
-            _mm512_storeu_ps(out + tok[r] * out_row_stride + head[r] * head_dim + j * 16,
-                             _mm512_mul_ps(acc[r], _mm512_set1_ps(inv_sum[r])));
+            const __m512 inv = _mm512_set1_ps(inv_sum[r]);
+            float *o = out + tok[r] * out_row_stride + head[r] * head_dim + j * 16;
+            _mm512_storeu_ps(o, _mm512_mul_ps(acc[r][0], inv));
+            _mm512_storeu_ps(o + 16, _mm512_mul_ps(acc[r][1], inv));
         }
     }
 }
