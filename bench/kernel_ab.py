@@ -10,8 +10,9 @@ builds are compared bitwise (a kernel change that keeps the arithmetic must keep
 What: the four SmolLM2-135M linear layers at ``--rows`` rows (bf16 ``gemm_bf16.c``, fp32
 ``gemm.c``), and ``prefill_attention.c`` on the two 512-token chunks of a 1,024-token prompt (9
 query heads, 3 KV heads, head_dim 64: context 512 and 1,024), full and with a ``WINDOW``-key sliding
-window; plus the machine's ``vdpbf16ps`` and
-fp32 FMA peak (a register-only loop, the same thread) to read the GEMMs' GFLOP/s against.
+window; with ``--parts bf16-attention`` both attention kernels over a bf16 pool (bf16 mode's
+default); plus the machine's ``vdpbf16ps`` and fp32 FMA peak (a register-only loop, the same
+thread) to read the GEMMs' GFLOP/s against.
 
 With ``--step-rows``, also the fp32 GEMMs of a whole SmolLM2-135M step (30 layers' qkv, o,
 gate_up and down, and the tied head) at each row count, on 121 distinct weights (538 MB): each
@@ -74,6 +75,9 @@ def _compile(sources: Sequence[Path], out: Path) -> ctypes.CDLL:
     lib.kvmesh_linear_f32.argtypes = [_P, _I, _I, _I, _P, _I, _P, _P, _I]
     lib.kvmesh_prefill_attention_f32.argtypes = [_P, _I, _P, _P, _I, _P, _I, _I, _P, _I, _I, _I, _I, _I,
                                                  ctypes.c_float, _I]  # fmt: skip
+    lib.kvmesh_prefill_attention_bf16.argtypes = lib.kvmesh_prefill_attention_f32.argtypes
+    lib.kvmesh_paged_decode_bf16.argtypes = [_P, _I, _P, _P, _I, _P, _I, _P, _P, _I, _P, _I, _I, _I, _I, _I, _I,
+                                             ctypes.c_float, _I]  # fmt: skip
     return lib
 
 
@@ -170,6 +174,52 @@ def attention(libs: dict[str, ctypes.CDLL], repeats: int) -> None:
           f"new/base {total['new'] / total['base']:.3f}")
 
 
+def bf16_attention(libs: dict[str, ctypes.CDLL], repeats: int) -> None:
+    """Both attention kernels over a bf16 pool (bf16 mode's default): the prefill kernel on the two
+    chunks of a 1,024-token prompt, the decode kernel on a batch of 32 at contexts 256 and 1,024.
+    Where one build widens the pool into fp32 arithmetic and the other runs bf16 dot products, the
+    outputs differ by bf16 rounding: the largest difference is printed beside the bitwise check."""
+    heads, kv_heads, dim, block = 9, 3, 64, 16
+    for seq_len, num_q in ((512, 512), (1024, 512)):
+        gen = torch.Generator().manual_seed(seq_len)
+        blocks = seq_len // block + 4
+        k_cache, v_cache = (torch.randn(blocks, block, kv_heads, dim, generator=gen).to(torch.bfloat16)
+                            for _ in range(2))  # fmt: skip
+        table = torch.randperm(blocks, generator=gen)[: seq_len // block].to(torch.int32)
+        q = torch.randn(num_q, heads * dim, generator=gen)
+        outs = {name: torch.empty(num_q, heads * dim) for name in libs}
+        med = race({name: (lib.kvmesh_prefill_attention_bf16, (
+            q.data_ptr(), heads * dim, k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), table.data_ptr(),
+            num_q, seq_len, outs[name].data_ptr(), heads * dim, heads, kv_heads, dim, block, dim**-0.5, 0))
+            for name, lib in libs.items()}, repeats)  # fmt: skip
+        flops = 4 * dim * heads * sum(seq_len - num_q + i + 1 for i in range(num_q))
+        _report(f"prefill attention, bf16 pool, {num_q} queries at context {seq_len}", med, flops, outs)
+    batch = 32
+    for ctx in (256, 1024):
+        gen = torch.Generator().manual_seed(ctx)
+        per = ctx // block + 1
+        blocks = batch * per + 1
+        k_cache, v_cache = (torch.randn(blocks, block, kv_heads, dim, generator=gen).to(torch.bfloat16)
+                            for _ in range(2))  # fmt: skip
+        tables = torch.randperm(blocks, generator=gen)[: batch * per].to(torch.int32).view(batch, per).contiguous()
+        lens, rows = torch.full((batch,), ctx, dtype=torch.int32), torch.arange(batch, dtype=torch.int32)
+        q = torch.randn(batch, heads * dim, generator=gen)
+        outs = {name: torch.empty(batch, heads * dim) for name in libs}
+        med = race({name: (lib.kvmesh_paged_decode_bf16, (
+            q.data_ptr(), heads * dim, k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), tables.data_ptr(),
+            per, lens.data_ptr(), rows.data_ptr(), batch, outs[name].data_ptr(), heads * dim, heads, kv_heads, dim,
+            block, ctx, dim**-0.5, 0)) for name, lib in libs.items()}, repeats)  # fmt: skip
+        _report(f"decode attention, bf16 pool, batch {batch} at context {ctx}", med, 4 * dim * heads * ctx * batch,
+                outs)  # fmt: skip
+
+
+def _report(what: str, med: dict[str, float], flops: float, outs: dict[str, torch.Tensor]) -> None:
+    diff = float((outs["base"] - outs["new"]).abs().max())
+    print(f"{what}: base {med['base'] * 1e3:.2f} ms ({flops / med['base'] / 1e9:.0f} GFLOP/s), "
+          f"new {med['new'] * 1e3:.2f} ms ({flops / med['new'] / 1e9:.0f}), new/base {med['new'] / med['base']:.3f}, "
+          f"bitwise {torch.equal(outs['base'], outs['new'])} (max difference {diff:.1e})")
+
+
 def peaks(work: Path) -> None:
     src = work / "peak.c"
     src.write_text(PEAK_C)
@@ -191,7 +241,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--rows", type=int, default=512, help="GEMM rows (a prefill chunk)")
     parser.add_argument("--step-rows", type=int, nargs="*", default=[],
                         help="also a whole step's fp32 GEMMs, weights streamed, at these row counts")  # fmt: skip
-    parser.add_argument("--parts", default="peaks,gemms,attention", help="which of peaks,gemms,attention to run")
+    parser.add_argument("--parts", default="peaks,gemms,attention",
+                        help="which of peaks,gemms,attention,bf16-attention to run")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory(prefix="kvmesh-kernel-ab-") as tmp:
@@ -204,6 +255,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             step_gemms(libs, args.step_rows, args.repeats)
         if "attention" in parts:
             attention(libs, args.repeats)
+        if "bf16-attention" in parts:
+            bf16_attention(libs, args.repeats)
     return 0
 
 

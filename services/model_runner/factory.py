@@ -147,8 +147,10 @@ def select_kv_dtype(requested: str, model_dtype: torch.dtype, native_bf16: bool,
     bf16 mode computes in fp32, but a decode step streams the KV pool as much as the weights (at
     batch 32 x 192 tokens of SmolLM2, 197 MB of fp32 KV beside 269 MB of bf16 weights); a bf16
     pool halves those bytes and doubles the blocks of a budget, as vLLM's CPU default does. The
-    native kernels round on write (nearest even) and widen exactly on read, so the cache still
-    never changes the answer (a prefill row is the decode of its position, bit for bit);
+    native kernels round on write (nearest even) and attend it in bf16 dot products where the build
+    has AVX512-BF16 (widened exactly into fp32 arithmetic elsewhere: ``_bf16_attention_note``), the
+    same way in the decode and the prefill kernel, so the cache still never changes the answer (a
+    prefill row is the decode of its position, bit for bit);
     outputs differ from bf16 mode with an fp32 pool, which ``float32`` keeps (docs/kv_quantization.md).
     fp32 mode keeps an fp32 pool: it is the exact reference mode.
 
@@ -158,8 +160,8 @@ def select_kv_dtype(requested: str, model_dtype: torch.dtype, native_bf16: bool,
     """
     if requested == "auto":
         if native_bf16:
-            return Choice("bfloat16", "auto: bf16 mode keeps K/V in bf16 (rounded to nearest even on write, "
-                                      "widened exactly to fp32 on read): half the fp32 pool's bytes")
+            return Choice("bfloat16", "auto: bf16 mode keeps K/V in bf16 (rounded to nearest even on write): "
+                                      "half the fp32 pool's bytes")
         return Choice(dtype_name(model_dtype), "auto: the model's dtype")
     if requested in ("float32", "bfloat16") and device_type != "cpu" and parse_dtype(requested) != model_dtype:
         raise FailedPrecondition(f"kv_cache_dtype={requested} with {dtype_name(model_dtype)} weights runs on the CPU "

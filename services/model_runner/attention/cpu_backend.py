@@ -17,9 +17,12 @@ no row's numbers depend on how its prompt was chunked (docs/model_runner.md, "au
 INT4 caches (``uint8``) take ``native/int4_kv.c`` for the writes and for every query row, prefill
 rows as decodes of their positions (``attention/int4_native.py``).
 bf16 caches (bf16 mode's default, docs/kv_quantization.md) take the same kernels' bf16 entry points:
-the write rounds to nearest even (torch's conversion, bit for bit), the reads widen exactly, so
-every row's bits are the fp32 kernels' over a pool holding the rounded values, and a prefill row
-is still bitwise the decode of its position.
+the write rounds to nearest even (torch's conversion, bit for bit). Where the build has AVX512-BF16
+(and head_dim is a multiple of 32, the block size even) both kernels attend them in bf16 dot
+products (the query and the softmax numerators rounded to bf16, fp32 sums; ``native/kv_elem.h``,
+docs/model_runner.md, "bf16 attention"); elsewhere they widen each value exactly and compute in
+fp32, bitwise the fp32 kernels over a pool of the rounded values. Either way a prefill row is
+bitwise the decode of its position.
 """
 
 from __future__ import annotations

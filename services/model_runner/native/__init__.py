@@ -4,7 +4,8 @@ What is here, and why torch alone was not enough (measurements in docs/model_run
 
 * ``paged_decode.c`` — decode attention reading the paged KV cache in place (torch has no op that
   reads a paged cache, so the torch backend gathers K/V into contiguous buffers first), and the
-  K/V slot writes; an fp32 or a bf16 pool (``kv_elem.h``: bf16 widened exactly on load, rounded
+  K/V slot writes; an fp32 or a bf16 pool (``kv_elem.h``: bf16 attended in ``vdpbf16ps`` dot
+  products where the CPU has AVX512-BF16, else widened exactly on load; rounded
   to nearest even on write), as ``prefill_attention.c`` and ``decode_stack.c``;
 * ``prefill_attention.c`` — causal attention of a prefill chunk over the paged cache as small
   register-blocked GEMMs (torch's SDPA over a chunk ran at a fraction of the FMA rate), each row's

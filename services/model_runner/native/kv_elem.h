@@ -4,8 +4,9 @@
  *
  * Why bf16: bf16 mode computes in fp32 but its decode step streams the KV pool as much as the
  * weights; a bf16 pool halves those bytes (docs/kv_quantization.md, "bf16 KV"). Reading widens
- * exactly (a 16-bit shift), so a kernel over a bf16 pool computes bitwise what it computes over an
- * fp32 pool holding the same rounded values; only the write rounds (to nearest even, as torch's
+ * exactly (a 16-bit shift), so a kernel that widens computes bitwise what it computes over an fp32
+ * pool holding the same rounded values (the attention kernels instead run bf16 dot products where
+ * kv_bf16_dots below says so); the write rounds (to nearest even, as torch's
  * fp32 -> bf16 conversion does, NaN -> 0x7FC0, subnormals kept: not the AVX512-BF16 instruction,
  * which flushes them).
  */

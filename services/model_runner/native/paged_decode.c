@@ -29,8 +29,9 @@
  * Paths: AVX-512 for head_dim a multiple of 16 (specialised for 64 and 128); portable C loops
  * (per sequence and KV head) otherwise, and on CPUs without AVX-512.
  *
- * Numerics: a bf16 cache is widened exactly to fp32 as it is loaded (kv_elem.h), so the bf16
- * entry point's bits are the fp32 one's over a pool holding the same rounded values. Scores and
+ * Numerics: a bf16 cache is attended in bf16 dot products where kv_elem.h's kv_bf16_dots says so
+ * (attend_seq_bf16dots; AVX512-BF16 builds); otherwise it is widened exactly to fp32 as it is
+ * loaded, so the bf16 entry point's bits are the fp32 one's over a pool holding the same values. Scores and
  * the softmax in fp32, exp by range reduction (2^n * e^r, |r| <= ln2/2,
  * 7th-order Taylor, relative error < 1e-7): not bitwise equal to SDPA, equal within fp32 rounding.
  * Built without -ffast-math on purpose: a -ffast-math shared object sets flush-to-zero for the
@@ -402,8 +403,8 @@ static inline int64_t first_key(int64_t len, int64_t window) {
 /* Returns 0, -1 for an unsupported shape (too many query heads per KV head, head_dim > 256),
  * -2 when a thread could not allocate its score buffer. window: 0 = full attention; block_stride
  * in elements; esz: the cache element's bytes (4 fp32, 2 bf16). */
-/* The decode attention over a pool of esz-byte elements (4: fp32, 2: bf16 widened exactly on load,
- * kv_elem.h); the typed entry points below and decode_stack.c call it. */
+/* The decode attention over a pool of esz-byte elements (4: fp32, 2: bf16, in bf16 dot products or
+ * widened exactly on load as kv_elem.h's kv_bf16_dots says); the typed entry points below and decode_stack.c call it. */
 int kvmesh_paged_decode_elem(
     const float *q, int64_t q_row_stride,
     const char *k_cache, const char *v_cache, int64_t block_stride,
@@ -535,8 +536,8 @@ int kvmesh_paged_decode_f32(
                                     num_kv_heads, head_dim, block_size, max_seq_len, scale, window, 4);
 }
 
-/* The same over a bf16 cache (block_stride in elements): bitwise the fp32 entry point over the
- * widened values. */
+/* The same over a bf16 cache (block_stride in elements): bf16 dot products where kv_bf16_dots holds,
+ * else bitwise the fp32 entry point over the widened values. */
 int kvmesh_paged_decode_bf16(
     const float *q, int64_t q_row_stride, const uint16_t *k_cache, const uint16_t *v_cache, int64_t block_stride,
     const int32_t *tables, int64_t table_stride, const int32_t *seq_lens, const int32_t *rows, int64_t num_seqs,

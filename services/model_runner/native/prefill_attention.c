@@ -11,6 +11,10 @@
  * no key before the first query's window is gathered: a sliding-window KV cache group frees those
  * blocks, so they may hold another request's data.
  *
+ * bf16 dot products: a bf16 cache for which kv_elem.h's kv_bf16_dots holds takes
+ * prefill_attention_bf16dots instead (K gathered into tiles of dimension pairs, V into key-pair
+ * words, vdpbf16ps with paged_decode.c's attend_seq_bf16dots order); what follows is the fp32 path.
+ *
  * How: K and V of each KV head are gathered once from the paged cache (a bf16 cache widened
  * exactly to fp32 there, kv_elem.h: everything after the gather is the same code), K transposed in 16-key
  * tiles ([D][16]); then each work item is RT (query token, head) rows of one KV head: scores for
@@ -498,7 +502,8 @@ int kvmesh_prefill_attention_f32(
                              scale, window, 4);
 }
 
-/* The same over a bf16 cache: bitwise the fp32 entry point over the widened values. */
+/* The same over a bf16 cache: bf16 dot products where kv_bf16_dots holds, else bitwise the fp32
+ * entry point over the widened values. */
 int kvmesh_prefill_attention_bf16(
     const float *q, int64_t q_row_stride, const uint16_t *k_cache, const uint16_t *v_cache, int64_t block_stride,
     const int32_t *table, int64_t num_q, int64_t seq_len, float *out, int64_t out_row_stride, int64_t num_heads,
