@@ -15,9 +15,9 @@ default); plus the machine's ``vdpbf16ps`` and fp32 FMA peak (a register-only lo
 thread) to read the GEMMs' GFLOP/s against.
 
 With ``--step-rows``, also the fp32 GEMMs of a whole SmolLM2-135M step (30 layers' qkv, o,
-gate_up and down, and the tied head) at each row count, on 121 distinct weights (538 MB): each
-pass streams them from memory, as a real step does (the per-layer rows above reuse one weight
-from cache).
+gate_up and down, and the tied head) at each row count, on 121 distinct weights (538 MB), and bf16
+mode's (the 30 layers, gate_up fused with SwiGLU as a prefill runs it; 208 MB): each pass streams
+them from memory, as a real step does (the per-layer rows above reuse one weight from cache).
 
 Run: ``python bench/kernel_ab.py --base bb72a9b [--repeats 9] [--rows 512] [--step-rows 32 64 512]``.
 """
@@ -73,6 +73,7 @@ def _compile(sources: Sequence[Path], out: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(out))
     lib.kvmesh_linear_bf16.argtypes = [_P, _I, _I, _I, _P, _I, _P, _P, _I]
     lib.kvmesh_linear_f32.argtypes = [_P, _I, _I, _I, _P, _I, _P, _P, _I]
+    lib.kvmesh_linear_bf16_swiglu.argtypes = [_P, _I, _I, _I, _P, _I, _P, _P, _I]
     lib.kvmesh_prefill_attention_f32.argtypes = [_P, _I, _P, _P, _I, _P, _I, _I, _P, _I, _I, _I, _I, _I,
                                                  ctypes.c_float, _I]  # fmt: skip
     lib.kvmesh_prefill_attention_bf16.argtypes = lib.kvmesh_prefill_attention_f32.argtypes
@@ -143,6 +144,36 @@ def step_gemms(libs: dict[str, ctypes.CDLL], rows: Sequence[int], repeats: int) 
         bitwise = all(torch.equal(a, b) for a, b in zip(outs["base"], outs["new"], strict=True))
         base, new = med["base"], med["new"]
         print(f"fp32 step GEMMs, {m} rows, {len(weights)} weights streamed: base {base * 1e3:.1f} ms "
+              f"({flops / base / 1e9:.0f} GFLOP/s), new {new * 1e3:.1f} ms ({flops / new / 1e9:.0f}), "
+              f"new/base {new / base:.3f}, bitwise {bitwise}")  # fmt: skip
+
+
+def step_gemms_bf16(libs: dict[str, ctypes.CDLL], rows: Sequence[int], repeats: int) -> None:
+    """bf16 mode's GEMMs of a whole SmolLM2-135M prefill step (30 layers: qkv, o, the fused gate_up +
+    SwiGLU, down; 104M weights, 208 MB of bf16 panels) at each row count, each pass streaming the
+    weights from memory as a real step does."""
+    shapes = [(576, 960, "linear"), (576, 576, "linear"), (576, 3072, "swiglu"), (1536, 576, "linear")] * 30
+    gen = torch.Generator().manual_seed(0)
+    weights = [(pack_panels_bf16(torch.randn(n, k, generator=gen) * 0.05, 48), k, n, kind) for k, n, kind in shapes]
+    for m in rows:
+        x = torch.randn(m, 1536, generator=gen)
+        # the fused SwiGLU writes [m, n / 2]
+        outs = {name: [torch.empty(m, n // 2 if kind == "swiglu" else n) for _, _, n, kind in weights]
+                for name in libs}  # fmt: skip
+
+        def step(lib: ctypes.CDLL, outs: list[torch.Tensor], m: int = m, x: torch.Tensor = x) -> None:
+            for (w, k, n, kind), out in zip(weights, outs, strict=True):
+                if kind == "swiglu":
+                    lib.kvmesh_linear_bf16_swiglu(x.data_ptr(), x.stride(0), m, k, w.data_ptr(), n // 2, None,
+                                                  out.data_ptr(), n // 2)  # fmt: skip
+                else:
+                    lib.kvmesh_linear_bf16(x.data_ptr(), x.stride(0), m, k, w.data_ptr(), n, None, out.data_ptr(), n)
+
+        med = race({name: (step, (lib, outs[name])) for name, lib in libs.items()}, repeats)
+        flops = sum(2 * m * k * n for _, k, n, _ in weights)
+        bitwise = all(torch.equal(a, b) for a, b in zip(outs["base"], outs["new"], strict=True))
+        base, new = med["base"], med["new"]
+        print(f"bf16 step GEMMs, {m} rows, {len(weights)} weights streamed: base {base * 1e3:.1f} ms "
               f"({flops / base / 1e9:.0f} GFLOP/s), new {new * 1e3:.1f} ms ({flops / new / 1e9:.0f}), "
               f"new/base {new / base:.3f}, bitwise {bitwise}")  # fmt: skip
 
@@ -253,6 +284,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if "gemms" in parts:
             gemms(libs, args.rows, args.repeats)
             step_gemms(libs, args.step_rows, args.repeats)
+            step_gemms_bf16(libs, args.step_rows, args.repeats)
         if "attention" in parts:
             attention(libs, args.repeats)
         if "bf16-attention" in parts:

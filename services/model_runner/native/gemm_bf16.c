@@ -24,10 +24,11 @@
  * (model/packed.py, pack_panels_bf16).
  *
  * Kernel: rows in tiles of 8, a tile x one panel = 8 x 48 fp32 accumulators (24 zmm), each k pair
- * one 32-bit broadcast of x per row and three panel loads for 24 vdpbf16ps. A decode-sized chunk
- * (up to PREFETCH_TILES row tiles) prefetches the next panel as in gemm.c; a prefill-sized one
- * does not: its tiles reuse the panel from cache, and the prefetch's per-k-pair bookkeeping cost
- * them 5-8% (bench/kernel_ab.py, docs/benchmarks.md). Threads split the panels as pairs.h describes.
+ * one 32-bit broadcast of x per row and three panel loads for 24 vdpbf16ps. The next panel's
+ * prefetch runs during a chunk's first PREFETCH_TILES row tiles, as gemm.c's does (all of a
+ * decode-sized chunk's; a prefill chunk's later tiles reuse the panel from cache, where the per-k-pair
+ * bookkeeping would only cost them, 5-8%: docs/benchmarks.md); the fused SwiGLU entry point
+ * prefetches the next gate and up panels the same way. Threads split the panels as pairs.h describes.
  *
  * Two kernels behind the two entry points: this file's, and AMX tiles' (gemm_amx.c) on the same
  * packed weights where kvmesh_linear_bf16_amx() is 1 (a CPU with AMX-BF16, chosen once when the
@@ -51,7 +52,7 @@
 #define PANEL BF16_PANEL
 #define ROW_TILE 8
 #define ROW_CHUNK 256
-#define PREFETCH_TILES 4  /* row tiles per chunk up to which the next panel is prefetched (decode) */
+#define PREFETCH_TILES 4  /* row tiles per chunk over which the next panel's prefetch is spread */
 
 typedef int32_t __attribute__((may_alias)) bf16_pair;  /* two bf16 read as one broadcast lane */
 
@@ -97,8 +98,8 @@ static inline __attribute__((always_inline)) void tile_bf16(
         else tile_bf16(xb, xb_stride, kp, panel, bias, out, out_stride, n, cols, NULL, 0); \
         break;
 
-/* pf NULL: no prefetch (the tiles of a prefill chunk reuse the panel; the prefetch's per-step
- * bookkeeping cost them ~7%, measured in docs/benchmarks.md). */
+/* pf NULL: no prefetch (a prefill chunk's tiles after its first PREFETCH_TILES reuse the panel; the
+ * prefetch's per-step bookkeeping cost them ~7%, measured in docs/benchmarks.md). */
 static void tile_dispatch(const uint16_t *xb, int64_t xb_stride, int64_t kp, const uint16_t *panel,
                           const float *bias, float *out, int64_t out_stride, int mr, int64_t cols, PanelPrefetch *pf)
 {
@@ -131,15 +132,15 @@ int kvmesh_linear_bf16(const float *x, int64_t x_stride, int64_t m, int64_t k, c
                 if (p < 0) break;
                 const uint16_t *panel = packed + p * panel_size;
                 const int64_t cols = n - p * PANEL < PANEL ? n - p * PANEL : PANEL;
-                const int64_t next = paired_run_after(&run, p);
+                /* the next panel's prefetch over the chunk's first (up to) PREFETCH_TILES tiles, as gemm.c */
+                const int64_t next = paired_run_after(&run, p), pf_tiles = tiles < PREFETCH_TILES ? tiles : PREFETCH_TILES;
                 PanelPrefetch pf = panel_prefetch(next >= 0 ? packed + next * panel_size : NULL,
-                                                  panel_size * (int64_t)sizeof(uint16_t), tiles * kp);
-                PanelPrefetch *pfp = tiles <= PREFETCH_TILES ? &pf : NULL;
+                                                  panel_size * (int64_t)sizeof(uint16_t), pf_tiles * kp);
                 for (int64_t t = 0; t < tiles; t++) {
                     const int64_t row = r0 + t * ROW_TILE;
                     const int mr = (int)(r0 + rows - row < ROW_TILE ? r0 + rows - row : ROW_TILE);
                     tile_dispatch(xb + row * width, width, kp, panel, bias != NULL ? bias + p * PANEL : NULL,
-                                  out + row * out_stride + p * PANEL, out_stride, mr, cols, pfp);
+                                  out + row * out_stride + p * PANEL, out_stride, mr, cols, t < pf_tiles ? &pf : NULL);
                 }
             }
         }
@@ -179,14 +180,21 @@ int kvmesh_linear_bf16_swiglu(const float *x, int64_t x_stride, int64_t m, int64
                 const int64_t g = paired_run_take(&run, taken);
                 if (g < 0) break;
                 const uint16_t *gp = packed + g * panel_size, *upp = packed + (g + panels) * panel_size;
+                /* the next gate and up panels' prefetch over the first (up to) PREFETCH_TILES tiles */
+                const int64_t next = paired_run_after(&run, g), pf_tiles = tiles < PREFETCH_TILES ? tiles : PREFETCH_TILES;
+                const int64_t bytes = panel_size * (int64_t)sizeof(uint16_t);
+                PanelPrefetch pf_gate = panel_prefetch(next >= 0 ? packed + next * panel_size : NULL, bytes,
+                                                       pf_tiles * kp);
+                PanelPrefetch pf_up = panel_prefetch(next >= 0 ? packed + (next + panels) * panel_size : NULL, bytes,
+                                                     pf_tiles * kp);
                 for (int64_t t = 0; t < tiles; t++) {
                     const int64_t row = r0 + t * ROW_TILE;
                     const int mr = (int)(r0 + rows - row < ROW_TILE ? r0 + rows - row : ROW_TILE);
                     const uint16_t *xr = xb + row * width;
                     tile_dispatch(xr, width, kp, gp, bias != NULL ? bias + g * PANEL : NULL, gate, PANEL, mr, PANEL,
-                                  NULL);
+                                  t < pf_tiles ? &pf_gate : NULL);
                     tile_dispatch(xr, width, kp, upp, bias != NULL ? bias + inter + g * PANEL : NULL, up, PANEL, mr,
-                                  PANEL, NULL);
+                                  PANEL, t < pf_tiles ? &pf_up : NULL);
                     for (int r = 0; r < mr; r++)
                         for (int j = 0; j < PANEL; j += 16)
                             _mm512_storeu_ps(out + (row + r) * out_stride + g * PANEL + j,
