@@ -100,21 +100,38 @@ static inline void prefetch_step(Prefetcher *p) {
 
 /* A whole sequence, every head: each block (all KV heads: block_size * token_stride elements,
  * contiguous) is read from memory once, the next one prefetched while this one is used.
- * Scratch: scores [num_heads][len - first], acc [num_heads][nd * 16]. esz: the cache element's
- * bytes (4 fp32, 2 bf16), a compile-time constant where it is inlined, as nd is. */
+ * Scratch: scores [num_heads][len - first], qbuf [num_heads * head_dim] (the scaled query: fp32, or
+ * bf16 with dots), acc [num_heads][nd * 16], pb (dots only) bf16 [num_heads][pb_stride]. esz: the
+ * cache element's bytes (4 fp32, 2 bf16); dots: bf16 dot products (kv_elem.h, kv_bf16_dots; a bf16
+ * pool); both compile-time constants where it is inlined, as nd is.
+ *
+ * With dots, the order prefill_attention.c's bf16 path repeats for every row: score lane l of a
+ * 32-dim chunk j is vdpbf16ps over the dimension pairs (32j + 2l, 32j + 2l + 1) from zero, chunk
+ * after chunk, the 16 lanes combined by transpose_sum16; the softmax numerators rounded to bf16
+ * (pb, from key fe = first rounded down to even, so a 32-bit word is the pair of keys 2u, 2u + 1)
+ * and summed widened; the weighted V as vdpbf16ps over key pairs in order, each V pair word
+ * (v[2u][d], v[2u+1][d]) built from the two token rows, a key outside first .. len - 1 zero in
+ * both p and v. */
 static inline __attribute__((always_inline)) void attend_seq_avx512(
     const float *q_row, float *o_row, const char *k_cache, const char *v_cache, int64_t block_stride,
     const int32_t *table, int64_t first, int64_t len, int64_t num_heads, int64_t group, const int nd,
-    int64_t token_stride, int64_t block_size, float scale, float *scores, float *qbuf, float *acc,
-    const char *next_k, const int esz)
+    int64_t token_stride, int64_t block_size, float scale, float *scores, float *qbuf, float *acc, uint16_t *pb,
+    const char *next_k, const int esz, const int dots)
 {
     /* keys first .. len - 1; scores [num_heads][n_keys] from key first */
     const int64_t head_dim = (int64_t)nd * 16, num_kv = num_heads / group, n_keys = len - first;
     const int64_t block_bytes = block_size * token_stride * (int64_t)esz;
     const int64_t b0 = first / block_size, num_blocks = (len + block_size - 1) / block_size;
-    const __m512 vscale = _mm512_set1_ps(scale);
-    for (int64_t i = 0; i < num_heads * head_dim; i += 16)
-        _mm512_storeu_ps(qbuf + i, _mm512_mul_ps(_mm512_loadu_ps(q_row + i), vscale));
+    const int64_t fe = first & ~(int64_t)1, pb_stride = (len - fe + 2) & ~(int64_t)1;  /* dots */
+    uint16_t *qb = (uint16_t *)qbuf;  /* dots: the rounded query */
+#if KV_BF16_DOTS_BUILT
+    if (dots) kv_round_bf16(q_row, scale, qb, num_heads * head_dim);
+#endif
+    if (!dots) {
+        const __m512 vscale = _mm512_set1_ps(scale);
+        for (int64_t i = 0; i < num_heads * head_dim; i += 16)
+            _mm512_storeu_ps(qbuf + i, _mm512_mul_ps(_mm512_loadu_ps(q_row + i), vscale));
+    }
     float maxv[MAX_HEADS];
     for (int64_t h = 0; h < num_heads; h++) maxv[h] = -3.0e38f;
 
@@ -133,19 +150,36 @@ static inline __attribute__((always_inline)) void attend_seq_avx512(
             const __mmask16 live = (__mmask16)((1u << n) - 1u);
             for (int64_t h = 0; h < num_heads; h++) {
                 prefetch_step(&pf);
-                const float *qh = qbuf + h * head_dim;
                 const char *kh = kb + (c0 * token_stride + (h / group) * head_dim) * esz;
-                __m512 qv[MAX_HEAD_DIM / 16];
-                for (int j = 0; j < nd; j++) qv[j] = _mm512_loadu_ps(qh + j * 16);
                 __m512 part[16];
-                for (int t = 0; t < 16; t++) {
-                    if (t < n) {
-                        const char *k = kh + t * token_stride * esz;
-                        __m512 a = _mm512_mul_ps(qv[0], kv_load16(k, esz));
-                        for (int j = 1; j < nd; j++) a = _mm512_fmadd_ps(qv[j], kv_load16(k + j * 16 * esz, esz), a);
+#if KV_BF16_DOTS_BUILT
+                if (dots) {
+                    __m512bh qv[MAX_HEAD_DIM / 32];
+                    for (int j = 0; j < nd / 2; j++) qv[j] = (__m512bh)_mm512_loadu_si512(qb + h * head_dim + j * 32);
+                    for (int t = 0; t < 16; t++) {
+                        __m512 a = _mm512_setzero_ps();
+                        if (t < n) {
+                            const char *k = kh + t * token_stride * esz;
+                            for (int j = 0; j < nd / 2; j++)
+                                a = _mm512_dpbf16_ps(a, qv[j], (__m512bh)_mm512_loadu_si512(k + j * 64));
+                        }
                         part[t] = a;
-                    } else {
-                        part[t] = _mm512_setzero_ps();
+                    }
+                }
+#endif
+                if (!dots) {
+                    const float *qh = qbuf + h * head_dim;
+                    __m512 qv[MAX_HEAD_DIM / 16];
+                    for (int j = 0; j < nd; j++) qv[j] = _mm512_loadu_ps(qh + j * 16);
+                    for (int t = 0; t < 16; t++) {
+                        if (t < n) {
+                            const char *k = kh + t * token_stride * esz;
+                            __m512 a = _mm512_mul_ps(qv[0], kv_load16(k, esz));
+                            for (int j = 1; j < nd; j++) a = _mm512_fmadd_ps(qv[j], kv_load16(k + j * 16 * esz, esz), a);
+                            part[t] = a;
+                        } else {
+                            part[t] = _mm512_setzero_ps();
+                        }
                     }
                 }
                 const __m512 sc = transpose_sum16(part);
@@ -155,165 +189,78 @@ static inline __attribute__((always_inline)) void attend_seq_avx512(
             }
         }
     }
-    /* 2. softmax numerators in place */
+    /* 2. softmax numerators: in place, or (dots) rounded to bf16 into pb (key k at k - fe), the sum
+     * over the rounded */
     float inv_sum[MAX_HEADS];
     for (int64_t h = 0; h < num_heads; h++) {
         float *sh = scores + h * n_keys;
+        uint16_t *ph = dots ? pb + h * pb_stride : NULL;
         const __m512 m = _mm512_set1_ps(maxv[h]);
         __m512 sum = _mm512_setzero_ps();
         for (int64_t t = 0; t < n_keys; t += 16) {
             const __mmask16 live = n_keys - t >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n_keys - t)) - 1u);
-            const __m512 e = exp512_neg(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, sh + t), m));
-            _mm512_mask_storeu_ps(sh + t, live, e);
+            __m512 e = exp512_neg(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, sh + t), m));
+#if KV_BF16_DOTS_BUILT
+            if (dots) e = kv_round_p16(e, ph + (first - fe) + t, live);
+#endif
+            if (!dots) _mm512_mask_storeu_ps(sh + t, live, e);
             sum = _mm512_mask_add_ps(sum, live, sum, e);
         }
         inv_sum[h] = 1.0f / _mm512_reduce_add_ps(sum);
+        if (dots && (first & 1)) ph[0] = 0;               /* key first - 1: outside */
+        if (dots && ((len - fe) & 1)) ph[len - fe] = 0;   /* key len: outside */
     }
-    /* 3. weighted V: per block and KV head, that head group's accumulators live in registers */
+    /* 3. weighted V (keys in order; dots: key pairs): per block and KV head, that head group's
+     * accumulators live in registers */
     for (int64_t i = 0; i < num_heads * head_dim; i += 16) _mm512_storeu_ps(acc + i, _mm512_setzero_ps());
     for (int64_t b = b0; b < num_blocks; b++) {
         const int64_t t0 = b * block_size, lo = first > t0 ? first - t0 : 0;
+        const int64_t lo_e = dots ? lo & ~(int64_t)1 : lo, step = dots ? 2 : 1;
         const char *vb = v_cache + (int64_t)table[b] * block_stride * esz;
         const int64_t nblk = len - t0 < block_size ? len - t0 : block_size;
         /* the last V block prefetches the first K block of this thread's next sequence */
         Prefetcher pf = prefetcher(b + 1 < num_blocks ? v_cache + (int64_t)table[b + 1] * block_stride * esz : next_k,
-                                   block_bytes, num_kv * (nblk - lo));
+                                   block_bytes, num_kv * ((nblk - lo_e + step - 1) / step));
         for (int64_t kvh = 0; kvh < num_kv; kvh++) {
             __m512 a[MAX_GROUP][MAX_HEAD_DIM / 16];
             float *ah = acc + kvh * group * head_dim;
             for (int64_t g = 0; g < group; g++)
                 for (int j = 0; j < nd; j++) a[g][j] = _mm512_loadu_ps(ah + g * head_dim + j * 16);
-            const float *sk = scores + kvh * group * n_keys + (t0 + lo - first);  /* key t0 + lo */
-            for (int64_t o = lo; o < nblk; o++) {
-                prefetch_step(&pf);
-                const char *v = vb + (o * token_stride + kvh * head_dim) * esz;
-                __m512 vv[MAX_HEAD_DIM / 16];
-                for (int j = 0; j < nd; j++) vv[j] = kv_load16(v + j * 16 * esz, esz);
-                for (int64_t g = 0; g < group; g++) {
-                    const __m512 p = _mm512_set1_ps(sk[g * n_keys + o - lo]);
-                    for (int j = 0; j < nd; j++) a[g][j] = _mm512_fmadd_ps(p, vv[j], a[g][j]);
-                }
-            }
-            for (int64_t g = 0; g < group; g++)
-                for (int j = 0; j < nd; j++) _mm512_storeu_ps(ah + g * head_dim + j * 16, a[g][j]);
-        }
-    }
-    for (int64_t h = 0; h < num_heads; h++) {
-        const __m512 inv = _mm512_set1_ps(inv_sum[h]);
-        for (int j = 0; j < nd; j++)
-            _mm512_storeu_ps(o_row + h * head_dim + j * 16, _mm512_mul_ps(_mm512_loadu_ps(acc + h * head_dim + j * 16), inv));
-    }
-}
-#endif
-
 #if KV_BF16_DOTS_BUILT
-/* attend_seq_avx512 over a bf16 pool in bf16 dot products (kv_elem.h, kv_bf16_dots), the order
- * prefill_attention.c's bf16 path repeats for every row: score lane l of a 32-dim chunk j is
- * vdpbf16ps over the dimension pairs (32j + 2l, 32j + 2l + 1) from zero, chunk after chunk, the 16
- * lanes combined by transpose_sum16; the softmax numerators rounded to bf16 (pb, from key fe =
- * first rounded down to even, so a 32-bit word is the pair of keys 2u, 2u + 1) and summed widened;
- * the weighted V as vdpbf16ps over key pairs in order, each V pair word (v[2u][d], v[2u+1][d]) built
- * from the two token rows, a key outside first .. len - 1 zero in both p and v.
- * Scratch: scores fp32 [num_heads][len - first], qb bf16 [num_heads * head_dim], pb bf16
- * [num_heads][pb_stride], acc fp32 [num_heads * head_dim]. */
-static inline __attribute__((always_inline)) void attend_seq_bf16dots(
-    const float *q_row, float *o_row, const char *k_cache, const char *v_cache, int64_t block_stride,
-    const int32_t *table, int64_t first, int64_t len, int64_t num_heads, int64_t group, const int nd,
-    int64_t token_stride, int64_t block_size, float scale, float *scores, uint16_t *qb, uint16_t *pb,
-    float *acc, const char *next_k)
-{
-    const int esz = 2, np = nd / 2;  /* np: 32-dim chunks */
-    const int64_t head_dim = (int64_t)nd * 16, num_kv = num_heads / group, n_keys = len - first;
-    const int64_t block_bytes = block_size * token_stride * (int64_t)esz;
-    const int64_t b0 = first / block_size, num_blocks = (len + block_size - 1) / block_size;
-    const int64_t fe = first & ~(int64_t)1, pb_stride = (len - fe + 2) & ~(int64_t)1;
-    kv_round_bf16(q_row, scale, qb, num_heads * head_dim);
-    float maxv[MAX_HEADS];
-    for (int64_t h = 0; h < num_heads; h++) maxv[h] = -3.0e38f;
-
-    /* 1. scores */
-    prefetch_block(k_cache + (int64_t)table[b0] * block_stride * esz, block_bytes);
-    for (int64_t b = b0; b < num_blocks; b++) {
-        const int64_t t0 = b * block_size, lo = first > t0 ? first - t0 : 0;
-        const char *kb = k_cache + (int64_t)table[b] * block_stride * esz;
-        const int64_t nblk = len - t0 < block_size ? len - t0 : block_size;
-        Prefetcher pf = prefetcher(b + 1 < num_blocks ? k_cache + (int64_t)table[b + 1] * block_stride * esz
-                                   : v_cache + (int64_t)table[b0] * block_stride * esz,
-                                   block_bytes, ((nblk - lo + 15) / 16) * num_heads);
-        for (int64_t c0 = lo; c0 < nblk; c0 += 16) {
-            const int n = (int)(nblk - c0 < 16 ? nblk - c0 : 16);
-            const __mmask16 live = (__mmask16)((1u << n) - 1u);
-            for (int64_t h = 0; h < num_heads; h++) {
-                prefetch_step(&pf);
-                const char *kh = kb + (c0 * token_stride + (h / group) * head_dim) * esz;
-                __m512bh qv[MAX_HEAD_DIM / 32];
-                for (int j = 0; j < np; j++) qv[j] = (__m512bh)_mm512_loadu_si512(qb + h * head_dim + j * 32);
-                __m512 part[16];
-                for (int t = 0; t < 16; t++) {
-                    if (t < n) {
-                        const char *k = kh + t * token_stride * esz;
-                        __m512 a = _mm512_setzero_ps();
-                        for (int j = 0; j < np; j++)
-                            a = _mm512_dpbf16_ps(a, qv[j], (__m512bh)_mm512_loadu_si512(k + j * 64));
-                        part[t] = a;
-                    } else {
-                        part[t] = _mm512_setzero_ps();
+            if (dots) {
+                const __m512i zero = _mm512_setzero_si512();
+                const uint16_t *pk = pb + kvh * group * pb_stride + (t0 + lo_e - fe);  /* the pair at key t0 + lo_e */
+                for (int64_t o = lo_e; o < nblk; o += 2) {  /* keys t0 + o, t0 + o + 1 (block_size is even) */
+                    prefetch_step(&pf);
+                    const char *ve = vb + (o * token_stride + kvh * head_dim) * esz;
+                    const int even_ok = t0 + o >= first, odd_ok = o + 1 < nblk;
+                    __m512bh vv[MAX_HEAD_DIM / 16];
+                    for (int j = 0; j < nd; j++) {
+                        const __m512i ev = even_ok
+                            ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(ve + j * 32))) : zero;
+                        const __m512i od = odd_ok ? _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(
+                                                        (const __m256i *)(ve + token_stride * esz + j * 32))), 16)
+                                                  : zero;
+                        vv[j] = (__m512bh)_mm512_or_si512(ev, od);
+                    }
+                    for (int64_t g = 0; g < group; g++) {
+                        const __m512bh p = kv_pair_bcast(pk + g * pb_stride + (o - lo_e));
+                        for (int j = 0; j < nd; j++) a[g][j] = _mm512_dpbf16_ps(a[g][j], p, vv[j]);
                     }
                 }
-                const __m512 sc = transpose_sum16(part);
-                _mm512_mask_storeu_ps(scores + h * n_keys + t0 + c0 - first, live, sc);
-                const float m = _mm512_mask_reduce_max_ps(live, sc);
-                if (m > maxv[h]) maxv[h] = m;
             }
-        }
-    }
-    /* 2. softmax numerators, rounded to bf16 into pb (key k at k - fe); the sum over the rounded */
-    float inv_sum[MAX_HEADS];
-    for (int64_t h = 0; h < num_heads; h++) {
-        const float *sh = scores + h * n_keys;
-        uint16_t *ph = pb + h * pb_stride;
-        const __m512 m = _mm512_set1_ps(maxv[h]);
-        __m512 sum = _mm512_setzero_ps();
-        for (int64_t t = 0; t < n_keys; t += 16) {
-            const __mmask16 live = n_keys - t >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n_keys - t)) - 1u);
-            const __m512 e = exp512_neg(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, sh + t), m));
-            sum = _mm512_mask_add_ps(sum, live, sum, kv_round_p16(e, ph + (first - fe) + t, live));
-        }
-        inv_sum[h] = 1.0f / _mm512_reduce_add_ps(sum);
-        if (first & 1) ph[0] = 0;                    /* key first - 1: outside */
-        if ((len - fe) & 1) ph[len - fe] = 0;        /* key len: outside */
-    }
-    /* 3. weighted V over key pairs: per block and KV head, that head group's accumulators in registers */
-    for (int64_t i = 0; i < num_heads * head_dim; i += 16) _mm512_storeu_ps(acc + i, _mm512_setzero_ps());
-    const __m512i zero = _mm512_setzero_si512();
-    for (int64_t b = b0; b < num_blocks; b++) {
-        const int64_t t0 = b * block_size, lo = first > t0 ? first - t0 : 0, lo_e = lo & ~(int64_t)1;
-        const char *vb = v_cache + (int64_t)table[b] * block_stride * esz;
-        const int64_t nblk = len - t0 < block_size ? len - t0 : block_size;
-        Prefetcher pf = prefetcher(b + 1 < num_blocks ? v_cache + (int64_t)table[b + 1] * block_stride * esz : next_k,
-                                   block_bytes, num_kv * ((nblk - lo_e + 1) / 2));
-        for (int64_t kvh = 0; kvh < num_kv; kvh++) {
-            __m512 a[MAX_GROUP][MAX_HEAD_DIM / 16];
-            float *ah = acc + kvh * group * head_dim;
-            for (int64_t g = 0; g < group; g++)
-                for (int j = 0; j < nd; j++) a[g][j] = _mm512_loadu_ps(ah + g * head_dim + j * 16);
-            const uint16_t *pk = pb + kvh * group * pb_stride + (t0 + lo_e - fe);  /* the pair at key t0 + lo_e */
-            for (int64_t o = lo_e; o < nblk; o += 2) {  /* keys t0 + o, t0 + o + 1 (block_size is even) */
-                prefetch_step(&pf);
-                const char *ve = vb + (o * token_stride + kvh * head_dim) * esz;
-                const int even_ok = t0 + o >= first, odd_ok = o + 1 < nblk;
-                __m512bh vv[MAX_HEAD_DIM / 16];
-                for (int j = 0; j < nd; j++) {
-                    const __m512i ev = even_ok ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(ve + j * 32)))
-                                               : zero;
-                    const __m512i od = odd_ok ? _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(
-                                                    (const __m256i *)(ve + token_stride * esz + j * 32))), 16)
-                                              : zero;
-                    vv[j] = (__m512bh)_mm512_or_si512(ev, od);
-                }
-                for (int64_t g = 0; g < group; g++) {
-                    const __m512bh p = kv_pair_bcast(pk + g * pb_stride + (o - lo_e));
-                    for (int j = 0; j < nd; j++) a[g][j] = _mm512_dpbf16_ps(a[g][j], p, vv[j]);
+#endif
+            if (!dots) {
+                const float *sk = scores + kvh * group * n_keys + (t0 + lo - first);  /* key t0 + lo */
+                for (int64_t o = lo; o < nblk; o++) {
+                    prefetch_step(&pf);
+                    const char *v = vb + (o * token_stride + kvh * head_dim) * esz;
+                    __m512 vv[MAX_HEAD_DIM / 16];
+                    for (int j = 0; j < nd; j++) vv[j] = kv_load16(v + j * 16 * esz, esz);
+                    for (int64_t g = 0; g < group; g++) {
+                        const __m512 p = _mm512_set1_ps(sk[g * n_keys + o - lo]);
+                        for (int j = 0; j < nd; j++) a[g][j] = _mm512_fmadd_ps(p, vv[j], a[g][j]);
+                    }
                 }
             }
             for (int64_t g = 0; g < group; g++)
@@ -458,28 +405,21 @@ int kvmesh_paged_decode_elem(
                 }
                 const int32_t *table = tables + s * table_stride;
                 const int64_t first = first_key(len, window);
-#define ATTEND(nd, esz) attend_seq_avx512(qs, os, k_cache, v_cache, block_stride, table, first, len, num_heads, \
-                                          group, nd, token_stride, block_size, scale, scores, qbuf, acc, next_k, esz)
-#if KV_BF16_DOTS_BUILT
-#define ATTEND_DOTS(nd) attend_seq_bf16dots(qs, os, k_cache, v_cache, block_stride, table, first, len, num_heads, \
-                                            group, nd, token_stride, block_size, scale, scores, (uint16_t *)qbuf, \
-                                            pbuf, acc, next_k)
+#define ATTEND(nd, esz, dots) attend_seq_avx512(qs, os, k_cache, v_cache, block_stride, table, first, len, \
+                                                num_heads, group, nd, token_stride, block_size, scale, scores, qbuf, \
+                                                acc, pbuf, next_k, esz, dots)
                 if (dots) {
-                    if (head_dim == 64) ATTEND_DOTS(4);
-                    else if (head_dim == 128) ATTEND_DOTS(8);
-                    else ATTEND_DOTS((int)(head_dim / 16));
-                    continue;
-                }
-#undef ATTEND_DOTS
-#endif
-                if (esz == 4) {
-                    if (head_dim == 64) ATTEND(4, 4);
-                    else if (head_dim == 128) ATTEND(8, 4);
-                    else ATTEND((int)(head_dim / 16), 4);
+                    if (head_dim == 64) ATTEND(4, 2, 1);
+                    else if (head_dim == 128) ATTEND(8, 2, 1);
+                    else ATTEND((int)(head_dim / 16), 2, 1);
+                } else if (esz == 4) {
+                    if (head_dim == 64) ATTEND(4, 4, 0);
+                    else if (head_dim == 128) ATTEND(8, 4, 0);
+                    else ATTEND((int)(head_dim / 16), 4, 0);
                 } else {
-                    if (head_dim == 64) ATTEND(4, 2);
-                    else if (head_dim == 128) ATTEND(8, 2);
-                    else ATTEND((int)(head_dim / 16), 2);
+                    if (head_dim == 64) ATTEND(4, 2, 0);
+                    else if (head_dim == 128) ATTEND(8, 2, 0);
+                    else ATTEND((int)(head_dim / 16), 2, 0);
                 }
 #undef ATTEND
             }

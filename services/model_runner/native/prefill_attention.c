@@ -75,6 +75,56 @@ static inline __attribute__((always_inline)) void score_rows(const float *kb, co
     }
 }
 
+/* A work item's RT rows (query token, head) of one KV head: each row's keys are local lo .. len - 1
+ * (local index = key - kbase, the first gathered key); padding rows repeat the last real row. */
+typedef struct {
+    int64_t len[RT], lo[RT], tok[RT], head[RT];
+    int64_t max_len, min_len, min_lo, max_lo;
+} TileRows;
+
+static inline void tile_rows(TileRows *t, int64_t group, int64_t kvh, int64_t ctx0, int64_t kbase, int64_t window,
+                             int64_t row0, int64_t rows_total)
+{
+    t->max_len = 0, t->min_len = INT64_MAX, t->min_lo = INT64_MAX, t->max_lo = 0;
+    for (int r = 0; r < RT; r++) {
+        const int64_t row = row0 + r < rows_total ? row0 + r : rows_total - 1;
+        t->tok[r] = row / group;
+        t->head[r] = kvh * group + row % group;
+        const int64_t pos = ctx0 + t->tok[r];
+        t->len[r] = pos + 1 - kbase;
+        t->lo[r] = (window > 0 && pos + 1 > window ? pos + 1 - window : 0) - kbase;
+        if (t->len[r] > t->max_len) t->max_len = t->len[r];
+        if (t->len[r] < t->min_len) t->min_len = t->len[r];
+        if (t->lo[r] < t->min_lo) t->min_lo = t->lo[r];
+        if (t->lo[r] > t->max_lo) t->max_lo = t->lo[r];
+    }
+}
+
+/* One 16-key tile's scores a[RT] (lane l = key t0 + l) stored at each row's index from its own first
+ * key (t0 - lo >= -15: sc[-16..-1] exist), masked to the row's keys. */
+static inline void store_tile_scores(const TileRows *t, int64_t t0, const __m512 *a, float *sc, int64_t sc_stride)
+{
+    for (int r = 0; r < RT; r++) {
+        const int64_t n = t->len[r] - t0;
+        if (n <= 0 || t0 + 16 <= t->lo[r]) continue;
+        const __mmask16 below = t->lo[r] > t0 ? (__mmask16)((1u << (t->lo[r] - t0)) - 1u) : (__mmask16)0;
+        const __mmask16 live = (n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1u)) & (__mmask16)~below;
+        _mm512_mask_storeu_ps(sc + r * sc_stride + (t0 - t->lo[r]), live, a[r]);
+    }
+}
+
+/* A row's maximum, lane-wise over its n_keys stored scores then across the lanes (the same value in
+ * any order), after the scores rather than a horizontal reduce per 16-key tile between them. */
+static inline float row_max(const float *sr, int64_t n_keys)
+{
+    __m512 m = _mm512_set1_ps(-3.0e38f);
+    for (int64_t t = 0; t < n_keys; t += 16) {
+        const __mmask16 live = n_keys - t >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n_keys - t)) - 1u);
+        m = _mm512_mask_max_ps(m, live, m, _mm512_maskz_loadu_ps(live, sr + t));
+    }
+    return _mm512_reduce_max_ps(m);
+}
+
 /* kt, vc hold the gathered keys from key kstart on (local index = key - kstart); ctx0 is the first
  * query's position; sc rows hold each row's scores from its own first key (sc[-16..-1] exist).
  * nd = head_dim / 16, a compile-time constant where attend_tile inlines it (the common sizes). */
@@ -84,49 +134,23 @@ static inline __attribute__((always_inline)) void attend_rows(
     float scale, float *qs, float *sc, int64_t sc_stride, const int nd)
 {
     const int64_t head_dim = 16 * (int64_t)nd;
-    int64_t len[RT], lo[RT], tok[RT], head[RT];  /* a row's keys: local lo[r] .. len[r] - 1 */
-    int64_t max_len = 0, min_len = INT64_MAX, min_lo = INT64_MAX, max_lo = 0;
+    TileRows rs;
+    tile_rows(&rs, group, kvh, ctx0, kstart, window, row0, rows_total);
+    const int64_t *len = rs.len, *lo = rs.lo, *tok = rs.tok, *head = rs.head;
+    const int64_t max_len = rs.max_len, min_len = rs.min_len, min_lo = rs.min_lo, max_lo = rs.max_lo;
     for (int r = 0; r < RT; r++) {
-        const int64_t row = row0 + r < rows_total ? row0 + r : rows_total - 1;  /* padding repeats the last */
-        tok[r] = row / group;
-        head[r] = kvh * group + row % group;
-        const int64_t pos = ctx0 + tok[r];
-        len[r] = pos + 1 - kstart;
-        lo[r] = (window > 0 && pos + 1 > window ? pos + 1 - window : 0) - kstart;
-        if (len[r] > max_len) max_len = len[r];
-        if (len[r] < min_len) min_len = len[r];
-        if (lo[r] < min_lo) min_lo = lo[r];
-        if (lo[r] > max_lo) max_lo = lo[r];
         const float *src = q + tok[r] * q_row_stride + head[r] * head_dim;
         for (int64_t d = 0; d < head_dim; d++) qs[r * head_dim + d] = src[d] * scale;
     }
     /* 1. scores, 16 keys at a time */
-    float maxv[RT];
     for (int64_t t0 = min_lo / 16 * 16; t0 < max_len; t0 += 16) {
         const float *kb = kt + (t0 / 16) * head_dim * 16;
         __m512 a[RT];
         for (int h = 0; h < RT; h += RH) score_rows(kb, qs + h * head_dim, head_dim, nd, a + h);
-        for (int r = 0; r < RT; r++) {
-            const int64_t n = len[r] - t0;
-            if (n <= 0 || t0 + 16 <= lo[r]) continue;
-            const __mmask16 below = lo[r] > t0 ? (__mmask16)((1u << (lo[r] - t0)) - 1u) : (__mmask16)0;
-            const __mmask16 live = (n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1u)) & (__mmask16)~below;
-            /* lane l is key t0 + l: stored at its index from the row's first key (t0 - lo[r] >= -15) */
-            _mm512_mask_storeu_ps(sc + r * sc_stride + (t0 - lo[r]), live, a[r]);
-        }
+        store_tile_scores(&rs, t0, a, sc, sc_stride);
     }
-    /* each row's maximum, lane-wise over its stored scores then across the lanes (the same value in
-     * any order), after the scores rather than a horizontal reduce per 16-key tile between them */
-    for (int r = 0; r < RT; r++) {
-        const float *sr = sc + r * sc_stride;
-        const int64_t n_keys = len[r] - lo[r];
-        __m512 m = _mm512_set1_ps(-3.0e38f);
-        for (int64_t t = 0; t < n_keys; t += 16) {
-            const __mmask16 live = n_keys - t >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n_keys - t)) - 1u);
-            m = _mm512_mask_max_ps(m, live, m, _mm512_maskz_loadu_ps(live, sr + t));
-        }
-        maxv[r] = _mm512_reduce_max_ps(m);
-    }
+    float maxv[RT];
+    for (int r = 0; r < RT; r++) maxv[r] = row_max(sc + r * sc_stride, len[r] - lo[r]);
     /* 2. softmax numerators in place, per row over its own keys */
     float inv_sum[RT];
     for (int r = 0; r < RT; r++) {
@@ -234,33 +258,18 @@ static inline __attribute__((always_inline)) void attend_rows_bf16(
     const int nd)
 {
     const int64_t head_dim = 16 * (int64_t)nd;
-    int64_t len[RT], lo[RT], tok[RT], head[RT];  /* a row's keys: local lo[r] .. len[r] - 1 */
-    int64_t max_len = 0, min_len = INT64_MAX, min_lo = INT64_MAX, max_lo = 0;
-    for (int r = 0; r < RT; r++) {
-        const int64_t row = row0 + r < rows_total ? row0 + r : rows_total - 1;  /* padding repeats the last */
-        tok[r] = row / group;
-        head[r] = kvh * group + row % group;
-        const int64_t pos = ctx0 + tok[r];
-        len[r] = pos + 1 - kbase;
-        lo[r] = (window > 0 && pos + 1 > window ? pos + 1 - window : 0) - kbase;
-        if (len[r] > max_len) max_len = len[r];
-        if (len[r] < min_len) min_len = len[r];
-        if (lo[r] < min_lo) min_lo = lo[r];
-        if (lo[r] > max_lo) max_lo = lo[r];
+    TileRows rs;
+    tile_rows(&rs, group, kvh, ctx0, kbase, window, row0, rows_total);
+    const int64_t *len = rs.len, *lo = rs.lo, *tok = rs.tok, *head = rs.head;
+    const int64_t max_len = rs.max_len, min_len = rs.min_len, min_lo = rs.min_lo, max_lo = rs.max_lo;
+    for (int r = 0; r < RT; r++)
         kv_round_bf16(q + tok[r] * q_row_stride + head[r] * head_dim, scale, qb + r * head_dim, head_dim);
-    }
     /* 1. scores, 16 keys at a time */
     for (int64_t t0 = min_lo / 16 * 16; t0 < max_len; t0 += 16) {
         const uint32_t *kb = kt + (t0 / 16) * (head_dim / 2) * 16;
         __m512 a[RT];
         for (int h = 0; h < RT; h += RH) score_rows_bf16(kb, qb + h * head_dim, head_dim, nd, a + h);
-        for (int r = 0; r < RT; r++) {
-            const int64_t n = len[r] - t0;
-            if (n <= 0 || t0 + 16 <= lo[r]) continue;
-            const __mmask16 below = lo[r] > t0 ? (__mmask16)((1u << (lo[r] - t0)) - 1u) : (__mmask16)0;
-            const __mmask16 live = (n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1u)) & (__mmask16)~below;
-            _mm512_mask_storeu_ps(sc + r * sc_stride + (t0 - lo[r]), live, a[r]);
-        }
+        store_tile_scores(&rs, t0, a, sc, sc_stride);
     }
     /* 2. per row: the maximum, then the numerators rounded to bf16 (pb at local key index) and their sum */
     float inv_sum[RT];
@@ -268,12 +277,7 @@ static inline __attribute__((always_inline)) void attend_rows_bf16(
         const float *sr = sc + r * sc_stride;
         uint16_t *pr = pb + r * pb_stride;
         const int64_t n_keys = len[r] - lo[r];
-        __m512 mv = _mm512_set1_ps(-3.0e38f);
-        for (int64_t t = 0; t < n_keys; t += 16) {
-            const __mmask16 live = n_keys - t >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n_keys - t)) - 1u);
-            mv = _mm512_mask_max_ps(mv, live, mv, _mm512_maskz_loadu_ps(live, sr + t));
-        }
-        const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
+        const __m512 m = _mm512_set1_ps(row_max(sr, n_keys));
         __m512 sum = _mm512_setzero_ps();
         for (int64_t t = 0; t < n_keys; t += 16) {
             const __mmask16 live = n_keys - t >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n_keys - t)) - 1u);
