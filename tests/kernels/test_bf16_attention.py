@@ -6,9 +6,10 @@ What is promised, and pinned here:
   V the pool's values, fp32 sums (scores over dimension pairs, the weighted V over key pairs, the
   normalising sum over the rounded numerators): on values where every sum is exact, the output is
   the formula's bits;
-- the cache never changes the answer: a prefill row is bitwise the decode of its position, however
-  its prompt is chunked, on any thread count, with or without a sliding window (whose first key
-  may be odd: a key pair half outside the row);
+- the cache never changes the answer: a prefill row is bitwise the decode of its position, with or
+  without a sliding window (whose first key may be odd: a key pair half outside the row); and
+  however its prompt is chunked, on any thread count (test_native_prefill_attention.py, over a
+  bf16 pool too);
 - agreement with the fp32 reference (SDPA over the same bf16 values) within bf16 rounding;
 - where it does not apply (no AVX512-BF16, head_dim not a multiple of 32, odd block sizes, the
   portable build) a bf16 pool is read widened into fp32 arithmetic, as test_bf16_kv.py pins.
@@ -21,7 +22,6 @@ import dataclasses
 import pytest
 import torch
 
-from services.model_runner.attention.base import AttentionMetadata
 from services.model_runner.attention.cpu_backend import CpuAttentionBackend
 from services.model_runner.attention.torch_backend import TorchAttentionBackend
 from services.model_runner.factory import cpu_flags
@@ -133,35 +133,6 @@ def test_a_prefill_row_is_bitwise_the_decode_of_its_position(
     assert torch.equal(as_chunk[:45], as_decodes[:45])
     reference = TorchAttentionBackend().forward(chunk.query, chunk.k_cache, chunk.v_cache, meta, scale)
     torch.testing.assert_close(as_chunk[:45], reference[:45], atol=1.5e-2, rtol=1e-2)
-
-
-@pytest.mark.parametrize("split", [[70], [1, 69], [16, 17, 37], [33, 37], [7] * 10])
-@pytest.mark.parametrize("threads", [1, 3])
-@pytest.mark.parametrize("window", [0, 25])
-def test_a_row_is_the_same_however_the_prompt_is_chunked(split: list[int], threads: int, window: int) -> None:
-    """A 70-token prompt over a bf16 pool attended in one chunk or in consecutive chunks (each after
-    the cached rows before it), on 1 or 3 threads: every row bitwise the same."""
-    whole = make_batch([70], [70], block_size=16, head_dim=64, queries_per_kv=3, num_kv_heads=3,
-                       cache_dtype=torch.bfloat16, seed=5)  # fmt: skip
-    meta_whole = dataclasses.replace(whole.meta, window=window or None)
-    reference = CpuAttentionBackend().forward(whole.query, whole.k_cache, whole.v_cache, meta_whole, 64**-0.5)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        start = 0
-        for size in split:
-            meta = AttentionMetadata(
-                slot_mapping=torch.full((size,), -1, dtype=torch.long),
-                query_start_loc=torch.tensor([0, size], dtype=torch.int32),
-                seq_lens=torch.tensor([start + size], dtype=torch.int32), block_tables=whole.meta.block_tables,
-                max_query_len=size, max_seq_len=start + size, window=window or None,
-            )  # fmt: skip
-            query = whole.query[start : start + size].contiguous()
-            out = CpuAttentionBackend().forward(query, whole.k_cache, whole.v_cache, meta, 64**-0.5)
-            assert torch.equal(out, reference[start : start + size]), (split, start)
-            start += size
-    finally:
-        torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("queries_per_kv", [1, 3, 8])

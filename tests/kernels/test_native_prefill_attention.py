@@ -12,6 +12,7 @@ import dataclasses
 import pytest
 import torch
 
+from services.model_runner.attention.base import AttentionMetadata
 from services.model_runner.attention.cpu_backend import CpuAttentionBackend
 from services.model_runner.attention.torch_backend import TorchAttentionBackend
 from services.model_runner.factory import cpu_flags
@@ -58,20 +59,29 @@ def test_head_dim_it_does_not_take_goes_to_sdpa() -> None:
 
 @pytest.mark.parametrize("split", [[70], [1, 69], [16, 17, 37], [33, 37], [7] * 10])
 @pytest.mark.parametrize("threads", [1, 3])
-def test_a_row_is_the_same_however_the_prompt_is_chunked(split: list[int], threads: int) -> None:
-    """A 70-token prompt attended in one chunk or in consecutive chunks (each after the cached
-    rows before it), on 1 or 3 threads: every row bitwise the same."""
-    whole = make_batch([70], [70], block_size=16, head_dim=64, queries_per_kv=3, num_kv_heads=3, seed=5)
-    reference = _forward(CpuAttentionBackend(), whole)
+@pytest.mark.parametrize(("cache_dtype", "window"), [(torch.float32, 0), (torch.bfloat16, 0), (torch.bfloat16, 25)])
+def test_a_row_is_the_same_however_the_prompt_is_chunked(split: list[int], threads: int, cache_dtype: torch.dtype,
+                                                          window: int) -> None:  # fmt: skip
+    """A 70-token prompt attended in one chunk or in consecutive chunks (each after the cached rows
+    before it), on 1 or 3 threads, over an fp32 pool and a bf16 one (bf16 dot products where the
+    build has them, test_bf16_attention.py), with and without a sliding window: every row bitwise
+    the same."""
+    whole = make_batch([70], [70], block_size=16, head_dim=64, queries_per_kv=3, num_kv_heads=3,
+                       cache_dtype=cache_dtype, seed=5)  # fmt: skip
+    meta_whole = dataclasses.replace(whole.meta, window=window or None)
+    reference = CpuAttentionBackend().forward(whole.query, whole.k_cache, whole.v_cache, meta_whole, 64**-0.5)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         start = 0
         for size in split:
-            part = make_batch([size], [start + size], block_size=16, head_dim=64, queries_per_kv=3,
-                              num_kv_heads=3, seed=5)  # fmt: skip
             # the same cache and block table as the whole prompt, the chunk's own query rows
-            meta = dataclasses.replace(part.meta, block_tables=whole.meta.block_tables)
+            meta = AttentionMetadata(
+                slot_mapping=torch.full((size,), -1, dtype=torch.long),
+                query_start_loc=torch.tensor([0, size], dtype=torch.int32),
+                seq_lens=torch.tensor([start + size], dtype=torch.int32), block_tables=whole.meta.block_tables,
+                max_query_len=size, max_seq_len=start + size, window=window or None,
+            )  # fmt: skip
             query = whole.query[start : start + size].contiguous()
             out = CpuAttentionBackend().forward(query, whole.k_cache, whole.v_cache, meta, 64**-0.5)
             assert torch.equal(out, reference[start : start + size]), (split, start)
