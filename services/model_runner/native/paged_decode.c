@@ -30,7 +30,7 @@
  * (per sequence and KV head) otherwise, and on CPUs without AVX-512.
  *
  * Numerics: a bf16 cache is attended in bf16 dot products where kv_elem.h's kv_bf16_dots says so
- * (attend_seq_bf16dots; AVX512-BF16 builds); otherwise it is widened exactly to fp32 as it is
+ * (attend_seq_avx512 with dots; AVX512-BF16 builds); otherwise it is widened exactly to fp32 as it is
  * loaded, so the bf16 entry point's bits are the fp32 one's over a pool holding the same values. Scores and
  * the softmax in fp32, exp by range reduction (2^n * e^r, |r| <= ln2/2,
  * 7th-order Taylor, relative error < 1e-7): not bitwise equal to SDPA, equal within fp32 rounding.

@@ -13,7 +13,7 @@
  *
  * bf16 dot products: a bf16 cache for which kv_elem.h's kv_bf16_dots holds takes
  * prefill_attention_bf16dots instead (K gathered into tiles of dimension pairs, V into key-pair
- * words, vdpbf16ps with paged_decode.c's attend_seq_bf16dots order); what follows is the fp32 path.
+ * words, vdpbf16ps in paged_decode.c's order with dots); what follows is the fp32 path.
  *
  * How: K and V of each KV head are gathered once from the paged cache (a bf16 cache widened
  * exactly to fp32 there, kv_elem.h: everything after the gather is the same code), K transposed in 16-key
@@ -217,7 +217,7 @@ static void attend_tile(const float *kt, const float *vc, const float *q, int64_
 /* score_rows in bf16 dot products (kv_elem.h): kb one 16-key tile of bf16 pairs ([head_dim / 2]
  * [16]: word P*16 + t holds key t's dimensions 2P, 2P + 1), qb RH rows of rounded queries. Lane l
  * of chunk j's partial is vdpbf16ps over pair 16j + l from zero, then the same tree: paged_decode.c's
- * attend_seq_bf16dots order, so the scores are bitwise a decode's. */
+ * attend_seq_avx512 order with dots, so the scores are bitwise a decode's. */
 static inline __attribute__((always_inline)) void score_rows_bf16(const uint32_t *kb, const uint16_t *qb,
                                                                   int64_t head_dim, int nd, __m512 *a)
 {
