@@ -123,8 +123,8 @@ static inline __attribute__((always_inline)) void attend_seq_avx512(
     const int64_t block_bytes = block_size * token_stride * (int64_t)esz;
     const int64_t b0 = first / block_size, num_blocks = (len + block_size - 1) / block_size;
     const int64_t fe = first & ~(int64_t)1, pb_stride = (len - fe + 2) & ~(int64_t)1;  /* dots */
-    uint16_t *qb = (uint16_t *)qbuf;  /* dots: the rounded query */
 #if KV_BF16_DOTS_BUILT
+    uint16_t *qb = (uint16_t *)qbuf;  /* dots: the rounded query */
     if (dots) kv_round_bf16(q_row, scale, qb, num_heads * head_dim);
 #endif
     if (!dots) {
