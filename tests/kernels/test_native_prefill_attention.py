@@ -31,7 +31,7 @@ def _forward(backend: TorchAttentionBackend, batch: object) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("queries_per_kv", [1, 3, 4, 16])
-@pytest.mark.parametrize("head_dim", [64, 128, 32])
+@pytest.mark.parametrize("head_dim", [64, 128, 32, 48])
 @pytest.mark.parametrize("block_size", [1, 16, 32])
 def test_chunks_match_the_torch_reference(block_size: int, head_dim: int, queries_per_kv: int) -> None:
     """Whole prompts and chunks after cached context (bottom-right mask), lengths straddling the
@@ -91,7 +91,7 @@ def test_a_row_is_the_same_however_the_prompt_is_chunked(split: list[int], threa
 
 
 @pytest.mark.parametrize(("queries_per_kv", "head_dim", "block_size"), [(3, 64, 16), (2, 128, 4), (16, 32, 16),
-                                                                         (1, 16, 1)])  # fmt: skip
+                                                                         (1, 16, 1), (2, 48, 16)])  # fmt: skip
 def test_a_prefill_row_is_bitwise_the_decode_of_its_position(queries_per_kv: int, head_dim: int,
                                                              block_size: int) -> None:  # fmt: skip
     """The same 45 query rows as one prefill chunk and as 45 decodes (row j seeing its own

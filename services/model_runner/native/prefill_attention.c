@@ -125,6 +125,41 @@ static inline float row_max(const float *sr, int64_t n_keys)
     return _mm512_reduce_max_ps(m);
 }
 
+/* The fp32 weighted V of a work item's rows for dims j * 16 .. (j + w) * 16 (w = 1 or 2, a constant
+ * where inlined: each broadcast weight feeds w FMAs, so a pass loads fewer broadcasts per FMA), keys
+ * in order, each row masked to its own keys: keys only the earlier rows' windows hold, keys every
+ * row sees, then the few that only the later rows see. Each lane's sum is the same chain of fused
+ * multiply-adds whatever w, so the bits do not depend on it. */
+static inline __attribute__((always_inline)) void weighted_v(
+    const float *vc, int64_t head_dim, int j, const int w, const TileRows *rs, const float *sc, int64_t sc_stride,
+    const float *inv_sum, float *out, int64_t out_row_stride, int64_t row0, int64_t rows_total)
+{
+    const int64_t *len = rs->len, *lo = rs->lo;
+    const int64_t shared_end = rs->min_len > rs->max_lo ? rs->min_len : rs->max_lo;
+    __m512 acc[RT][2];
+    for (int r = 0; r < RT; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+#define V_KEY(t, checked)                                                                                     \
+    do {                                                                                                      \
+        __m512 v[2];                                                                                          \
+        for (int x = 0; x < w; x++) v[x] = _mm512_loadu_ps(vc + (t) * head_dim + (j + x) * 16);               \
+        for (int r = 0; r < RT; r++) {                                                                        \
+            if ((checked) && ((t) < lo[r] || (t) >= len[r])) continue;                                        \
+            const __m512 p = _mm512_set1_ps(sc[r * sc_stride + (t) - lo[r]]);                                 \
+            for (int x = 0; x < w; x++) acc[r][x] = _mm512_fmadd_ps(p, v[x], acc[r][x]);                      \
+        }                                                                                                     \
+    } while (0)
+    for (int64_t t = rs->min_lo; t < rs->max_lo; t++) V_KEY(t, 1);
+    for (int64_t t = rs->max_lo; t < rs->min_len; t++) V_KEY(t, 0);
+    for (int64_t t = shared_end; t < rs->max_len; t++) V_KEY(t, 1);
+#undef V_KEY
+    for (int r = 0; r < RT; r++) {
+        if (row0 + r >= rows_total) continue;
+        for (int x = 0; x < w; x++)
+            _mm512_storeu_ps(out + rs->tok[r] * out_row_stride + rs->head[r] * head_dim + (j + x) * 16,
+                             _mm512_mul_ps(acc[r][x], _mm512_set1_ps(inv_sum[r])));
+    }
+}
+
 /* kt, vc hold the gathered keys from key kstart on (local index = key - kstart); ctx0 is the first
  * query's position; sc rows hold each row's scores from its own first key (sc[-16..-1] exist).
  * nd = head_dim / 16, a compile-time constant where attend_tile inlines it (the common sizes). */
@@ -137,13 +172,12 @@ static inline __attribute__((always_inline)) void attend_rows(
     TileRows rs;
     tile_rows(&rs, group, kvh, ctx0, kstart, window, row0, rows_total);
     const int64_t *len = rs.len, *lo = rs.lo, *tok = rs.tok, *head = rs.head;
-    const int64_t max_len = rs.max_len, min_len = rs.min_len, min_lo = rs.min_lo, max_lo = rs.max_lo;
     for (int r = 0; r < RT; r++) {
         const float *src = q + tok[r] * q_row_stride + head[r] * head_dim;
         for (int64_t d = 0; d < head_dim; d++) qs[r * head_dim + d] = src[d] * scale;
     }
     /* 1. scores, 16 keys at a time */
-    for (int64_t t0 = min_lo / 16 * 16; t0 < max_len; t0 += 16) {
+    for (int64_t t0 = rs.min_lo / 16 * 16; t0 < rs.max_len; t0 += 16) {
         const float *kb = kt + (t0 / 16) * head_dim * 16;
         __m512 a[RT];
         for (int h = 0; h < RT; h += RH) score_rows(kb, qs + h * head_dim, head_dim, nd, a + h);
@@ -166,37 +200,11 @@ static inline __attribute__((always_inline)) void attend_rows(
         }
         inv_sum[r] = 1.0f / _mm512_reduce_add_ps(sum);
     }
-    /* 3. weighted V, 16 dims at a time; keys in order, each row masked past its length */
-    for (int j = 0; j < nd; j++) {
-        __m512 acc[RT];
-        for (int r = 0; r < RT; r++) acc[r] = _mm512_setzero_ps();
-        /* keys only the earlier rows' windows hold, keys every row sees, then the few that only the
-         * later rows see: the same fused multiply-adds in the same order for each row, only the
-         * mask differs */
-        const int64_t shared_end = min_len > max_lo ? min_len : max_lo;
-        for (int64_t t = min_lo; t < max_lo; t++) {
-            const __m512 v = _mm512_loadu_ps(vc + t * head_dim + j * 16);
-            for (int r = 0; r < RT; r++)
-                if (t >= lo[r] && t < len[r])
-                    acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(sc[r * sc_stride + t - lo[r]]), v, acc[r]);
-        }
-        for (int64_t t = max_lo; t < min_len; t++) {
-            const __m512 v = _mm512_loadu_ps(vc + t * head_dim + j * 16);
-            for (int r = 0; r < RT; r++)
-                acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(sc[r * sc_stride + t - lo[r]]), v, acc[r]);
-        }
-        for (int64_t t = shared_end; t < max_len; t++) {
-            const __m512 v = _mm512_loadu_ps(vc + t * head_dim + j * 16);
-            for (int r = 0; r < RT; r++)
-                if (t >= lo[r] && t < len[r])
-                    acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(sc[r * sc_stride + t - lo[r]]), v, acc[r]);
-        }
-        for (int r = 0; r < RT; r++) {
-            if (row0 + r >= rows_total) continue;
-            _mm512_storeu_ps(out + tok[r] * out_row_stride + head[r] * head_dim + j * 16,
-                             _mm512_mul_ps(acc[r], _mm512_set1_ps(inv_sum[r])));
-        }
-    }
+    /* 3. weighted V, 32 dims at a time (a 16-dim tail where head_dim / 16 is odd) */
+    int j = 0;
+    for (; j + 1 < nd; j += 2)
+        weighted_v(vc, head_dim, j, 2, &rs, sc, sc_stride, inv_sum, out, out_row_stride, row0, rows_total);
+    if (j < nd) weighted_v(vc, head_dim, j, 1, &rs, sc, sc_stride, inv_sum, out, out_row_stride, row0, rows_total);
 }
 
 static void attend_tile(const float *kt, const float *vc, const float *q, int64_t q_row_stride, float *out,
