@@ -36,9 +36,6 @@ BF16_FLAGS = ("amx_bf16", "avx512_bf16")
 # The native decode attention's limits (native/paged_decode.c: MAX_GROUP, MAX_HEAD_DIM).
 NATIVE_MAX_GROUP = 16
 NATIVE_MAX_HEAD_DIM = 256
-# The most query heads whose bf16 pool the native kernels attend in bf16 dot products (native/kv_elem.h's
-# KV_BF16_DOTS_MAX_HEADS).
-NATIVE_BF16_DOTS_MAX_HEADS = 128
 
 
 @dataclass(frozen=True)
@@ -333,8 +330,8 @@ def _bf16_attention_note(kv_dtype: str, backend: str, mcfg: ModelConfig, block_s
     if kv_dtype != "bfloat16" or backend != "cpu":
         return ""
     kernels = load_kernels()
-    if (kernels is not None and kernels.attention_bf16_dots and mcfg.head_dim % 32 == 0 and block_size % 2 == 0
-            and mcfg.num_heads <= NATIVE_BF16_DOTS_MAX_HEADS):
+    if kernels is not None and kernels.bf16_dots_for is not None and kernels.bf16_dots_for(
+            mcfg.num_heads, mcfg.head_dim, block_size):
         return "; a bf16 pool attended in bf16 dot products (vdpbf16ps, fp32 sums)"
     return "; a bf16 pool attended in fp32 (K/V widened)"
 

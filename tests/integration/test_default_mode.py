@@ -155,7 +155,10 @@ def cold(model_dir: Path, mode: dict[str, Any]) -> Iterator[tuple[Outputs, Any]]
     assert counters[2].num_blocks == 512  # the same block count whatever the KV dtype (the budget follows it)
     kernels = load_kernels()
     if counters[2].kv_cache_dtype == "bfloat16":  # how this process attends it (head_dim 16 or 32)
-        dots = kernels is not None and kernels.attention_bf16_dots and model_dir.name.startswith("tiny-llama-hd32")
+        c = json.loads((model_dir / "config.json").read_text())
+        # bf16 dot products take head_dim 32 (the hd32 twin), not 16; BLOCK (4) is even, 4 heads
+        head_dim = c["hidden_size"] // c["num_attention_heads"]
+        dots = kernels is not None and kernels.attention_bf16_dots and head_dim % 32 == 0
         assert counters[2].attention_backend_reason.endswith(
             "; a bf16 pool attended in bf16 dot products (vdpbf16ps, fp32 sums)" if dots
             else "; a bf16 pool attended in fp32 (K/V widened)")

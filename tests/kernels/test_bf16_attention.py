@@ -35,11 +35,18 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def test_the_build_has_bf16_dots_where_the_cpu_has_avx512_bf16() -> None:
+def test_which_shapes_take_bf16_dots() -> None:
+    """kv_elem.h's kv_bf16_dots, the one rule both kernels and the runner's log follow: head_dim a
+    multiple of 32 up to 256, an even block size, at most 128 query heads; never in the portable
+    build (no AVX-512), where a bf16 pool is read widened."""
     kernels = load_kernels()
-    assert kernels is not None and kernels.attention_bf16_dots == ("avx512_bf16" in cpu_flags())
+    assert kernels is not None and "avx512_bf16" in cpu_flags()
+    takes = kernels.bf16_dots_for
+    assert [bool(takes(h, d, b)) for h, d, b in [(9, 64, 16), (32, 128, 16), (128, 256, 2), (9, 32, 4)]] == [True] * 4
+    assert [bool(takes(h, d, b)) for h, d, b in [(9, 48, 16), (9, 16, 16), (9, 288, 16), (9, 64, 1), (9, 64, 15),
+                                                 (129, 64, 16)]] == [False] * 6  # fmt: skip
     portable = load_kernels(portable=True)
-    assert portable is not None and not portable.attention_bf16_dots
+    assert portable is not None and not portable.attention_bf16_dots and not portable.bf16_dots_for(9, 64, 16)
 
 
 def _bf16(x: float) -> float:

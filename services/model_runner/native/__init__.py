@@ -173,13 +173,20 @@ class NativeKernels:
     linear_int8: Any | None = None  # kvmesh_linear_int8; None unless built for AVX512-BF16, as linear_bf16
     linear_bf16_swiglu: Any | None = None  # kvmesh_linear_bf16_swiglu (gate_up GEMM + SwiGLU); as linear_bf16
     linear_bf16_amx: bool = False  # kvmesh_linear_bf16_amx(): the bf16 GEMMs run on AMX tiles (gemm_amx.c)
-    # kvmesh_attention_bf16_dots(): a bf16 pool is attended in bf16 dot products (kv_elem.h's kv_bf16_dots)
-    attention_bf16_dots: bool = False
+    # kvmesh_bf16_dots_for(num_heads, head_dim, block_size): whether a bf16 pool of that shape is attended
+    # in bf16 dot products (kv_elem.h's kv_bf16_dots, the one owner of the rule)
+    bf16_dots_for: Any = None
     # the attention kernels over a bf16 pool (same arguments; the caches uint16): always built, the
     # defaults only keep hand-made NativeKernels valid
     paged_decode_bf16: Any = None  # kvmesh_paged_decode_bf16
     prefill_attention_bf16: Any = None  # kvmesh_prefill_attention_bf16
     write_kv_bf16: Any = None  # kvmesh_write_kv_bf16
+
+
+    @property
+    def attention_bf16_dots(self) -> bool:
+        """Whether this build attends a bf16 pool in bf16 dot products at all (AVX512-BF16)."""
+        return self.bf16_dots_for is not None and bool(self.bf16_dots_for(1, 32, 2))
 
 
 def _bind(lib: ctypes.CDLL, name: str, restype: Any, argtypes: list[Any]) -> Any:
@@ -284,5 +291,5 @@ def load_kernels(portable: bool = False, no_amx: bool = False) -> NativeKernels 
             _PTR, _I64,  # out, out_stride
         ]) if _bind(lib, "kvmesh_linear_int8_available", _I64, [])() else None,
         linear_bf16_amx=bf16 and bool(_bind(lib, "kvmesh_linear_bf16_amx", _I64, [])()),
-        attention_bf16_dots=bool(_bind(lib, "kvmesh_attention_bf16_dots", _I64, [])()),
+        bf16_dots_for=_bind(lib, "kvmesh_bf16_dots_for", _I64, [_I64, _I64, _I64]),
     )  # fmt: skip

@@ -48,6 +48,21 @@ static inline __m512 exp512_neg(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
+/* One row's softmax numerators e^(s - max), written over its n scores s, and 1 / their sum (lane-wise
+ * in 16-key steps from s[0], then reduced): the one order paged_decode.c and prefill_attention.c
+ * both use, so a prefill row's weights are bitwise a decode's. */
+static inline float softmax_row_f32(float *s, int64_t n, float max) {
+    const __m512 m = _mm512_set1_ps(max);
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t t = 0; t < n; t += 16) {
+        const __mmask16 live = n - t >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - t)) - 1u);
+        const __m512 e = exp512_neg(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, s + t), m));
+        _mm512_mask_storeu_ps(s + t, live, e);
+        sum = _mm512_mask_add_ps(sum, live, sum, e);
+    }
+    return 1.0f / _mm512_reduce_add_ps(sum);
+}
+
 /* silu(x) * u, 16 lanes: x sigmoid(x) u, sigmoid(x) = num / (1 + e^-|x|) with num = 1 for x > 0,
  * e^-|x| otherwise (nothing overflows). The one definition of SwiGLU's vector arithmetic, so the
  * fused GEMM epilogue (gemm_bf16.c) and the SwiGLU pass (layer_ops.c) give the same bits. */

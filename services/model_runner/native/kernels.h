@@ -56,5 +56,8 @@ int64_t kvmesh_linear_bf16_amx(void);
 int kvmesh_linear_int8(const float *x, int64_t x_stride, int64_t m, int64_t k, const void *packed, int64_t n,
                        const float *bias, float *out, int64_t out_stride);
 int64_t kvmesh_linear_int8_available(void);
+/* 1 where kv_elem.h's kv_bf16_dots holds for a bf16 pool of this shape: the runner's log and
+ * GetModelInfo say which arithmetic its attention runs from this, the one owner of the rule. */
+int64_t kvmesh_bf16_dots_for(int64_t num_heads, int64_t head_dim, int64_t block_size);
 
 #endif

@@ -55,19 +55,26 @@ static inline float kv_load1(const char *base, int64_t i, int esz) {
 #else
 #define KV_BF16_DOTS_BUILT 0
 #endif
-#define KV_BF16_DOTS_MAX_HEADS 128  /* paged_decode.c's MAX_HEADS */
+/* The most query heads the decode kernel's AVX-512 path takes (its per-head arrays): bf16 dot
+ * products live on that path, so a prefill kernel taking more heads would not match its decode. */
+#define KV_MAX_HEADS 128
 
 static inline int kv_bf16_dots(int esz, int64_t num_heads, int64_t head_dim, int64_t block_size) {
     return KV_BF16_DOTS_BUILT && esz == 2 && head_dim % 32 == 0 && head_dim <= 256 && block_size % 2 == 0
-           && num_heads <= KV_BF16_DOTS_MAX_HEADS;
+           && num_heads <= KV_MAX_HEADS;
 }
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
+#include "exp_math.h"
+/* 16 bf16 values as fp32 (exact: each the top half of its fp32). */
+static inline __m512 kv_widen16(__m256i b) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+}
+
 /* 16 elements from p as fp32 (esz 4: fp32, 2: bf16 widened). */
 static inline __attribute__((always_inline)) __m512 kv_load16(const char *p, const int esz) {
-    if (esz == 2)
-        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+    if (esz == 2) return kv_widen16(_mm256_loadu_si256((const __m256i *)p));
     return _mm512_loadu_ps((const float *)p);
 }
 #endif
@@ -90,12 +97,23 @@ static inline __m512bh kv_pair_bcast(const uint16_t *p) {
     return (__m512bh)_mm512_set1_epi32(w);
 }
 
-/* Softmax numerators e (16 lanes) rounded to bf16: stored as bf16 at dst under mask live, and
- * returned widened (what the normalising sum adds). */
-static inline __m512 kv_round_p16(__m512 e, uint16_t *dst, __mmask16 live) {
-    const __m256i b = (__m256i)_mm512_cvtneps_pbh(e);
-    _mm256_mask_storeu_epi16(dst, live, b);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+/* softmax_row_f32 (exp_math.h) in bf16 dot products' terms, the one order both kernels use: one
+ * row's n scores s (keys first .. first + n - 1), numerators e^(s - max) rounded to bf16 into p
+ * (p[i] is key first + i), and 1 / the sum of the rounded numerators (lane-wise in 16-key steps,
+ * then reduced). The other half of the row's first and last key pair (p[-1] when first is odd,
+ * p[n] when first + n is), outside the row, is set to zero. */
+static inline float kv_softmax_bf16(const float *s, int64_t n, float max, uint16_t *p, int64_t first) {
+    const __m512 m = _mm512_set1_ps(max);
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t t = 0; t < n; t += 16) {
+        const __mmask16 live = n - t >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - t)) - 1u);
+        const __m256i b = (__m256i)_mm512_cvtneps_pbh(exp512_neg(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, s + t), m)));
+        _mm256_mask_storeu_epi16(p + t, live, b);
+        sum = _mm512_mask_add_ps(sum, live, sum, kv_widen16(b));
+    }
+    if (first & 1) p[-1] = 0;
+    if ((first + n) & 1) p[n] = 0;
+    return 1.0f / _mm512_reduce_add_ps(sum);
 }
 #endif
 

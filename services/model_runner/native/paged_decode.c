@@ -49,7 +49,7 @@
 
 #define MAX_GROUP 16
 #define MAX_HEAD_DIM 256
-#define MAX_HEADS 128  /* kv_elem.h's KV_BF16_DOTS_MAX_HEADS */
+#define MAX_HEADS KV_MAX_HEADS
 
 #if defined(__AVX512F__)
 
@@ -122,10 +122,13 @@ static inline __attribute__((always_inline)) void attend_seq_avx512(
     const int64_t head_dim = (int64_t)nd * 16, num_kv = num_heads / group, n_keys = len - first;
     const int64_t block_bytes = block_size * token_stride * (int64_t)esz;
     const int64_t b0 = first / block_size, num_blocks = (len + block_size - 1) / block_size;
-    const int64_t fe = first & ~(int64_t)1, pb_stride = (len - fe + 2) & ~(int64_t)1;  /* dots */
 #if KV_BF16_DOTS_BUILT
-    uint16_t *qb = (uint16_t *)qbuf;  /* dots: the rounded query */
+    /* dots: pb rows from key fe (first rounded down to even), the rounded query in qbuf */
+    const int64_t fe = first & ~(int64_t)1, pb_stride = (len - fe + 2) & ~(int64_t)1;
+    uint16_t *qb = (uint16_t *)qbuf;
     if (dots) kv_round_bf16(q_row, scale, qb, num_heads * head_dim);
+#else
+    (void)pb;
 #endif
     if (!dots) {
         const __m512 vscale = _mm512_set1_ps(scale);
@@ -189,26 +192,14 @@ static inline __attribute__((always_inline)) void attend_seq_avx512(
             }
         }
     }
-    /* 2. softmax numerators: in place, or (dots) rounded to bf16 into pb (key k at k - fe), the sum
-     * over the rounded */
+    /* 2. softmax numerators: in place, or (dots) rounded to bf16 into pb (key k at k - fe) */
     float inv_sum[MAX_HEADS];
     for (int64_t h = 0; h < num_heads; h++) {
-        float *sh = scores + h * n_keys;
-        uint16_t *ph = dots ? pb + h * pb_stride : NULL;
-        const __m512 m = _mm512_set1_ps(maxv[h]);
-        __m512 sum = _mm512_setzero_ps();
-        for (int64_t t = 0; t < n_keys; t += 16) {
-            const __mmask16 live = n_keys - t >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n_keys - t)) - 1u);
-            __m512 e = exp512_neg(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, sh + t), m));
 #if KV_BF16_DOTS_BUILT
-            if (dots) e = kv_round_p16(e, ph + (first - fe) + t, live);
+        if (dots) inv_sum[h] = kv_softmax_bf16(scores + h * n_keys, n_keys, maxv[h], pb + h * pb_stride + (first - fe),
+                                               first);
 #endif
-            if (!dots) _mm512_mask_storeu_ps(sh + t, live, e);
-            sum = _mm512_mask_add_ps(sum, live, sum, e);
-        }
-        inv_sum[h] = 1.0f / _mm512_reduce_add_ps(sum);
-        if (dots && (first & 1)) ph[0] = 0;               /* key first - 1: outside */
-        if (dots && ((len - fe) & 1)) ph[len - fe] = 0;   /* key len: outside */
+        if (!dots) inv_sum[h] = softmax_row_f32(scores + h * n_keys, n_keys, maxv[h]);
     }
     /* 3. weighted V (keys in order; dots: key pairs): per block and KV head, that head group's
      * accumulators live in registers */
@@ -461,9 +452,10 @@ int kvmesh_paged_decode_elem(
     return failed ? -2 : 0;
 }
 
-/* 1 where a bf16 pool is attended in bf16 dot products (kv_elem.h's kv_bf16_dots, for the shapes it
- * names): the runner says so in its log and GetModelInfo. */
-int64_t kvmesh_attention_bf16_dots(void) { return KV_BF16_DOTS_BUILT; }
+/* kernels.h */
+int64_t kvmesh_bf16_dots_for(int64_t num_heads, int64_t head_dim, int64_t block_size) {
+    return kv_bf16_dots(2, num_heads, head_dim, block_size);
+}
 
 int kvmesh_paged_decode_f32(
     const float *q, int64_t q_row_stride, const float *k_cache, const float *v_cache, int64_t block_stride,

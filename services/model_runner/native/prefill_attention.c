@@ -187,19 +187,7 @@ static inline __attribute__((always_inline)) void attend_rows(
     for (int r = 0; r < RT; r++) maxv[r] = row_max(sc + r * sc_stride, len[r] - lo[r]);
     /* 2. softmax numerators in place, per row over its own keys */
     float inv_sum[RT];
-    for (int r = 0; r < RT; r++) {
-        float *sr = sc + r * sc_stride;
-        const int64_t n_keys = len[r] - lo[r];
-        const __m512 m = _mm512_set1_ps(maxv[r]);
-        __m512 sum = _mm512_setzero_ps();
-        for (int64_t t = 0; t < n_keys; t += 16) {
-            const __mmask16 live = n_keys - t >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n_keys - t)) - 1u);
-            const __m512 e = exp512_neg(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, sr + t), m));
-            _mm512_mask_storeu_ps(sr + t, live, e);
-            sum = _mm512_mask_add_ps(sum, live, sum, e);
-        }
-        inv_sum[r] = 1.0f / _mm512_reduce_add_ps(sum);
-    }
+    for (int r = 0; r < RT; r++) inv_sum[r] = softmax_row_f32(sc + r * sc_stride, len[r] - lo[r], maxv[r]);
     /* 3. weighted V, 32 dims at a time (a 16-dim tail where head_dim / 16 is odd) */
     int j = 0;
     for (; j + 1 < nd; j += 2)
@@ -279,22 +267,12 @@ static inline __attribute__((always_inline)) void attend_rows_bf16(
         for (int h = 0; h < RT; h += RH) score_rows_bf16(kb, qb + h * head_dim, head_dim, nd, a + h);
         store_tile_scores(&rs, t0, a, sc, sc_stride);
     }
-    /* 2. per row: the maximum, then the numerators rounded to bf16 (pb at local key index) and their sum */
+    /* 2. per row: the maximum, then the numerators rounded to bf16 (pb at local key index) */
     float inv_sum[RT];
     for (int r = 0; r < RT; r++) {
         const float *sr = sc + r * sc_stride;
-        uint16_t *pr = pb + r * pb_stride;
         const int64_t n_keys = len[r] - lo[r];
-        const __m512 m = _mm512_set1_ps(row_max(sr, n_keys));
-        __m512 sum = _mm512_setzero_ps();
-        for (int64_t t = 0; t < n_keys; t += 16) {
-            const __mmask16 live = n_keys - t >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n_keys - t)) - 1u);
-            const __m512 e = exp512_neg(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, sr + t), m));
-            sum = _mm512_mask_add_ps(sum, live, sum, kv_round_p16(e, pr + lo[r] + t, live));
-        }
-        inv_sum[r] = 1.0f / _mm512_reduce_add_ps(sum);
-        if (lo[r] & 1) pr[lo[r] - 1] = 0;
-        if (len[r] & 1) pr[len[r]] = 0;
+        inv_sum[r] = kv_softmax_bf16(sr, n_keys, row_max(sr, n_keys), pb + r * pb_stride + lo[r], lo[r]);
     }
     /* 3. weighted V over key pairs, 32 dims at a time (two 16-lane slices: each broadcast numerator
      * pair feeds two vdpbf16ps, so a pass loads 1 V line per 4 products instead of 1 per 8 plus
