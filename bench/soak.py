@@ -1,4 +1,4 @@
-"""Soak: Poisson load on the whole suite while the model-runner is SIGKILLed and restarted.
+"""Soak: Poisson load on the whole suite while one service (the model-runner, or `--kill`) is SIGKILLed and restarted.
 
 Measures what docs/reliability.md promises: outside the kill windows requests succeed, every
 successful answer equals its cold-run answer (greedy, so the cache never changes it), no process's
@@ -124,7 +124,7 @@ def _soak(suite: Suite, args: argparse.Namespace, model: str, log_dir: str) -> d
     def killer() -> None:
         while not stop.wait(args.kill_every):
             begin = time.monotonic() - t0
-            suite.restart("model-runner")
+            suite.restart(args.kill)
             windows.append((begin, time.monotonic() - t0 + WINDOW_GRACE_S))
 
     def sampler() -> None:
@@ -182,7 +182,7 @@ def _report(args: argparse.Namespace, model: str, log_dir: str, outcomes: list[O
 
     return {
         "model": model, "log_dir": log_dir, "minutes": args.minutes, "rate_per_s": args.rate,
-        "kill_every_s": args.kill_every, "max_tokens": args.max_tokens, "kills": len(windows),
+        "killed": args.kill, "kill_every_s": args.kill_every, "max_tokens": args.max_tokens, "kills": len(windows),
         "requests": len(outcomes),
         "outside_windows": {"requests": len(outside), "ok": sum(o.code == "OK" for o in outside),
                             "success_rate": round(sum(o.code == "OK" for o in outside) / max(len(outside), 1), 4)},
@@ -207,7 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="", help="checkpoint folder (default: the embedded SmolLM2-135M)")
     parser.add_argument("--tiny", action="store_true", help="use the tests' tiny random-weight checkpoint")
     parser.add_argument("--minutes", type=float, default=10.0)
-    parser.add_argument("--kill-every", type=float, default=120.0, help="seconds between runner SIGKILLs")
+    parser.add_argument("--kill-every", type=float, default=120.0, help="seconds between SIGKILLs")
+    parser.add_argument("--kill", default="model-runner", choices=SERVICES, help="the service SIGKILLed and restarted")
     parser.add_argument("--rate", type=float, default=2.0, help="Poisson arrivals per second")
     parser.add_argument("--max-concurrency", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=16)
