@@ -48,7 +48,7 @@ def test_a_bf16_pool_reads_as_the_fp32_pool_of_its_values(
     backend: CpuAttentionBackend, block_size: int, head_dim: int, queries_per_kv: int, window: int
 ) -> None:
     """Decodes (the paged kernel, or its portable loops for head_dim 40) and prefill chunks (the
-    prefill kernel; SDPA over the gathered chunk for head_dim 40 or the portable build), with
+    prefill kernel; each row as the decode of its position for head_dim 40 or the portable build), with
     and without a sliding window: bitwise the fp32 pool holding the bf16 values, except where the
     build attends a bf16 pool in bf16 dot products (head_dim a multiple of 32, an even block size,
     AVX512-BF16: test_bf16_attention.py pins that arithmetic), which is within bf16 rounding of it."""
@@ -76,20 +76,22 @@ def test_a_bf16_pool_reads_as_the_fp32_pool_of_its_values(
 
 @pytest.mark.parametrize(("queries_per_kv", "head_dim", "block_size", "window"),
                          [(3, 64, 16, 0), (2, 128, 4, 0), (3, 64, 16, 20), (1, 16, 1, 7)])  # fmt: skip
+@pytest.mark.parametrize("variant", VARIANTS)
 def test_a_prefill_row_is_bitwise_the_decode_of_its_position_over_bf16(
-    queries_per_kv: int, head_dim: int, block_size: int, window: int
+    queries_per_kv: int, head_dim: int, block_size: int, window: int, variant: str
 ) -> None:
     """The same 45 query rows over a bf16 pool as one prefill chunk and as 45 decodes (row j
     seeing its own prefix, or its window of it): bitwise equal."""
     chunk = make_batch([45], [60], block_size=block_size, head_dim=head_dim, queries_per_kv=queries_per_kv,
                        num_kv_heads=2, cache_dtype=torch.bfloat16, seed=head_dim + window)  # fmt: skip
     meta = dataclasses.replace(chunk.meta, window=window or None)
-    as_chunk = CpuAttentionBackend().forward(chunk.query, chunk.k_cache, chunk.v_cache, meta, head_dim**-0.5)
+    backend = CpuAttentionBackend(portable=variant == "portable")
+    as_chunk = backend.forward(chunk.query, chunk.k_cache, chunk.v_cache, meta, head_dim**-0.5)
     decodes = dataclasses.replace(
         meta, query_start_loc=torch.arange(46, dtype=torch.int32), seq_lens=torch.arange(16, 61, dtype=torch.int32),
         block_tables=chunk.meta.block_tables.repeat(45, 1), max_query_len=1,
     )  # fmt: skip
-    as_decodes = CpuAttentionBackend().forward(chunk.query, chunk.k_cache, chunk.v_cache, decodes, head_dim**-0.5)
+    as_decodes = backend.forward(chunk.query, chunk.k_cache, chunk.v_cache, decodes, head_dim**-0.5)
     assert torch.equal(as_chunk[:45], as_decodes[:45])
 
 

@@ -15,13 +15,12 @@ import torch
 from services.model_runner.attention.base import AttentionMetadata
 from services.model_runner.attention.cpu_backend import CpuAttentionBackend
 from services.model_runner.attention.torch_backend import TorchAttentionBackend
-from services.model_runner.factory import cpu_flags
 
 from .test_paged_attention import make_batch
 
-pytestmark = pytest.mark.skipif(
-    "avx512f" not in cpu_flags(), reason="the prefill kernel is AVX-512 only (SDPA elsewhere)"
-)
+# The AVX-512 build's tiled kernel, and the portable build (a CPU without AVX-512), whose chunks run
+# every row as the decode of its position.
+VARIANTS = ["native", "portable"]
 
 
 def _forward(backend: TorchAttentionBackend, batch: object) -> torch.Tensor:
@@ -49,19 +48,32 @@ def test_chunks_match_the_torch_reference(block_size: int, head_dim: int, querie
     torch.testing.assert_close(out[:n], expected[:n], atol=2e-6, rtol=1e-5)
 
 
-def test_head_dim_it_does_not_take_goes_to_sdpa() -> None:
-    """head_dim 40 (not a multiple of 16): the kernel refuses it and the chunk takes SDPA, bitwise."""
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_head_dim_the_tiles_do_not_take_runs_as_decodes(variant: str) -> None:
+    """head_dim 40 (not a multiple of 16; and every shape in the portable build): the chunk's rows
+    run as decodes of their positions. Not SDPA over the gathered chunk, whose bits depend on the
+    chunk's length and offset (the cache would change the answer); close to it."""
     batch = make_batch([1, 21], [9, 21], head_dim=40, queries_per_kv=3, num_kv_heads=2)
-    out = _forward(CpuAttentionBackend(), batch)
+    backend = CpuAttentionBackend(portable=variant == "portable")
+    out = _forward(backend, batch)
     expected = _forward(TorchAttentionBackend(), batch)
-    assert torch.equal(out[1:22], expected[1:22])
+    torch.testing.assert_close(out[1:22], expected[1:22], atol=2e-6, rtol=1e-5)
+    decodes = dataclasses.replace(
+        batch.meta, query_start_loc=torch.tensor([0, *range(1, 23)], dtype=torch.int32),
+        seq_lens=torch.tensor([9, *range(1, 22)], dtype=torch.int32),
+        block_tables=torch.cat([batch.meta.block_tables[:1], batch.meta.block_tables[1:2].repeat(21, 1)]),
+        max_query_len=1,
+    )  # fmt: skip
+    as_decodes = backend.forward(batch.query, batch.k_cache, batch.v_cache, decodes, 40**-0.5)
+    assert torch.equal(out[:22], as_decodes[:22])
 
 
 @pytest.mark.parametrize("split", [[70], [1, 69], [16, 17, 37], [33, 37], [7] * 10])
 @pytest.mark.parametrize("threads", [1, 3])
 @pytest.mark.parametrize(("cache_dtype", "window"), [(torch.float32, 0), (torch.bfloat16, 0), (torch.bfloat16, 25)])
+@pytest.mark.parametrize("variant", VARIANTS)
 def test_a_row_is_the_same_however_the_prompt_is_chunked(split: list[int], threads: int, cache_dtype: torch.dtype,
-                                                          window: int) -> None:  # fmt: skip
+                                                          window: int, variant: str) -> None:  # fmt: skip
     """A 70-token prompt attended in one chunk or in consecutive chunks (each after the cached rows
     before it), on 1 or 3 threads, over an fp32 pool and a bf16 one (bf16 dot products where the
     build has them, test_bf16_attention.py), with and without a sliding window: every row bitwise
@@ -69,7 +81,8 @@ def test_a_row_is_the_same_however_the_prompt_is_chunked(split: list[int], threa
     whole = make_batch([70], [70], block_size=16, head_dim=64, queries_per_kv=3, num_kv_heads=3,
                        cache_dtype=cache_dtype, seed=5)  # fmt: skip
     meta_whole = dataclasses.replace(whole.meta, window=window or None)
-    reference = CpuAttentionBackend().forward(whole.query, whole.k_cache, whole.v_cache, meta_whole, 64**-0.5)
+    backend = CpuAttentionBackend(portable=variant == "portable")
+    reference = backend.forward(whole.query, whole.k_cache, whole.v_cache, meta_whole, 64**-0.5)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -83,27 +96,29 @@ def test_a_row_is_the_same_however_the_prompt_is_chunked(split: list[int], threa
                 max_query_len=size, max_seq_len=start + size, window=window or None,
             )  # fmt: skip
             query = whole.query[start : start + size].contiguous()
-            out = CpuAttentionBackend().forward(query, whole.k_cache, whole.v_cache, meta, 64**-0.5)
+            out = backend.forward(query, whole.k_cache, whole.v_cache, meta, 64**-0.5)
             assert torch.equal(out, reference[start : start + size]), (split, start)
             start += size
     finally:
         torch.set_num_threads(before)
 
 
-@pytest.mark.parametrize(("queries_per_kv", "head_dim", "block_size"), [(3, 64, 16), (2, 128, 4), (16, 32, 16),
-                                                                         (1, 16, 1), (2, 48, 16)])  # fmt: skip
+@pytest.mark.parametrize(("queries_per_kv", "head_dim", "block_size"),
+                         [(3, 64, 16), (2, 128, 4), (16, 32, 16), (1, 16, 1), (2, 48, 16), (3, 40, 16)])  # fmt: skip
+@pytest.mark.parametrize("variant", VARIANTS)
 def test_a_prefill_row_is_bitwise_the_decode_of_its_position(queries_per_kv: int, head_dim: int,
-                                                             block_size: int) -> None:  # fmt: skip
+                                                             block_size: int, variant: str) -> None:  # fmt: skip
     """The same 45 query rows as one prefill chunk and as 45 decodes (row j seeing its own
     prefix): bitwise equal, so a position computed once as a prefill row and once as a decode (a
     cold run's decode, a preempted request's recompute) has the same bits."""
     chunk = make_batch([45], [60], block_size=block_size, head_dim=head_dim, queries_per_kv=queries_per_kv,
                        num_kv_heads=2, seed=head_dim)  # fmt: skip
-    as_chunk = _forward(CpuAttentionBackend(), chunk)
+    backend = CpuAttentionBackend(portable=variant == "portable")
+    as_chunk = _forward(backend, chunk)
     tables = chunk.meta.block_tables.repeat(45, 1)
     meta = dataclasses.replace(
         chunk.meta, query_start_loc=torch.arange(46, dtype=torch.int32),
         seq_lens=torch.arange(16, 61, dtype=torch.int32), block_tables=tables, max_query_len=1,
     )  # fmt: skip
-    as_decodes = CpuAttentionBackend().forward(chunk.query, chunk.k_cache, chunk.v_cache, meta, head_dim**-0.5)
+    as_decodes = backend.forward(chunk.query, chunk.k_cache, chunk.v_cache, meta, head_dim**-0.5)
     assert torch.equal(as_chunk[:45], as_decodes[:45])

@@ -19,7 +19,6 @@ from services.model_runner.attention.base import AttentionBackend
 from services.model_runner.attention.cpu_backend import CpuAttentionBackend
 from services.model_runner.attention.kernels.paged_attention import paged_attention, paged_attention_ref
 from services.model_runner.attention.torch_backend import TorchAttentionBackend
-from services.model_runner.factory import cpu_flags
 from shared.kv_layout import first_visible_key
 
 from .test_paged_attention import Batch, make_batch, run_reference
@@ -104,22 +103,23 @@ def test_window_wider_than_every_context_is_full_attention() -> None:
         assert torch.equal(_forward(backend, _windowed(batch, 200)), _forward(backend, batch))
 
 
-@pytest.mark.skipif("avx512f" not in cpu_flags(), reason="the prefill kernel is AVX-512 only")
 @pytest.mark.parametrize(("window", "block_size", "queries_per_kv"), [(16, 4, 3), (5, 16, 1), (40, 1, 16)])
+@pytest.mark.parametrize("variant", ["native", "portable"])
 def test_a_windowed_prefill_row_is_bitwise_the_decode_of_its_position(
-    window: int, block_size: int, queries_per_kv: int
+    window: int, block_size: int, queries_per_kv: int, variant: str
 ) -> None:
     """As the full-attention test of ``test_native_prefill_attention.py``: the 45 rows of one
     chunk (after 15 cached tokens) and the same rows as 45 decodes, bitwise equal."""
     chunk = _windowed(make_batch([45], [60], block_size=block_size, head_dim=64, queries_per_kv=queries_per_kv,
                                  num_kv_heads=2, seed=window), window)  # fmt: skip
-    as_chunk = _forward(CpuAttentionBackend(), chunk)
+    backend = CpuAttentionBackend(portable=variant == "portable")
+    as_chunk = _forward(backend, chunk)
     meta = dataclasses.replace(
         chunk.meta, query_start_loc=torch.arange(46, dtype=torch.int32),
         seq_lens=torch.arange(16, 61, dtype=torch.int32), block_tables=chunk.meta.block_tables.repeat(45, 1),
         max_query_len=1,
     )  # fmt: skip
-    as_decodes = CpuAttentionBackend().forward(chunk.query, chunk.k_cache, chunk.v_cache, meta, 64**-0.5)
+    as_decodes = backend.forward(chunk.query, chunk.k_cache, chunk.v_cache, meta, 64**-0.5)
     assert torch.equal(as_chunk[:45], as_decodes[:45])
 
 

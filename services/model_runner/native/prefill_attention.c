@@ -28,8 +28,10 @@
  * position is computed as a prefill row or as a decode. So chunked prefill, prefix-cache hits and
  * preemption's recompute give a cold run's bits (tests/kernels/test_native_prefill_attention.py).
  *
- * Returns 0; -1 for a shape it does not take (head_dim not a multiple of 16 or > 256, no AVX-512:
- * the caller keeps SDPA); -2 when a buffer could not be allocated.
+ * Shapes the tiled kernel does not take (head_dim not a multiple of 16 or > 256, more than
+ * KV_MAX_HEADS query heads, a build without AVX-512) run each row as the decode of its position
+ * (prefill_as_decodes), so the rule above holds on every CPU. Returns 0; -1 for a shape the decode
+ * kernel refuses too (the caller keeps SDPA); -2 when a buffer could not be allocated.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -37,6 +39,7 @@
 #include <omp.h>
 
 #include "exp_math.h"
+#include "kernels.h"
 #include "kv_elem.h"
 
 #define RT 8             /* rows (query token, head) per work item: 8 score accumulators */
@@ -397,6 +400,37 @@ static int prefill_attention_bf16dots(
 #endif
 #endif
 
+/* A chunk the tiled kernel below does not take (no AVX-512 in the build, head_dim not a multiple
+ * of 16, more query heads than the decode kernel's AVX-512 path takes): every row as the decode of
+ * its position, paged_decode.c's kernel with one block table for all rows (table stride 0) and
+ * row i seeing seq_len - num_q + 1 + i keys. Bitwise what decoding the prompt token by token gives,
+ * by construction; SDPA here instead made a prefix hit, a chunked prompt or a preemption's
+ * recompute change the answer on a CPU without AVX-512. -1 for a shape the decode kernel refuses. */
+static int prefill_as_decodes(
+    const float *q, int64_t q_row_stride, const char *k_cache, const char *v_cache, int64_t block_stride,
+    const int32_t *table, int64_t num_q, int64_t seq_len, float *out, int64_t out_row_stride,
+    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, int64_t window,
+    int esz)
+{
+    int32_t *lens = (int32_t *)malloc(sizeof(int32_t) * (size_t)num_q);
+    int32_t *rows = (int32_t *)malloc(sizeof(int32_t) * (size_t)num_q);
+    if (lens == NULL || rows == NULL) {
+        free(lens);
+        free(rows);
+        return -2;
+    }
+    for (int64_t i = 0; i < num_q; i++) {
+        lens[i] = (int32_t)(seq_len - num_q + 1 + i);
+        rows[i] = (int32_t)i;
+    }
+    const int status = kvmesh_paged_decode_elem(q, q_row_stride, k_cache, v_cache, block_stride, table, 0, lens, rows,
+                                                num_q, out, out_row_stride, num_heads, num_kv_heads, head_dim,
+                                                block_size, seq_len, scale, window, esz);
+    free(lens);
+    free(rows);
+    return status;
+}
+
 /* esz: the cache element's bytes (4 fp32, 2 bf16); block_stride in elements */
 static int prefill_attention(
     const float *q, int64_t q_row_stride,  /* the chunk's first query row; [num_q, H, D] */
@@ -406,9 +440,17 @@ static int prefill_attention(
     int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, int64_t window,
     int esz)
 {
-#if defined(__AVX512F__)
-    if (num_kv_heads <= 0 || num_heads % num_kv_heads || head_dim % 16 || head_dim > PF_MAX_DIM) return -1;
+    if (num_kv_heads <= 0 || num_heads % num_kv_heads) return -1;
     if (num_q <= 0 || seq_len < num_q) return num_q <= 0 ? 0 : -1;
+#if defined(__AVX512F__)
+    const int tiled = head_dim % 16 == 0 && head_dim <= PF_MAX_DIM && num_heads <= KV_MAX_HEADS;
+#else
+    const int tiled = 0;
+#endif
+    if (!tiled)
+        return prefill_as_decodes(q, q_row_stride, k_cache, v_cache, block_stride, table, num_q, seq_len, out,
+                                  out_row_stride, num_heads, num_kv_heads, head_dim, block_size, scale, window, esz);
+#if defined(__AVX512F__)
 #if KV_BF16_DOTS_BUILT
     if (kv_bf16_dots(esz, num_heads, head_dim, block_size))
         return prefill_attention_bf16dots(q, q_row_stride, (const uint16_t *)k_cache, (const uint16_t *)v_cache,
@@ -474,11 +516,6 @@ static int prefill_attention(
     free(kt);
     free(vc);
     return failed ? -2 : 0;
-#else
-    (void)q; (void)q_row_stride; (void)k_cache; (void)v_cache; (void)block_stride; (void)table; (void)num_q;
-    (void)seq_len; (void)out; (void)out_row_stride; (void)num_heads; (void)num_kv_heads; (void)head_dim;
-    (void)block_size; (void)scale; (void)window; (void)esz;
-    return -1;
 #endif
 }
 
