@@ -47,6 +47,11 @@
 #else
 #define ROW_TILE 6  /* AVX2: 6 rows x 16 columns = 12 ymm accumulators, 2 for the panel, 1 for x */
 #endif
+#if defined(__AVX512F__)
+#define K_PASSES 1  /* passes over k per tile of several rows */
+#else
+#define K_PASSES 3
+#endif
 #define ROW_CHUNK 256
 #define PREFETCH_TILES 4  /* row tiles per chunk over which the next panel's prefetch is spread */
 
@@ -108,36 +113,43 @@ static void tile_dispatch(const float *x, int64_t x_stride, int64_t k, const flo
  * (BLIS's AVX2 shape: each panel load feeds six FMAs; an array of accumulators was kept in
  * memory by the compiler, one store per FMA). A tile of fewer rows repeats its last row in the
  * missing ones and stores only its own; one row has its own loop (no repeated rows: a batch-1
- * decode streams the weight). Either way the arithmetic per output is the AVX-512 tile's (FMA in
+ * decode streams the weight; all 48 columns in one pass). Either way the arithmetic per output is the AVX-512 tile's (FMA in
  * k order from zero, then the bias), so a row's result never depends on the rows beside it.
  * Without it an AVX2 CPU ran the portable loops below, whose 8 x 48 accumulators do not fit 16
  * registers (several times slower: docs/model_runner.md). */
 static void tile_dispatch(const float *x, int64_t x_stride, int64_t k, const float *panel, const float *bias,
-                          float *out, int64_t out_stride, int mr, int64_t cols, void *unused)
+                          float *out, int64_t out_stride, int mr, int64_t cols, PanelPrefetch *pf)
 {
-    (void)unused;
-    float tmp[ROW_TILE][16];
+    float tmp[ROW_TILE][PANEL];
+    if (mr == 1) {
+        /* One row: the whole panel in one pass, six chains of FMAs (two were latency-bound at a
+         * third of the FMA rate) and the panel read front to back, as the hardware prefetcher
+         * likes a weight streamed from memory; the next panel prefetched per k step. */
+        __m256 c[6];
+        for (int j = 0; j < 6; j++) c[j] = _mm256_setzero_ps();
+        const float *b = panel;
+        for (int64_t kk = 0; kk < k; kk++, b += PANEL) {
+            if (pf != NULL) panel_prefetch_step(pf);
+            const __m256 a = _mm256_broadcast_ss(x + kk);
+            for (int j = 0; j < 6; j++) c[j] = _mm256_fmadd_ps(a, _mm256_loadu_ps(b + j * 8), c[j]);
+        }
+        for (int j = 0; j < 6; j++) _mm256_storeu_ps(tmp[0] + j * 8, c[j]);
+        for (int64_t j2 = 0; j2 < cols; j2++) out[j2] = tmp[0][j2] + (bias != NULL ? bias[j2] : 0.0f);
+        return;
+    }
     for (int h = 0; h < 3; h++) {
         const int64_t left = cols - h * 16;
         if (left <= 0) break;
         const int64_t n = left < 16 ? left : 16;
         const float *b = panel + h * 16;
-        if (mr == 1) {
-            __m256 c0 = _mm256_setzero_ps(), c1 = c0;
-            for (int64_t kk = 0; kk < k; kk++, b += PANEL) {
-                const __m256 a = _mm256_broadcast_ss(x + kk);
-                c0 = _mm256_fmadd_ps(a, _mm256_loadu_ps(b), c0);
-                c1 = _mm256_fmadd_ps(a, _mm256_loadu_ps(b + 8), c1);
-            }
-            _mm256_storeu_ps(tmp[0], c0);
-            _mm256_storeu_ps(tmp[0] + 8, c1);
-        } else {
+        {
             const float *x0 = x, *x1 = x + (mr > 1 ? 1 : mr - 1) * x_stride, *x2 = x + (mr > 2 ? 2 : mr - 1) * x_stride,
                         *x3 = x + (mr > 3 ? 3 : mr - 1) * x_stride, *x4 = x + (mr > 4 ? 4 : mr - 1) * x_stride,
                         *x5 = x + (mr > 5 ? 5 : mr - 1) * x_stride;
             __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
             __m256 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
             for (int64_t kk = 0; kk < k; kk++, b += PANEL) {
+                if (pf != NULL) panel_prefetch_step(pf);
                 const __m256 b0 = _mm256_loadu_ps(b), b1 = _mm256_loadu_ps(b + 8);
                 __m256 a = _mm256_broadcast_ss(x0 + kk);
                 c00 = _mm256_fmadd_ps(a, b0, c00); c01 = _mm256_fmadd_ps(a, b1, c01);
@@ -200,12 +212,13 @@ static void run_panels(const float *x, int64_t x_stride, int64_t r0, int64_t row
         const float *panel = packed + p * panel_size;
         const int64_t cols = n - p * PANEL < PANEL ? n - p * PANEL : PANEL;
         const float *bp = bias != NULL ? bias + p * PANEL : NULL;
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
         /* The next panel's prefetch, spread over the k steps of the chunk's first (up to)
          * PREFETCH_TILES tiles: all of a decode-sized chunk's; the later tiles of a larger chunk
-         * find the panel in cache and skip the per-k bookkeeping. */
+         * find the panel in cache and skip the per-k bookkeeping. (AVX2's tiles of several rows
+         * pass over k once per 16 columns: K_PASSES.) */
         const int64_t next = paired_run_after(run, p), pf_tiles = tiles < PREFETCH_TILES ? tiles : PREFETCH_TILES;
-        const int64_t lines = panel_size * (int64_t)sizeof(float) / 64, steps = pf_tiles * k;
+        const int64_t lines = panel_size * (int64_t)sizeof(float) / 64, steps = pf_tiles * k * (rows > 1 ? K_PASSES : 1);
         PanelPrefetch pf = panel_prefetch(next >= 0 ? packed + next * panel_size : NULL, lines * 64, steps);
 #else
         const int64_t pf_tiles = 0;

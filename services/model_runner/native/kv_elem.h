@@ -16,6 +16,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "exp_math.h"
+
 static inline uint16_t kv_f32_to_bf16(float f) {
     uint32_t u;
     memcpy(&u, &f, sizeof u);
@@ -66,7 +68,6 @@ static inline int kv_bf16_dots(int esz, int64_t num_heads, int64_t head_dim, int
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
-#include "exp_math.h"
 /* 16 bf16 values as fp32 (exact: each the top half of its fp32). */
 static inline __m512 kv_widen16(__m256i b) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
@@ -76,6 +77,15 @@ static inline __m512 kv_widen16(__m256i b) {
 static inline __attribute__((always_inline)) __m512 kv_load16(const char *p, const int esz) {
     if (esz == 2) return kv_widen16(_mm256_loadu_si256((const __m256i *)p));
     return _mm512_loadu_ps((const float *)p);
+}
+#endif
+
+#if KVM_AVX2
+/* 8 elements from p as fp32 (esz 4: fp32, 2: bf16 widened exactly). */
+static inline __attribute__((always_inline)) __m256 kv_load8(const char *p, const int esz) {
+    if (esz == 2)
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+    return _mm256_loadu_ps((const float *)p);
 }
 #endif
 

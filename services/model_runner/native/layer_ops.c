@@ -84,6 +84,8 @@ void kvmesh_silu_mul_f32(const float *gate_up, int64_t stride, float *out, int64
         int64_t i = 0;
 #if defined(__AVX512F__)
         for (; i + 16 <= size; i += 16) _mm512_storeu_ps(o + i, silu_mul512(_mm512_loadu_ps(g + i), _mm512_loadu_ps(u + i)));
+#elif KVM_AVX2
+        for (; i + 8 <= size; i += 8) _mm256_storeu_ps(o + i, silu_mul256(_mm256_loadu_ps(g + i), _mm256_loadu_ps(u + i)));
 #endif
         for (; i < size; i++) {
             const float x = g[i];

@@ -26,8 +26,10 @@
  * that torch already loaded (same soname), so torch.set_num_threads governs it too: one thread
  * pool, not two.
  *
- * Paths: AVX-512 for head_dim a multiple of 16 (specialised for 64 and 128); portable C loops
- * (per sequence and KV head) otherwise, and on CPUs without AVX-512.
+ * Paths: AVX-512 for head_dim a multiple of 16 (specialised for 64 and 128); on a CPU without
+ * AVX-512 but with AVX2 + FMA the same structure in 8 lanes (attend_seq_avx2); portable C loops
+ * (per sequence and KV head) otherwise. prefill_attention.c runs each prefill row as a decode of
+ * its position through this kernel wherever its own tiles do not run (the AVX2 build included).
  *
  * Numerics: a bf16 cache is attended in bf16 dot products where kv_elem.h's kv_bf16_dots says so
  * (attend_seq_avx512 with dots; AVX512-BF16 builds); otherwise it is widened exactly to fp32 as it is
@@ -51,27 +53,8 @@
 #define MAX_HEAD_DIM 256
 #define MAX_HEADS KV_MAX_HEADS
 
-#if defined(__AVX512F__)
-
-/* Two vectors of partial sums -> one holding, per 128-bit lane, [a0+a2, b0+b2, a1+a3, b1+b3]. */
-static inline __m512 pair_sum(__m512 a, __m512 b) {
-    return _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
-}
-
-/* 16 vectors of 16 partial sums -> one vector whose lane t is the full sum of part[t]
- * (a transposing reduction: 15 combine steps instead of 16 horizontal reductions). */
-static inline __m512 transpose_sum16(const __m512 part[16]) {
-    __m512 l1[8], l2[4], l3[2];
-    for (int i = 0; i < 8; i++) l1[i] = pair_sum(part[2 * i], part[2 * i + 1]);
-    for (int i = 0; i < 4; i++)  /* per 128-bit lane: [t0, t1, t2, t3] of its quarter */
-        l2[i] = _mm512_add_ps(_mm512_shuffle_ps(l1[2 * i], l1[2 * i + 1], 0x44),
-                              _mm512_shuffle_ps(l1[2 * i], l1[2 * i + 1], 0xEE));
-    for (int i = 0; i < 2; i++)  /* quarters 0+1 and 2+3 of two groups of 4 tokens */
-        l3[i] = _mm512_add_ps(_mm512_shuffle_f32x4(l2[2 * i], l2[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
-                              _mm512_shuffle_f32x4(l2[2 * i], l2[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(l3[0], l3[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                         _mm512_shuffle_f32x4(l3[0], l3[1], _MM_SHUFFLE(3, 1, 3, 1)));
-}
+#if defined(__AVX512F__) || KVM_AVX2
+#include <immintrin.h>
 
 /* Spreads the prefetch of one block's cache lines over `steps` units of work on the block before
  * it: `prefetch_step` issues the next share each time it is called. */
@@ -96,6 +79,29 @@ static inline void prefetch_step(Prefetcher *p) {
     if (p->next == NULL) return;
     for (int64_t i = 0; i < p->per && p->line < p->lines; i++, p->line++)
         _mm_prefetch(p->next + p->line * 64, _MM_HINT_T0);
+}
+#endif
+
+#if defined(__AVX512F__)
+
+/* Two vectors of partial sums -> one holding, per 128-bit lane, [a0+a2, b0+b2, a1+a3, b1+b3]. */
+static inline __m512 pair_sum(__m512 a, __m512 b) {
+    return _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+}
+
+/* 16 vectors of 16 partial sums -> one vector whose lane t is the full sum of part[t]
+ * (a transposing reduction: 15 combine steps instead of 16 horizontal reductions). */
+static inline __m512 transpose_sum16(const __m512 part[16]) {
+    __m512 l1[8], l2[4], l3[2];
+    for (int i = 0; i < 8; i++) l1[i] = pair_sum(part[2 * i], part[2 * i + 1]);
+    for (int i = 0; i < 4; i++)  /* per 128-bit lane: [t0, t1, t2, t3] of its quarter */
+        l2[i] = _mm512_add_ps(_mm512_shuffle_ps(l1[2 * i], l1[2 * i + 1], 0x44),
+                              _mm512_shuffle_ps(l1[2 * i], l1[2 * i + 1], 0xEE));
+    for (int i = 0; i < 2; i++)  /* quarters 0+1 and 2+3 of two groups of 4 tokens */
+        l3[i] = _mm512_add_ps(_mm512_shuffle_f32x4(l2[2 * i], l2[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                              _mm512_shuffle_f32x4(l2[2 * i], l2[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(l3[0], l3[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(l3[0], l3[1], _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
 /* A whole sequence, every head: each block (all KV heads: block_size * token_stride elements,
@@ -266,6 +272,127 @@ static inline __attribute__((always_inline)) void attend_seq_avx512(
 }
 #endif
 
+#if KVM_AVX2
+/* Four vectors of 8 partial sums -> per 128-bit lane, the lane's sums of p0 .. p3. */
+static inline __m256 quad_sum(__m256 p0, __m256 p1, __m256 p2, __m256 p3) {
+    return _mm256_hadd_ps(_mm256_hadd_ps(p0, p1), _mm256_hadd_ps(p2, p3));
+}
+
+/* Two quad_sums (keys 0-3, 4-7) -> lane t the full sum of key t (a transposing reduction, as
+ * transpose_sum16 above: 7 combine steps for 8 keys instead of 8 horizontal reductions). */
+static inline __m256 octet_sum(__m256 u0, __m256 u1) {
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+/* One key's score partials: q (nd16 * 2 vectors, in qv) times the key's row at k. */
+static inline __attribute__((always_inline)) __m256 key_partial(const __m256 *qv, const char *k, const int nd16,
+                                                                const int esz) {
+    __m256 a = _mm256_mul_ps(qv[0], kv_load8(k, esz));
+    for (int j = 1; j < 2 * nd16; j++) a = _mm256_fmadd_ps(qv[j], kv_load8(k + j * 8 * esz, esz), a);
+    return a;
+}
+
+/* attend_seq_avx512's fp32 arithmetic in 8 lanes (an fp32 pool, or a bf16 one widened exactly): a
+ * whole sequence, every head, each block read from memory once with the next one prefetched.
+ * Scores for 8 keys at a time per head (quad_sum / octet_sum; a key past the block's end a zero
+ * partial), softmax_row_f32 (exp_math.h) per head, then the weighted V over keys in order, in
+ * 16-dimension slices so a KV head group's accumulators stay in the 16 ymm registers. nd16 =
+ * head_dim / 16. The order depends only on the row's query, keys and length: a prefill row (run as
+ * the decode of its position) is bitwise its decode. Scratch as attend_seq_avx512's. */
+static inline __attribute__((always_inline)) void attend_seq_avx2(
+    const float *q_row, float *o_row, const char *k_cache, const char *v_cache, int64_t block_stride,
+    const int32_t *table, int64_t first, int64_t len, int64_t num_heads, int64_t group, const int nd16,
+    int64_t token_stride, int64_t block_size, float scale, float *scores, float *qbuf, float *acc,
+    const char *next_k, const int esz)
+{
+    const int64_t head_dim = (int64_t)nd16 * 16, num_kv = num_heads / group, n_keys = len - first;
+    const int64_t block_bytes = block_size * token_stride * (int64_t)esz;
+    const int64_t b0 = first / block_size, num_blocks = (len + block_size - 1) / block_size;
+    const __m256 vscale = _mm256_set1_ps(scale);
+    for (int64_t i = 0; i < num_heads * head_dim; i += 8)
+        _mm256_storeu_ps(qbuf + i, _mm256_mul_ps(_mm256_loadu_ps(q_row + i), vscale));
+    float maxv[MAX_HEADS];
+    for (int64_t h = 0; h < num_heads; h++) maxv[h] = -3.0e38f;
+
+    /* 1. scores */
+    prefetch_block(k_cache + (int64_t)table[b0] * block_stride * esz, block_bytes);
+    for (int64_t b = b0; b < num_blocks; b++) {
+        const int64_t t0 = b * block_size, lo = first > t0 ? first - t0 : 0;
+        const char *kb = k_cache + (int64_t)table[b] * block_stride * esz;
+        const int64_t nblk = len - t0 < block_size ? len - t0 : block_size;
+        Prefetcher pf = prefetcher(b + 1 < num_blocks ? k_cache + (int64_t)table[b + 1] * block_stride * esz
+                                   : v_cache + (int64_t)table[b0] * block_stride * esz,
+                                   block_bytes, ((nblk - lo + 7) / 8) * num_heads);
+        for (int64_t c0 = lo; c0 < nblk; c0 += 8) {
+            const int n = (int)(nblk - c0 < 8 ? nblk - c0 : 8);
+            const __m256i live = lanes_below(n);
+            for (int64_t h = 0; h < num_heads; h++) {
+                prefetch_step(&pf);
+                const char *kh = kb + (c0 * token_stride + (h / group) * head_dim) * esz;
+                const int64_t kstep = token_stride * esz;
+                __m256 qv[MAX_HEAD_DIM / 8];
+                for (int j = 0; j < 2 * nd16; j++) qv[j] = _mm256_loadu_ps(qbuf + h * head_dim + j * 8);
+                const __m256 zero = _mm256_setzero_ps();
+#define PART(t) (t < n ? key_partial(qv, kh + (t) * kstep, nd16, esz) : zero)
+                const __m256 u0 = quad_sum(PART(0), PART(1), PART(2), PART(3));
+                const __m256 u1 = quad_sum(PART(4), PART(5), PART(6), PART(7));
+#undef PART
+                const __m256 sc = octet_sum(u0, u1);
+                _mm256_maskstore_ps(scores + h * n_keys + t0 + c0 - first, live, sc);
+                /* the max over the live lanes (the others -3e38, below any score) */
+                __m256 mx = _mm256_blendv_ps(_mm256_set1_ps(-3.0e38f), sc, _mm256_castsi256_ps(live));
+                __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+                m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+                const float m = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+                if (m > maxv[h]) maxv[h] = m;
+            }
+        }
+    }
+    /* 2. softmax numerators, in place */
+    float inv_sum[MAX_HEADS];
+    for (int64_t h = 0; h < num_heads; h++) inv_sum[h] = softmax_row_f32(scores + h * n_keys, n_keys, maxv[h]);
+    /* 3. weighted V (keys in order), per block, KV head and 16-dimension slice */
+    for (int64_t i = 0; i < num_heads * head_dim; i += 8) _mm256_storeu_ps(acc + i, _mm256_setzero_ps());
+    for (int64_t b = b0; b < num_blocks; b++) {
+        const int64_t t0 = b * block_size, lo = first > t0 ? first - t0 : 0;
+        const char *vb = v_cache + (int64_t)table[b] * block_stride * esz;
+        const int64_t nblk = len - t0 < block_size ? len - t0 : block_size;
+        Prefetcher pf = prefetcher(b + 1 < num_blocks ? v_cache + (int64_t)table[b + 1] * block_stride * esz : next_k,
+                                   block_bytes, num_kv * nd16 * (nblk - lo));
+        for (int64_t kvh = 0; kvh < num_kv; kvh++) {
+            float *ah = acc + kvh * group * head_dim;
+            const float *sk = scores + kvh * group * n_keys + (t0 + lo - first);  /* key t0 + lo */
+            for (int d16 = 0; d16 < nd16; d16++) {
+                __m256 a[MAX_GROUP][2];
+                for (int64_t g = 0; g < group; g++) {
+                    a[g][0] = _mm256_loadu_ps(ah + g * head_dim + d16 * 16);
+                    a[g][1] = _mm256_loadu_ps(ah + g * head_dim + d16 * 16 + 8);
+                }
+                for (int64_t o = lo; o < nblk; o++) {
+                    prefetch_step(&pf);
+                    const char *v = vb + (o * token_stride + kvh * head_dim + d16 * 16) * esz;
+                    const __m256 v0 = kv_load8(v, esz), v1 = kv_load8(v + 8 * esz, esz);
+                    for (int64_t g = 0; g < group; g++) {
+                        const __m256 p = _mm256_broadcast_ss(sk + g * n_keys + o - lo);
+                        a[g][0] = _mm256_fmadd_ps(p, v0, a[g][0]);
+                        a[g][1] = _mm256_fmadd_ps(p, v1, a[g][1]);
+                    }
+                }
+                for (int64_t g = 0; g < group; g++) {
+                    _mm256_storeu_ps(ah + g * head_dim + d16 * 16, a[g][0]);
+                    _mm256_storeu_ps(ah + g * head_dim + d16 * 16 + 8, a[g][1]);
+                }
+            }
+        }
+    }
+    for (int64_t h = 0; h < num_heads; h++) {
+        const __m256 inv = _mm256_set1_ps(inv_sum[h]);
+        for (int j = 0; j < 2 * nd16; j++)
+            _mm256_storeu_ps(o_row + h * head_dim + j * 8, _mm256_mul_ps(_mm256_loadu_ps(acc + h * head_dim + j * 8), inv));
+    }
+}
+#endif
+
 /* Token t's row for one KV head in a paged cache half, as fp32 (portable path: the block of every
  * token is looked up; the AVX-512 path walks block by block to prefetch): an fp32 cache's row in
  * place, a bf16 cache's widened into tmp (head_dim floats). */
@@ -357,7 +484,7 @@ int kvmesh_paged_decode_elem(
     if (group > MAX_GROUP || head_dim > MAX_HEAD_DIM) return -1;
     const int64_t token_stride = num_kv_heads * head_dim;
     int failed = 0;
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || KVM_AVX2
     if (head_dim % 16 == 0 && num_heads <= MAX_HEADS) {
         const int dots = kv_bf16_dots(esz, num_heads, head_dim, block_size);
         int64_t claimed[MAX_PAIRS] = {0};
@@ -396,6 +523,7 @@ int kvmesh_paged_decode_elem(
                 }
                 const int32_t *table = tables + s * table_stride;
                 const int64_t first = first_key(len, window);
+#if defined(__AVX512F__)
 #define ATTEND(nd, esz, dots) attend_seq_avx512(qs, os, k_cache, v_cache, block_stride, table, first, len, \
                                                 num_heads, group, nd, token_stride, block_size, scale, scores, qbuf, \
                                                 acc, pbuf, next_k, esz, dots)
@@ -413,6 +541,21 @@ int kvmesh_paged_decode_elem(
                     else ATTEND((int)(head_dim / 16), 2, 0);
                 }
 #undef ATTEND
+#else
+#define ATTEND(nd, esz) attend_seq_avx2(qs, os, k_cache, v_cache, block_stride, table, first, len, num_heads, \
+                                        group, nd, token_stride, block_size, scale, scores, qbuf, acc, next_k, esz)
+                (void)dots;
+                if (esz == 4) {
+                    if (head_dim == 64) ATTEND(4, 4);
+                    else if (head_dim == 128) ATTEND(8, 4);
+                    else ATTEND((int)(head_dim / 16), 4);
+                } else {
+                    if (head_dim == 64) ATTEND(4, 2);
+                    else if (head_dim == 128) ATTEND(8, 2);
+                    else ATTEND((int)(head_dim / 16), 2);
+                }
+#undef ATTEND
+#endif
             }
             free(scores);
             free(qbuf);

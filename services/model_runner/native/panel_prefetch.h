@@ -8,7 +8,7 @@
 
 #include <stdint.h>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 
 typedef struct {
