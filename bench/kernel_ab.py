@@ -41,11 +41,25 @@ if str(ROOT) not in sys.path:  # NOTE: run as a script, the repo root is not on 
 import torch  # noqa: E402
 
 from services.model_runner import native  # noqa: E402
+from services.model_runner.factory import cpu_flags  # noqa: E402
 from services.model_runner.model.packed import pack_panels, pack_panels_bf16  # noqa: E402
 
 NATIVE = "services/model_runner/native"
 WINDOW = 256  # a sliding window (keys) for the windowed attention cases
 LAYERS = {"qkv": (576, 832), "o": (576, 576), "gate_up": (576, 3072), "down": (1536, 576)}  # (in, out)
+# The peaks on a CPU without AVX-512: the fp32 FMA rate in 8 lanes (no bf16 dot products there).
+PEAK_AVX2_C = r"""
+#include <immintrin.h>
+#define R(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11)
+#define D(i) __m256 c##i = _mm256_set1_ps(i * 1e-3f);
+#define S(i) { float t[8]; _mm256_storeu_ps(t, c##i); for (int j = 0; j < 8; j++) s += t[j]; }
+float peak_f32(long n) {
+    R(D) const __m256 a = _mm256_set1_ps(1.0000001f), b = _mm256_set1_ps(0.9999999f);
+#define F(i) c##i = _mm256_fmadd_ps(a, c##i, b);
+    for (long i = 0; i < n; i++) { R(F) }
+    float s = 0; R(S) return s;
+}
+"""
 PEAK_C = r"""
 #include <immintrin.h>
 #define R(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11)
@@ -108,8 +122,14 @@ def race(calls: dict[str, Call], repeats: int) -> dict[str, float]:
     return {name: statistics.median(s) for name, s in samples.items()}
 
 
+def _bf16_built(libs: dict[str, ctypes.CDLL]) -> bool:
+    """Whether both builds have the bf16 GEMM (AVX512-BF16); elsewhere the bf16 figures are skipped."""
+    return all(lib.kvmesh_linear_bf16_available() for lib in libs.values())
+
+
 def gemms(libs: dict[str, ctypes.CDLL], rows: int, repeats: int) -> None:
-    for fn, pack in (("kvmesh_linear_bf16", pack_panels_bf16), ("kvmesh_linear_f32", pack_panels)):
+    kinds = (("kvmesh_linear_bf16", pack_panels_bf16),) if _bf16_built(libs) else ()
+    for fn, pack in (*kinds, ("kvmesh_linear_f32", pack_panels)):
         total = dict.fromkeys(libs, 0.0)
         for layer, (k, n) in LAYERS.items():
             gen = torch.Generator().manual_seed(k + n)
@@ -152,6 +172,8 @@ def step_gemms_bf16(libs: dict[str, ctypes.CDLL], rows: Sequence[int], repeats: 
     """bf16 mode's GEMMs of a whole SmolLM2-135M prefill step (30 layers: qkv, o, the fused gate_up +
     SwiGLU, down; 104M weights, 208 MB of bf16 panels) at each row count, each pass streaming the
     weights from memory as a real step does."""
+    if not _bf16_built(libs):
+        return
     shapes = [(576, 960, "linear"), (576, 576, "linear"), (576, 3072, "swiglu"), (1536, 576, "linear")] * 30
     gen = torch.Generator().manual_seed(0)
     weights = [(pack_panels_bf16(torch.randn(n, k, generator=gen) * 0.05, 48), k, n, kind) for k, n, kind in shapes]
@@ -252,12 +274,13 @@ def _report(what: str, med: dict[str, float], flops: float, outs: dict[str, torc
 
 
 def peaks(work: Path) -> None:
+    avx512 = "avx512f" in cpu_flags()
     src = work / "peak.c"
-    src.write_text(PEAK_C)
+    src.write_text(PEAK_C if avx512 else PEAK_AVX2_C)
     subprocess.run(["cc", "-O2", "-march=native", "-shared", "-fPIC", "-o", str(work / "peak.so"), str(src)],
                    check=True)  # fmt: skip
     lib = ctypes.CDLL(str(work / "peak.so"))
-    for name, flops in (("peak_bf16", 64), ("peak_f32", 32)):
+    for name, flops in (("peak_bf16", 64), ("peak_f32", 32)) if avx512 else (("peak_f32", 16),):
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = [ctypes.c_long], ctypes.c_float
         n = 5_000_000
