@@ -47,11 +47,6 @@
 #else
 #define ROW_TILE 6  /* AVX2: 6 rows x 16 columns = 12 ymm accumulators, 2 for the panel, 1 for x */
 #endif
-#if defined(__AVX512F__)
-#define K_PASSES 1  /* passes over k per tile of several rows */
-#else
-#define K_PASSES 3
-#endif
 #define ROW_CHUNK 256
 #define PREFETCH_TILES 4  /* row tiles per chunk over which the next panel's prefetch is spread */
 
@@ -149,7 +144,6 @@ static void tile_dispatch(const float *x, int64_t x_stride, int64_t k, const flo
             __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
             __m256 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
             for (int64_t kk = 0; kk < k; kk++, b += PANEL) {
-                if (pf != NULL) panel_prefetch_step(pf);
                 const __m256 b0 = _mm256_loadu_ps(b), b1 = _mm256_loadu_ps(b + 8);
                 __m256 a = _mm256_broadcast_ss(x0 + kk);
                 c00 = _mm256_fmadd_ps(a, b0, c00); c01 = _mm256_fmadd_ps(a, b1, c01);
@@ -215,10 +209,16 @@ static void run_panels(const float *x, int64_t x_stride, int64_t r0, int64_t row
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
         /* The next panel's prefetch, spread over the k steps of the chunk's first (up to)
          * PREFETCH_TILES tiles: all of a decode-sized chunk's; the later tiles of a larger chunk
-         * find the panel in cache and skip the per-k bookkeeping. (AVX2's tiles of several rows
-         * pass over k once per 16 columns: K_PASSES.) */
-        const int64_t next = paired_run_after(run, p), pf_tiles = tiles < PREFETCH_TILES ? tiles : PREFETCH_TILES;
-        const int64_t lines = panel_size * (int64_t)sizeof(float) / 64, steps = pf_tiles * k * (rows > 1 ? K_PASSES : 1);
+         * find the panel in cache and skip the per-k bookkeeping. AVX2: only a one-row chunk (a
+         * single stream's weight stream); with it on the 6-row tiles too, a 512-row prefill chunk
+         * ran 1.18x slower on a Zen 3 (its L2 is 512 KB; docs/model_runner.md, "AVX2 machines"). */
+        const int64_t next = paired_run_after(run, p);
+#if defined(__AVX512F__)
+        const int64_t pf_tiles = tiles < PREFETCH_TILES ? tiles : PREFETCH_TILES;
+#else
+        const int64_t pf_tiles = rows == 1 ? 1 : 0;
+#endif
+        const int64_t lines = panel_size * (int64_t)sizeof(float) / 64, steps = pf_tiles * k;
         PanelPrefetch pf = panel_prefetch(next >= 0 ? packed + next * panel_size : NULL, lines * 64, steps);
 #else
         const int64_t pf_tiles = 0;
