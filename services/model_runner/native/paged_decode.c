@@ -292,11 +292,42 @@ static inline __attribute__((always_inline)) __m256 key_partial(const __m256 *qv
     return a;
 }
 
+/* One 16-dimension slice of the weighted V for G (<= 4, a compile-time constant once inlined) query
+ * heads of one KV head over n keys of a block: acc[g][0 .. 15] += p[g][o] * v[o][0 .. 15], keys in
+ * order. G a constant keeps the 2G accumulators in registers (with the group a runtime count they
+ * lived on the stack, a load and a store per FMA: 40% of the kernel's time in a perf profile). a:
+ * head g0's slice (heads head_dim apart), p: its numerators (heads n_keys apart), v: the first key's
+ * slice (keys token_stride elements apart). */
+static inline __attribute__((always_inline)) void weighted_v_slice(
+    float *a, const float *p, const char *v, int64_t n, const int G, int64_t head_dim, int64_t n_keys,
+    int64_t token_stride, const int esz, Prefetcher *pf)
+{
+    __m256 c[4][2];
+    for (int g = 0; g < G; g++) {
+        c[g][0] = _mm256_loadu_ps(a + g * head_dim);
+        c[g][1] = _mm256_loadu_ps(a + g * head_dim + 8);
+    }
+    for (int64_t o = 0; o < n; o++) {
+        prefetch_step(pf);
+        const char *vo = v + o * token_stride * esz;
+        const __m256 v0 = kv_load8(vo, esz), v1 = kv_load8(vo + 8 * esz, esz);
+        for (int g = 0; g < G; g++) {
+            const __m256 w = _mm256_broadcast_ss(p + g * n_keys + o);
+            c[g][0] = _mm256_fmadd_ps(w, v0, c[g][0]);
+            c[g][1] = _mm256_fmadd_ps(w, v1, c[g][1]);
+        }
+    }
+    for (int g = 0; g < G; g++) {
+        _mm256_storeu_ps(a + g * head_dim, c[g][0]);
+        _mm256_storeu_ps(a + g * head_dim + 8, c[g][1]);
+    }
+}
+
 /* attend_seq_avx512's fp32 arithmetic in 8 lanes (an fp32 pool, or a bf16 one widened exactly): a
  * whole sequence, every head, each block read from memory once with the next one prefetched.
  * Scores for 8 keys at a time per head (quad_sum / octet_sum; a key past the block's end a zero
  * partial), softmax_row_f32 (exp_math.h) per head, then the weighted V over keys in order, in
- * 16-dimension slices so a KV head group's accumulators stay in the 16 ymm registers. nd16 =
+ * 16-dimension slices of up to 4 heads (weighted_v_slice) so the accumulators stay in registers. nd16 =
  * head_dim / 16. The order depends only on the row's query, keys and length: a prefill row (run as
  * the decode of its position) is bitwise its decode. Scratch as attend_seq_avx512's. */
 static inline __attribute__((always_inline)) void attend_seq_avx2(
@@ -363,24 +394,16 @@ static inline __attribute__((always_inline)) void attend_seq_avx2(
             float *ah = acc + kvh * group * head_dim;
             const float *sk = scores + kvh * group * n_keys + (t0 + lo - first);  /* key t0 + lo */
             for (int d16 = 0; d16 < nd16; d16++) {
-                __m256 a[MAX_GROUP][2];
-                for (int64_t g = 0; g < group; g++) {
-                    a[g][0] = _mm256_loadu_ps(ah + g * head_dim + d16 * 16);
-                    a[g][1] = _mm256_loadu_ps(ah + g * head_dim + d16 * 16 + 8);
-                }
-                for (int64_t o = lo; o < nblk; o++) {
-                    prefetch_step(&pf);
-                    const char *v = vb + (o * token_stride + kvh * head_dim + d16 * 16) * esz;
-                    const __m256 v0 = kv_load8(v, esz), v1 = kv_load8(v + 8 * esz, esz);
-                    for (int64_t g = 0; g < group; g++) {
-                        const __m256 p = _mm256_broadcast_ss(sk + g * n_keys + o - lo);
-                        a[g][0] = _mm256_fmadd_ps(p, v0, a[g][0]);
-                        a[g][1] = _mm256_fmadd_ps(p, v1, a[g][1]);
+                const char *v = vb + (lo * token_stride + kvh * head_dim + d16 * 16) * esz;
+                for (int64_t g0 = 0; g0 < group; g0 += 4) {
+                    float *a = ah + g0 * head_dim + d16 * 16;
+                    const float *p = sk + g0 * n_keys;
+                    switch (group - g0 < 4 ? group - g0 : 4) {
+                    case 1: weighted_v_slice(a, p, v, nblk - lo, 1, head_dim, n_keys, token_stride, esz, &pf); break;
+                    case 2: weighted_v_slice(a, p, v, nblk - lo, 2, head_dim, n_keys, token_stride, esz, &pf); break;
+                    case 3: weighted_v_slice(a, p, v, nblk - lo, 3, head_dim, n_keys, token_stride, esz, &pf); break;
+                    default: weighted_v_slice(a, p, v, nblk - lo, 4, head_dim, n_keys, token_stride, esz, &pf);
                     }
-                }
-                for (int64_t g = 0; g < group; g++) {
-                    _mm256_storeu_ps(ah + g * head_dim + d16 * 16, a[g][0]);
-                    _mm256_storeu_ps(ah + g * head_dim + d16 * 16 + 8, a[g][1]);
                 }
             }
         }
