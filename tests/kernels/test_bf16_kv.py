@@ -76,7 +76,7 @@ def test_a_bf16_pool_reads_as_the_fp32_pool_of_its_values(
 
 @pytest.mark.parametrize(("queries_per_kv", "head_dim", "block_size", "window"),
                          [(3, 64, 16, 0), (2, 128, 4, 0), (3, 64, 16, 20), (1, 16, 1, 7)])  # fmt: skip
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant", [*VARIANTS, "plain"])
 def test_a_prefill_row_is_bitwise_the_decode_of_its_position_over_bf16(
     queries_per_kv: int, head_dim: int, block_size: int, window: int, variant: str
 ) -> None:
@@ -85,7 +85,7 @@ def test_a_prefill_row_is_bitwise_the_decode_of_its_position_over_bf16(
     chunk = make_batch([45], [60], block_size=block_size, head_dim=head_dim, queries_per_kv=queries_per_kv,
                        num_kv_heads=2, cache_dtype=torch.bfloat16, seed=head_dim + window)  # fmt: skip
     meta = dataclasses.replace(chunk.meta, window=window or None)
-    backend = CpuAttentionBackend(portable=variant == "portable")
+    backend = CpuAttentionBackend(portable=variant == "portable", plain=variant == "plain")
     as_chunk = backend.forward(chunk.query, chunk.k_cache, chunk.v_cache, meta, head_dim**-0.5)
     decodes = dataclasses.replace(
         meta, query_start_loc=torch.arange(46, dtype=torch.int32), seq_lens=torch.arange(16, 61, dtype=torch.int32),

@@ -26,9 +26,9 @@ from .test_paged_attention import make_batch
 VARIANTS = ["native", "portable"]
 
 
-@pytest.fixture(params=VARIANTS)
+@pytest.fixture(params=[*VARIANTS, "plain"])
 def backend(request: pytest.FixtureRequest) -> CpuAttentionBackend:
-    b = CpuAttentionBackend(portable=request.param == "portable")
+    b = CpuAttentionBackend(portable=request.param == "portable", plain=request.param == "plain")
     assert b.native_kernels is not None, "the native kernels did not build on this machine"
     return b
 

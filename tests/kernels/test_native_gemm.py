@@ -1,7 +1,8 @@
 """The native fp32 GEMM (``services/model_runner/native/gemm.c``) and its packed layout.
 
-Both builds: the AVX-512 one (8-row tiles, software prefetch of the next panel) and the portable
-one (``-mno-avx512f``: the AVX2 + FMA tile on a CPU with FMA, the plain C loops elsewhere). Shapes
+Three builds: the AVX-512 one (8-row tiles, software prefetch of the next panel), the portable
+one (``-mno-avx512f``: the AVX2 + FMA tiles on a CPU with FMA, the plain C loops elsewhere) and the
+plain one (``-mno-avx2 -mno-fma`` too: the plain C loops on every machine). Shapes
 straddle every edge the kernel has: output columns not a multiple of the 48-wide panel, fewer
 panels than threads, row counts that leave a partial 8-row tile, and more rows than one 256-row
 chunk. Besides closeness to float64, the FMA tiles are pinned bitwise to a scalar loop
@@ -21,11 +22,11 @@ import torch
 from services.model_runner import native
 from services.model_runner.model.packed import PackedWeight, pack_panels
 
-VARIANTS = ["native", "portable"]
+VARIANTS = ["native", "portable", "plain"]
 
 
 def _kernels(variant: str) -> native.NativeKernels:
-    kernels = native.load_kernels(portable=variant == "portable")
+    kernels = native.load_kernels(portable=variant == "portable", plain=variant == "plain")
     assert kernels is not None, "the native kernels did not build on this machine"
     return kernels
 
@@ -148,10 +149,10 @@ def _reference() -> Any:
     return fn
 
 
-# NOTE: the plain-C loops (a CPU without AVX2 + FMA) multiply and add separately, so the contract
-# below is the FMA tiles' (AVX-512, AVX2 + FMA): both builds the tests make on such a CPU.
+# NOTE: the plain-C loops (a CPU without AVX2 + FMA, the "plain" build) multiply and add separately,
+# so the contract below is the FMA tiles' (AVX-512, AVX2 + FMA): the two FMA builds on such a CPU.
 @pytest.mark.skipif(not _has_fma(), reason="the FMA tiles are built only for a CPU with FMA")
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant", ["native", "portable"])
 @pytest.mark.parametrize(("rows", "out_features", "in_features", "pad"), [
     (1, 960, 576, 0), (5, 77, 33, 3), (8, 48, 16, 0), (32, 1536, 576, 0), (17, 576, 1536, 5), (300, 130, 64, 1),
     (3, 1, 7, 0), (9, 97, 1, 2), (40, 200, 100, 0),

@@ -18,9 +18,9 @@ from services.model_runner.attention.torch_backend import TorchAttentionBackend
 
 from .test_paged_attention import make_batch
 
-# The AVX-512 build's tiled kernel, and the portable build (a CPU without AVX-512), whose chunks run
-# every row as the decode of its position.
-VARIANTS = ["native", "portable"]
+# The AVX-512 build's tiled kernel, and the builds without AVX-512 (AVX2 paths) or without AVX2 too
+# (plain C), whose chunks run every row as the decode of its position.
+VARIANTS = ["native", "portable", "plain"]
 
 
 def _forward(backend: TorchAttentionBackend, batch: object) -> torch.Tensor:
@@ -54,7 +54,7 @@ def test_head_dim_the_tiles_do_not_take_runs_as_decodes(variant: str) -> None:
     run as decodes of their positions. Not SDPA over the gathered chunk, whose bits depend on the
     chunk's length and offset (the cache would change the answer); close to it."""
     batch = make_batch([1, 21], [9, 21], head_dim=40, queries_per_kv=3, num_kv_heads=2)
-    backend = CpuAttentionBackend(portable=variant == "portable")
+    backend = CpuAttentionBackend(portable=variant == "portable", plain=variant == "plain")
     out = _forward(backend, batch)
     expected = _forward(TorchAttentionBackend(), batch)
     torch.testing.assert_close(out[1:22], expected[1:22], atol=2e-6, rtol=1e-5)
@@ -81,7 +81,7 @@ def test_a_row_is_the_same_however_the_prompt_is_chunked(split: list[int], threa
     whole = make_batch([70], [70], block_size=16, head_dim=64, queries_per_kv=3, num_kv_heads=3,
                        cache_dtype=cache_dtype, seed=5)  # fmt: skip
     meta_whole = dataclasses.replace(whole.meta, window=window or None)
-    backend = CpuAttentionBackend(portable=variant == "portable")
+    backend = CpuAttentionBackend(portable=variant == "portable", plain=variant == "plain")
     reference = backend.forward(whole.query, whole.k_cache, whole.v_cache, meta_whole, 64**-0.5)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -113,7 +113,7 @@ def test_a_prefill_row_is_bitwise_the_decode_of_its_position(queries_per_kv: int
     cold run's decode, a preempted request's recompute) has the same bits."""
     chunk = make_batch([45], [60], block_size=block_size, head_dim=head_dim, queries_per_kv=queries_per_kv,
                        num_kv_heads=2, seed=head_dim)  # fmt: skip
-    backend = CpuAttentionBackend(portable=variant == "portable")
+    backend = CpuAttentionBackend(portable=variant == "portable", plain=variant == "plain")
     as_chunk = _forward(backend, chunk)
     tables = chunk.meta.block_tables.repeat(45, 1)
     meta = dataclasses.replace(

@@ -104,7 +104,7 @@ def test_window_wider_than_every_context_is_full_attention() -> None:
 
 
 @pytest.mark.parametrize(("window", "block_size", "queries_per_kv"), [(16, 4, 3), (5, 16, 1), (40, 1, 16)])
-@pytest.mark.parametrize("variant", ["native", "portable"])
+@pytest.mark.parametrize("variant", ["native", "portable", "plain"])
 def test_a_windowed_prefill_row_is_bitwise_the_decode_of_its_position(
     window: int, block_size: int, queries_per_kv: int, variant: str
 ) -> None:
@@ -112,7 +112,7 @@ def test_a_windowed_prefill_row_is_bitwise_the_decode_of_its_position(
     chunk (after 15 cached tokens) and the same rows as 45 decodes, bitwise equal."""
     chunk = _windowed(make_batch([45], [60], block_size=block_size, head_dim=64, queries_per_kv=queries_per_kv,
                                  num_kv_heads=2, seed=window), window)  # fmt: skip
-    backend = CpuAttentionBackend(portable=variant == "portable")
+    backend = CpuAttentionBackend(portable=variant == "portable", plain=variant == "plain")
     as_chunk = _forward(backend, chunk)
     meta = dataclasses.replace(
         chunk.meta, query_start_loc=torch.arange(46, dtype=torch.int32),

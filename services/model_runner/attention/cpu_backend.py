@@ -58,10 +58,11 @@ class CpuAttentionBackend(TorchAttentionBackend):
 
     name = "cpu"
 
-    def __init__(self, portable: bool = False, batch_invariant: bool = False) -> None:
+    def __init__(self, portable: bool = False, batch_invariant: bool = False, plain: bool = False) -> None:
         """
         Args:
-            portable: use the plain-C build without the AVX-512 paths (tests).
+            portable: use the build without the AVX-512 paths (AVX2 where the CPU has it; tests).
+            plain: use the build without AVX2 either, the plain C loops (tests).
             batch_invariant: attend every query row, prefill rows included, as a decode of its
                 own position (``RunnerConfig.batch_invariant``): a row's numbers then depend on
                 nothing but its sequence and position, so chunked prefill, prefix-cache hits and
@@ -73,7 +74,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
         super().__init__()
         self.batch_invariant = batch_invariant
         # None when the kernels cannot be built here: every call then takes the torch path.
-        self.native_kernels: NativeKernels | None = load_kernels(portable)
+        self.native_kernels: NativeKernels | None = load_kernels(portable, plain=plain)
         self._native_plans: MetaCache[NativeDecodePlan] = MetaCache()
         self._row_plans: MetaCache[NativeDecodePlan] = MetaCache()  # every row a decode (INT4 reads)
 

@@ -75,6 +75,9 @@ CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11", 
 # What a CPU without AVX-512 runs (the GEMM's AVX2 tile where it has AVX2 + FMA, the plain C
 # loops otherwise); the tests check both variants.
 PORTABLE_CFLAGS = ("-mno-avx512f",)
+# What a CPU without AVX2 runs (the plain C loops everywhere: older x86 CPUs, and the code other
+# architectures compile): tests check its numbers too, so a machine without it still pins them.
+PLAIN_CFLAGS = ("-mno-avx512f", "-mno-avx2", "-mno-fma")
 # The build without AMX (the bf16 GEMM's AVX512-BF16 kernel on an AMX CPU): the tests run each bf16
 # GEMM test on both kernels in one process (a process uses one of them, chosen when loaded).
 NO_AMX_CFLAGS = ("-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8")
@@ -197,16 +200,18 @@ def _bind(lib: ctypes.CDLL, name: str, restype: Any, argtypes: list[Any]) -> Any
 
 
 @functools.cache
-def load_kernels(portable: bool = False, no_amx: bool = False) -> NativeKernels | None:
+def load_kernels(portable: bool = False, no_amx: bool = False, plain: bool = False) -> NativeKernels | None:
     """The built kernels, or None when they cannot be built here (logged once).
 
     Args:
-        portable: the plain-C variant without the AVX-512 paths (for tests).
+        portable: the variant without the AVX-512 paths (AVX2 where the CPU has it; for tests).
         no_amx: the variant built without AMX, whose bf16 GEMMs run the AVX512-BF16 kernel (for tests).
+        plain: the variant without AVX2 either: the plain C loops (for tests).
     """
     # NOTE: torch is imported at the top of this module, so its libgomp is loaded before the
     # kernels' object and both share one thread pool.
-    flags = (*(PORTABLE_CFLAGS if portable else ()), *(NO_AMX_CFLAGS if no_amx else ()))
+    flags = (*(PORTABLE_CFLAGS if portable else ()), *(PLAIN_CFLAGS if plain else ()),
+             *(NO_AMX_CFLAGS if no_amx else ()))
     try:
         lib = ctypes.CDLL(str(build(extra_cflags=flags)))
     except (OSError, RuntimeError) as exc:
