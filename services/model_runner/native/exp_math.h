@@ -10,19 +10,29 @@
 
 #include <stdint.h>
 
+/* p = e^r's 7th-order Taylor polynomial in Horner form, in any width: FMA(a, b, c) = a * b + c and
+ * SET1(c) a constant in that width. The one polynomial every exp below evaluates (a macro, not a
+ * loop over an array: the same instructions as the steps written out). */
+#define EXP_TAYLOR_HORNER(p, r, FMA, SET1) do { \
+    p = SET1(1.0f / 5040.0f); \
+    p = FMA(p, r, SET1(1.0f / 720.0f)); \
+    p = FMA(p, r, SET1(1.0f / 120.0f)); \
+    p = FMA(p, r, SET1(1.0f / 24.0f)); \
+    p = FMA(p, r, SET1(1.0f / 6.0f)); \
+    p = FMA(p, r, SET1(0.5f)); \
+    p = FMA(p, r, SET1(1.0f)); \
+    p = FMA(p, r, SET1(1.0f)); \
+} while (0)
+#define EXP_SCALAR_FMA(a, b, c) ((a) * (b) + (c))
+#define EXP_SCALAR_SET1(c) (c)
+
 static inline float exp_neg(float x) {
     if (x < -87.0f) x = -87.0f;
     const float t = x * 1.44269504088896341f;
     const int n = (int)(t - 0.5f);      /* t <= 0: truncation rounds toward 0, so this is round() */
     const float r = (t - (float)n) * 0.69314718055994531f;   /* |r| <= ln2 / 2 */
-    float p = 1.0f / 5040.0f;
-    p = p * r + 1.0f / 720.0f;
-    p = p * r + 1.0f / 120.0f;
-    p = p * r + 1.0f / 24.0f;
-    p = p * r + 1.0f / 6.0f;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
+    float p;
+    EXP_TAYLOR_HORNER(p, r, EXP_SCALAR_FMA, EXP_SCALAR_SET1);
     union { int32_t i; float f; } scale;
     scale.i = (n + 127) << 23;
     return p * scale.f;
@@ -37,14 +47,8 @@ static inline __m512 exp512_neg(__m512 x) {
     const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
     const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m512 r = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.69314718055994531f));
-    __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    __m512 p;
+    EXP_TAYLOR_HORNER(p, r, _mm512_fmadd_ps, _mm512_set1_ps);
     return _mm512_scalef_ps(p, n);
 }
 
@@ -90,14 +94,8 @@ static inline __m256 exp256_neg(__m256 x) {
     const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
     const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m256 r = _mm256_mul_ps(_mm256_sub_ps(t, n), _mm256_set1_ps(0.69314718055994531f));
-    __m256 p = _mm256_set1_ps(1.0f / 5040.0f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 720.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    __m256 p;
+    EXP_TAYLOR_HORNER(p, r, _mm256_fmadd_ps, _mm256_set1_ps);
     const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
 }

@@ -80,6 +80,15 @@ static inline void prefetch_step(Prefetcher *p) {
     for (int64_t i = 0; i < p->per && p->line < p->lines; i++, p->line++)
         _mm_prefetch(p->next + p->line * 64, _MM_HINT_T0);
 }
+
+/* The block walk both attention paths make over a sequence's keys first .. len - 1, in the
+ * caller's names (table, block_stride, esz, first, len, block_size): block b's base in a pool half,
+ * and its first key t0 with the offsets lo .. nblk - 1 of the keys in range. Macros, so each path
+ * compiles to what the expressions written out compiled to. */
+#define BLOCK_AT(cache, b) ((cache) + (int64_t)table[b] * block_stride * esz)
+#define BLOCK_KEYS(b) \
+    const int64_t t0 = (b) * block_size, lo = first > t0 ? first - t0 : 0; \
+    const int64_t nblk = len - t0 < block_size ? len - t0 : block_size
 #endif
 
 #if defined(__AVX512F__)
@@ -145,14 +154,13 @@ static inline __attribute__((always_inline)) void attend_seq_avx512(
     for (int64_t h = 0; h < num_heads; h++) maxv[h] = -3.0e38f;
 
     /* 1. scores */
-    prefetch_block(k_cache + (int64_t)table[b0] * block_stride * esz, block_bytes);
+    prefetch_block(BLOCK_AT(k_cache, b0), block_bytes);
     for (int64_t b = b0; b < num_blocks; b++) {
-        const int64_t t0 = b * block_size, lo = first > t0 ? first - t0 : 0;
-        const char *kb = k_cache + (int64_t)table[b] * block_stride * esz;
-        const int64_t nblk = len - t0 < block_size ? len - t0 : block_size;
+        BLOCK_KEYS(b);
+        const char *kb = BLOCK_AT(k_cache, b);
         /* the last K block prefetches the first V block (docs/model_runner.md) */
-        Prefetcher pf = prefetcher(b + 1 < num_blocks ? k_cache + (int64_t)table[b + 1] * block_stride * esz
-                                   : v_cache + (int64_t)table[b0] * block_stride * esz,
+        Prefetcher pf = prefetcher(b + 1 < num_blocks ? BLOCK_AT(k_cache, b + 1)
+                                   : BLOCK_AT(v_cache, b0),
                                    block_bytes, ((nblk - lo + 15) / 16) * num_heads);
         for (int64_t c0 = lo; c0 < nblk; c0 += 16) {
             const int n = (int)(nblk - c0 < 16 ? nblk - c0 : 16);
@@ -211,12 +219,11 @@ static inline __attribute__((always_inline)) void attend_seq_avx512(
      * accumulators live in registers */
     for (int64_t i = 0; i < num_heads * head_dim; i += 16) _mm512_storeu_ps(acc + i, _mm512_setzero_ps());
     for (int64_t b = b0; b < num_blocks; b++) {
-        const int64_t t0 = b * block_size, lo = first > t0 ? first - t0 : 0;
+        BLOCK_KEYS(b);
         const int64_t lo_e = dots ? lo & ~(int64_t)1 : lo, step = dots ? 2 : 1;
-        const char *vb = v_cache + (int64_t)table[b] * block_stride * esz;
-        const int64_t nblk = len - t0 < block_size ? len - t0 : block_size;
+        const char *vb = BLOCK_AT(v_cache, b);
         /* the last V block prefetches the first K block of this thread's next sequence */
-        Prefetcher pf = prefetcher(b + 1 < num_blocks ? v_cache + (int64_t)table[b + 1] * block_stride * esz : next_k,
+        Prefetcher pf = prefetcher(b + 1 < num_blocks ? BLOCK_AT(v_cache, b + 1) : next_k,
                                    block_bytes, num_kv * ((nblk - lo_e + step - 1) / step));
         for (int64_t kvh = 0; kvh < num_kv; kvh++) {
             __m512 a[MAX_GROUP][MAX_HEAD_DIM / 16];
@@ -346,13 +353,12 @@ static inline __attribute__((always_inline)) void attend_seq_avx2(
     for (int64_t h = 0; h < num_heads; h++) maxv[h] = -3.0e38f;
 
     /* 1. scores */
-    prefetch_block(k_cache + (int64_t)table[b0] * block_stride * esz, block_bytes);
+    prefetch_block(BLOCK_AT(k_cache, b0), block_bytes);
     for (int64_t b = b0; b < num_blocks; b++) {
-        const int64_t t0 = b * block_size, lo = first > t0 ? first - t0 : 0;
-        const char *kb = k_cache + (int64_t)table[b] * block_stride * esz;
-        const int64_t nblk = len - t0 < block_size ? len - t0 : block_size;
-        Prefetcher pf = prefetcher(b + 1 < num_blocks ? k_cache + (int64_t)table[b + 1] * block_stride * esz
-                                   : v_cache + (int64_t)table[b0] * block_stride * esz,
+        BLOCK_KEYS(b);
+        const char *kb = BLOCK_AT(k_cache, b);
+        Prefetcher pf = prefetcher(b + 1 < num_blocks ? BLOCK_AT(k_cache, b + 1)
+                                   : BLOCK_AT(v_cache, b0),
                                    block_bytes, ((nblk - lo + 7) / 8) * num_heads);
         for (int64_t c0 = lo; c0 < nblk; c0 += 8) {
             const int n = (int)(nblk - c0 < 8 ? nblk - c0 : 8);
@@ -385,10 +391,9 @@ static inline __attribute__((always_inline)) void attend_seq_avx2(
     /* 3. weighted V (keys in order), per block, KV head and 16-dimension slice */
     for (int64_t i = 0; i < num_heads * head_dim; i += 8) _mm256_storeu_ps(acc + i, _mm256_setzero_ps());
     for (int64_t b = b0; b < num_blocks; b++) {
-        const int64_t t0 = b * block_size, lo = first > t0 ? first - t0 : 0;
-        const char *vb = v_cache + (int64_t)table[b] * block_stride * esz;
-        const int64_t nblk = len - t0 < block_size ? len - t0 : block_size;
-        Prefetcher pf = prefetcher(b + 1 < num_blocks ? v_cache + (int64_t)table[b + 1] * block_stride * esz : next_k,
+        BLOCK_KEYS(b);
+        const char *vb = BLOCK_AT(v_cache, b);
+        Prefetcher pf = prefetcher(b + 1 < num_blocks ? BLOCK_AT(v_cache, b + 1) : next_k,
                                    block_bytes, num_kv * nd16 * (nblk - lo));
         for (int64_t kvh = 0; kvh < num_kv; kvh++) {
             float *ah = acc + kvh * group * head_dim;
