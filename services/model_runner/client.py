@@ -1,14 +1,18 @@
 """The model-runner as its one caller (the scheduler) sees it: a Protocol and its two adapters.
 
 ``RunnerBackend`` is what the engine needs: the model and pool it plans for (:class:`RunnerInfo`),
-one ``execute`` per step, the binding to one pool incarnation. :class:`RemoteRunner` is it over
-gRPC (the suite); :class:`InProcessRunner` over the core in the same process (the in-process
-engine), so the same engine runs in both modes. A runner that is another incarnation than the one
-bound raises :class:`RunnerRestarted`, which the engine answers by re-binding (docs/reliability.md).
+one ``execute`` per step (or ``submit``, which returns before the step has run, so that async
+scheduling can send the next step while this one runs), the binding to one pool incarnation.
+:class:`RemoteRunner` is it over gRPC (the suite); :class:`InProcessRunner` over the core in the
+same process (the in-process engine), so the same engine runs in both modes. A runner that is
+another incarnation than the one bound raises :class:`RunnerRestarted`, which the engine answers
+by re-binding (docs/reliability.md).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -78,6 +82,12 @@ class RunnerBackend(Protocol):
         """
         ...
 
+    def submit(self, step: StepInput) -> Callable[[], StepOutput]:
+        """Starts a step and returns at once; calling the result waits for the step's output and
+        raises what :meth:`execute` would. A step with ``after_step_id`` set runs right after that
+        step, and only if it ran."""
+        ...
+
     def bind(self, pool_id: str) -> None:
         """Expects incarnation ``pool_id`` from now on; the next step makes the runner forget every
         request it knew (they belonged to an earlier binding)."""
@@ -93,6 +103,10 @@ class InProcessRunner:
 
     def __init__(self, core: ModelRunner) -> None:
         self.core = core
+        # One worker: submitted steps run one at a time in submission order, so a step sent ahead
+        # runs right after the one it follows (whose failure leaves the runner's state unchanged,
+        # so the step sent ahead is then refused by the runner's own validation).
+        self._worker: ThreadPoolExecutor | None = None
 
     @classmethod
     def from_config(cls, config: RunnerConfig) -> InProcessRunner:
@@ -104,6 +118,11 @@ class InProcessRunner:
 
     def execute(self, step: StepInput) -> StepOutput:
         return self.core.execute(step)
+
+    def submit(self, step: StepInput) -> Callable[[], StepOutput]:
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvmesh-runner-step")
+        return self._worker.submit(self.execute, step).result
 
     def bind(self, pool_id: str) -> None:
         return None  # one process: the pool cannot restart under the engine
@@ -133,19 +152,28 @@ class RemoteRunner:
         self._reset_next = True
 
     def execute(self, step: StepInput) -> StepOutput:
+        return self.submit(step)()
+
+    def submit(self, step: StepInput) -> Callable[[], StepOutput]:
         msg = step_to_proto(step)
         msg.expected_pool_id = self.pool_id
-        msg.reset_requests = self._reset_next
-        try:
-            reply = self.stub.Execute(msg, timeout=self.timeout)
-        except grpc.RpcError as exc:
-            if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
-                raise RunnerRestarted(f"model-runner: {exc.details()}") from exc
-            raise
-        if reply.pool_id != self.pool_id:
-            raise RunnerRestarted(f"model-runner pool {reply.pool_id} ran a step planned for {self.pool_id}")
-        self._reset_next = False
-        return output_from_proto(reply)
+        # NOTE: a step sent ahead never resets: the step it follows came first and did, if needed.
+        msg.reset_requests = self._reset_next and not step.after_step_id
+        call = self.stub.Execute.future(msg, timeout=self.timeout)
+
+        def wait() -> StepOutput:
+            try:
+                reply = call.result()
+            except grpc.RpcError as exc:
+                if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                    raise RunnerRestarted(f"model-runner: {exc.details()}") from exc
+                raise
+            if reply.pool_id != self.pool_id:
+                raise RunnerRestarted(f"model-runner pool {reply.pool_id} ran a step planned for {self.pool_id}")
+            self._reset_next = False
+            return output_from_proto(reply)
+
+        return wait
 
     def pool_handle(self) -> common_pb2.SharedTensorHandle:
         """The KV pool's shared-memory handle (passed on to the offload-store)."""

@@ -76,6 +76,7 @@ def step_to_proto(step: StepInput) -> model_runner_pb2.ExecuteRequest:
             for r in step.cached_requests
         ],
         finished_request_ids=step.finished_request_ids,
+        after_step_id=step.after_step_id,
     )
 
 
@@ -105,6 +106,7 @@ def step_from_proto(msg: model_runner_pb2.ExecuteRequest) -> StepInput:
             for r in msg.cached_requests
         ),
         finished_request_ids=tuple(msg.finished_request_ids),
+        after_step_id=msg.after_step_id,
     )
 
 

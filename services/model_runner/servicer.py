@@ -7,6 +7,9 @@ Incarnation: ``pool_id`` (the pool's generation, new at every start) is in ``Get
 every ``Execute`` reply, and a step naming another ``expected_pool_id`` is refused with
 ``FAILED_PRECONDITION`` before it runs: block ids planned against a dead runner's pool never read
 this pool's (zeroed) blocks as if they were a cached prefix.
+
+A step sent ahead (``after_step_id``, async scheduling) waits for the step it follows to run
+(step_order.py).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from services.model_runner.block_copy import copy_blocks
 from services.model_runner.convert import model_info_to_proto, output_to_proto, step_from_proto
 from services.model_runner.metrics import RunnerMetrics
 from services.model_runner.runner import ModelRunner
+from services.model_runner.step_order import StepOrder
 from shared.errors import FailedPrecondition
 from shared.grpc_server import ServiceName
 from shared.pb.kvmesh.v1 import common_pb2, model_runner_pb2, model_runner_pb2_grpc
@@ -35,6 +39,7 @@ class ModelRunnerServicer(model_runner_pb2_grpc.ModelRunnerServicer):
         self.core = core
         self.metrics = metrics
         self._lock = threading.Lock()
+        self._order = StepOrder(self._lock)
 
     def GetModelInfo(self, request: model_runner_pb2.GetModelInfoRequest, context: grpc.ServicerContext
                      ) -> model_runner_pb2.ModelInfo:
@@ -49,14 +54,21 @@ class ModelRunnerServicer(model_runner_pb2_grpc.ModelRunnerServicer):
                 ) -> model_runner_pb2.ExecuteResponse:
         step = step_from_proto(request)
         pool_id = self.core.pool.generation
-        if request.expected_pool_id and request.expected_pool_id != pool_id:
-            raise FailedPrecondition(f"pool incarnation mismatch: the step was planned for pool "
-                                     f"{request.expected_pool_id}, this runner's is {pool_id}")
         with self._lock:
-            if request.reset_requests:  # a (re)bound scheduler: forget every earlier request
-                step = dataclasses.replace(
-                    step, finished_request_ids=(*self.core.request_ids, *step.finished_request_ids))
-            out = self.core.execute(step)
+            ok = False
+            try:
+                if request.after_step_id:  # sent ahead: runs right after the step it follows
+                    self._order.wait_turn(request.after_step_id, context.time_remaining())
+                if request.expected_pool_id and request.expected_pool_id != pool_id:
+                    raise FailedPrecondition(f"pool incarnation mismatch: the step was planned for pool "
+                                             f"{request.expected_pool_id}, this runner's is {pool_id}")
+                if request.reset_requests:  # a (re)bound scheduler: forget every earlier request
+                    step = dataclasses.replace(
+                        step, finished_request_ids=(*self.core.request_ids, *step.finished_request_ids))
+                out = self.core.execute(step)
+                ok = True
+            finally:
+                self._order.done(step.step_id, ok)
         if self.metrics is not None:
             tokens = sum(r.num_new_tokens for r in step.new_requests) + sum(
                 r.num_new_tokens for r in step.cached_requests)

@@ -44,6 +44,9 @@ class StepInput:
     new_requests: tuple[NewRequestData, ...] = ()
     cached_requests: tuple[CachedRequestData, ...] = ()
     finished_request_ids: tuple[str, ...] = ()
+    # Nonzero: planned before step ``after_step_id`` returned, from what that step will leave
+    # behind (async scheduling); it must run right after that step and only if that step ran.
+    after_step_id: int = 0
 
 
 @dataclass(frozen=True)

@@ -124,12 +124,14 @@ class SuiteBinding:
             return
         log.warning("re-bound; %d running requests requeued to recompute", requeued)
 
-    def step_succeeded(self) -> None:
-        """A step ran: the kv-cache-manager's lease is renewed and the runner is the one bound; so
-        is the offload-store's lease if the step saved or loaded blocks without an error."""
+    def step_succeeded(self, allocated: bool = True) -> None:
+        """A step ran: the runner is the one bound, and the kv-cache-manager's lease is renewed
+        when the step allocated (a step sent ahead asks it nothing); so is the offload-store's
+        lease if the step saved or loaded blocks without an error."""
         self._rebinds_in_a_row = 0
         now = self._clock()
-        self._kv_renewed = now
+        if allocated:
+            self._kv_renewed = now
         offload = self.scheduler.offload
         if offload is not None:
             c = offload.counters
@@ -137,6 +139,13 @@ class SuiteBinding:
             if mark[:2] != self._offload_mark[:2] and mark[2] == self._offload_mark[2]:
                 self._offload_renewed = now
             self._offload_mark = mark
+
+    def renewal_due(self) -> bool:
+        """Whether a lease needs renewing (so the next step should be a synchronous one: the
+        keep-alive does not run while a step is in flight)."""
+        now = self._clock()
+        return (now - self._kv_renewed >= self._period
+                or (self.scheduler.offload is not None and now - self._offload_renewed >= self._period))
 
     def keepalive(self) -> None:
         """Renews whichever lease nothing renewed for a third of the lease (also while idle)."""

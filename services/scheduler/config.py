@@ -53,6 +53,9 @@ class SchedulerConfig:
             blocks to the offload-store as soon as its first token is sampled, so a decode replica
             can load them from the shared remote tier) or ``decode`` (behaves as ``mixed``; the
             name only documents the deployment). The router's replica list says the same for routing.
+        async_scheduling: send the next step while one runs when it needs no allocation
+            (lookahead.py; docs/design.md, "Async scheduling"), as vLLM's ``--async-scheduling``;
+            answers are those of synchronous steps. Off only for A/B runs and tests.
     """
 
     max_num_seqs: int = 64
@@ -82,6 +85,7 @@ class SchedulerConfig:
     tokenize_wait_seconds: float = 2.0
     dependency_check_seconds: float = 1.0
     role: str = "mixed"
+    async_scheduling: bool = True
 
     def __post_init__(self) -> None:
         if self.max_num_seqs <= 0 or self.max_num_batched_tokens <= 0:

@@ -7,6 +7,13 @@ steps back to back while there is work::
     commands ─▶ [ apply adds/aborts, expire deadlines ─▶ schedule (1 kv call)
                   ─▶ execute (1 runner call) ─▶ update ─▶ push outputs ] ─▶ per-request queues
 
+With async scheduling (``SchedulerConfig.async_scheduling``) the step after the one in flight is
+planned and sent before the one in flight returns, whenever it needs no allocation
+(:mod:`services.scheduler.lookahead`): the runner starts it the moment the other ends, and
+updating, streaming and the RPC round trips overlap the forward pass. At most one step waits
+behind the running one; anything that needs the kv-cache-manager (or a re-bind, a failure, the
+keep-alive, stopping) first waits for every step in flight.
+
 A failure of a step ends the requests in it with an error and frees their blocks; the loop goes
 on serving the others. Binding the suite, re-binding it and the keep-alive are in
 :mod:`services.scheduler.binding`; the per-request queues in :mod:`services.scheduler.outputs`.
@@ -23,6 +30,7 @@ from dataclasses import dataclass
 
 from services.kv_cache_manager.client import KVCacheBackend
 from services.model_runner.client import RunnerBackend, RunnerInfo, RunnerRestarted
+from services.model_runner.types import StepOutput
 from services.offload_store.client import OffloadBackend
 from services.scheduler.binding import SuiteBinding, prefix_hash_seed
 from services.scheduler.config import SchedulerConfig
@@ -47,6 +55,14 @@ class _Finish:
     request_id: str
     reason: FinishReason
     stop_reason: str
+
+
+@dataclass(frozen=True)
+class _InFlight:
+    """A step sent to the runner and not yet collected."""
+
+    step: ScheduledStep
+    wait: Callable[[], StepOutput]
 
 
 class Engine:
@@ -74,7 +90,10 @@ class Engine:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._in_flight: _InFlight | None = None
+        self._look_ahead = config.async_scheduling and config.role != "prefill"
         self.num_steps = 0
+        self.num_steps_ahead = 0  # steps sent while the one before them ran
 
     @property
     def info(self) -> RunnerInfo:
@@ -141,6 +160,9 @@ class Engine:
             try:
                 self._apply_commands()
                 self._expire()
+                if self._in_flight is not None:
+                    self._run_one_step()  # collects it first: the checks below need nothing in flight
+                    continue
                 binding.keepalive()
                 if not binding.bound and self.scheduler.has_work:
                     binding.rebind(Unavailable("the suite is not bound"))
@@ -157,6 +179,8 @@ class Engine:
             except Exception:  # pragma: no cover - a bug: keep serving, but say so loudly
                 log.exception("engine loop error")
                 time.sleep(0.01)
+        self._drain(self._in_flight)  # stop() frees the live requests: nothing may still write their blocks
+        self._in_flight = None
 
     def _apply_commands(self) -> None:
         while True:
@@ -191,46 +215,94 @@ class Engine:
                 log.exception("freeing %d requests failed", len(frees) + len(rollbacks))
 
     def _run_one_step(self) -> None:
+        """Plans and sends a step unless one is in flight, sends the one after it when it can be
+        planned ahead, then collects the first and applies its tokens."""
         sched = self.scheduler
-        waiting_before = [r for r in sched.waiting if r.in_admission_queue]
-        candidates = [*sched.running, *sched.waiting[: max(self.config.max_num_seqs - len(sched.running), 0)]]
+        current = self._in_flight
+        candidates = [*sched.running] if current is not None else [
+            *sched.running, *sched.waiting[: max(self.config.max_num_seqs - len(sched.running), 0)]]
         with step_span(self.num_steps, candidates, self.config.trace_steps, self.config.trace_step_every):
+            if current is None:
+                current = self._schedule_and_send()
+                if current is None:
+                    return
+            self._in_flight = None
+            ahead = None
+            if self._look_ahead and not self.binding.renewal_due():
+                step = sched.plan_ahead(current.step)
+                if step is not None:
+                    ahead = self._send(step)
+                    self.num_steps_ahead += 1
             try:
-                step = sched.schedule()
-            except FailedPrecondition as exc:  # the kv-cache-manager restarted or was taken over
-                self.binding.rebind(exc)
-                return
-            except Exception as exc:
-                self._fail_all(exc)
-                return
-            for req in waiting_before:
-                if req.times.first_scheduled is not None:
-                    self.outputs.on_dequeued(req)
-                    record_queue_span(req)
-            if step is None:
-                self._wake.wait(0.005)
-                self._wake.clear()
-                return
-            try:
-                output = self.runner.execute(step.step_input)
+                output = current.wait()
             except RunnerRestarted as exc:  # refused before it ran: nothing was computed
+                self._drain(ahead)
                 self.binding.rebind(exc)
                 return
             except Exception as exc:
-                self._fail_step(step, exc)
+                self._drain(ahead)
+                self._fail_step(current.step, exc)
                 return
+            self._in_flight = ahead
+        step = current.step
         self.num_steps += 1
-        self.binding.step_succeeded()
-        self.outputs.record_step(sched, step, output)
+        self.binding.step_succeeded(step.allocated)
         for rid in step.num_scheduled:
             stepped = sched.requests.get(rid)
             if stepped is not None:
                 stepped.num_steps += 1
         events = sched.update(step, output)
+        self.outputs.record_step(sched, step, len(events))
         if sched.offload is not None:  # a prefill replica's prompts, before their first token leaves
             sched.offload.publish_prompts([ev.request for ev in events], sched.block_size)
         self.outputs.push(events)
         self.outputs.publish_queues(sched)
+
+    def _schedule_and_send(self) -> _InFlight | None:
+        """A synchronous step (nothing in flight): allocates it and sends it; None when nothing runs
+        or the planning failed (handled here)."""
+        sched = self.scheduler
+        waiting_before = [r for r in sched.waiting if r.in_admission_queue]
+        try:
+            step = sched.schedule()
+        except FailedPrecondition as exc:  # the kv-cache-manager restarted or was taken over
+            self.binding.rebind(exc)
+            return None
+        except Exception as exc:
+            self._fail_all(exc)
+            return None
+        for req in waiting_before:
+            if req.times.first_scheduled is not None:
+                self.outputs.on_dequeued(req)
+                record_queue_span(req)
+        if step is None:
+            self._wake.wait(0.005)
+            self._wake.clear()
+            return None
+        return self._send(step)
+
+    def _send(self, step: ScheduledStep) -> _InFlight:
+        """Sends a step; a send that fails at once fails where a step's failure is handled: when
+        it is collected."""
+        try:
+            return _InFlight(step, self.runner.submit(step.step_input))
+        except Exception as exc:
+            error = exc
+
+            def fail() -> StepOutput:
+                raise error
+            return _InFlight(step, fail)
+
+    @staticmethod
+    def _drain(in_flight: _InFlight | None) -> None:
+        """Waits for a step whose output nobody will apply (the step it followed failed, or the
+        engine stops), so no block is freed while it may still write it."""
+        if in_flight is None:
+            return
+        try:
+            in_flight.wait()
+        except Exception as exc:  # expected: it followed a step that failed
+            log.debug("step %d sent ahead ended with %s", in_flight.step.step_input.step_id, exc)
 
     def _fail_step(self, step: ScheduledStep, exc: Exception) -> None:
         """The model-runner call failed: end the step's requests with an error."""

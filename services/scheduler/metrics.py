@@ -76,6 +76,10 @@ class SchedulerMetrics:
         self.generation_tokens = Counter(
             PREFIX + "generation_tokens", "Tokens generated (decode), for throughput.",
             labels, registry=registry).labels(model_name)
+        self._steps = Counter(
+            PREFIX + "steps", "Steps run, by how they were planned: synchronous (after the step before "
+            "returned) or ahead (async scheduling: sent while the step before ran).",
+            [MODEL_LABEL, "planned"], registry=registry)
         self._request_success = Counter(
             PREFIX + "request_success", "Finished requests by reason (stop, length, abort, error).",
             [MODEL_LABEL, "finished_reason"], registry=registry)
@@ -114,6 +118,10 @@ class SchedulerMetrics:
         """Called once per scheduler step with the queue lengths after scheduling."""
         self.num_requests_running.set(running)
         self.num_requests_waiting.set(waiting)
+
+    def add_step(self, ahead: bool) -> None:
+        """One step collected (the share sent ahead says how much async scheduling overlaps)."""
+        self._steps.labels(self._model, "ahead" if ahead else "synchronous").inc()
 
     def add_step_tokens(self, prompt_tokens: int, generation_tokens: int) -> None:
         """Tokens a step computed; counted per step so throughput panels move while requests run."""

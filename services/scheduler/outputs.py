@@ -126,12 +126,17 @@ class OutputQueues:
             ttft_s=m.ttft_seconds if m.completion_tokens else None, prompt_tokens=m.prompt_tokens,
             generation_tokens=m.completion_tokens)
 
-    def record_step(self, sched: Scheduler, step: ScheduledStep, output: Any) -> None:
-        """A step's token counts and the preemptions it caused."""
+    def record_step(self, sched: Scheduler, step: ScheduledStep, num_generated: int) -> None:
+        """A step's token counts and the preemptions it caused.
+
+        ``num_generated``: the tokens the step gave requests (not the runner's count: a step sent
+        ahead samples a token for a request that its previous step ended, and nobody gets it).
+        """
         if self.metrics is None:
             return
         decodes = len(step.step_input.cached_requests)
-        self.metrics.add_step_tokens(max(step.total_tokens - decodes, 0), len(output.sampled))
+        self.metrics.add_step(ahead=not step.allocated)
+        self.metrics.add_step_tokens(max(step.total_tokens - decodes, 0), num_generated)
         if sched.num_preemptions > self._preemptions_seen:
             self.metrics.num_preemptions.inc(sched.num_preemptions - self._preemptions_seen)
             self._preemptions_seen = sched.num_preemptions

@@ -82,6 +82,9 @@ class Request:
     # and neither this copy nor the runner's ever reads a position outside the window.
     block_tables: list[list[int]] = field(default_factory=lambda: [[]])
     num_tokens_sent_to_kvm: int = 0  # tokens the kv-cache-manager knows of this request
+    # Tokens computed in steps sent ahead (async scheduling: slots the manager had handed out
+    # already, so no allocation was asked): the manager learns of them with the next allocation.
+    num_unreported_tokens: int = 0
     # Full blocks' chained hashes, computed once here (the scheduler owns the seed): the
     # kv-cache-manager's prefix keys and the offload-store's keys.
     block_hashes: list[BlockHash] = field(default_factory=list)
@@ -131,6 +134,7 @@ class Request:
         self.known_to_runner = False
         self.num_computed_tokens = 0
         self.num_tokens_sent_to_kvm = 0
+        self.num_unreported_tokens = 0
         self.block_tables = [[] for _ in self.block_tables]
 
     @property

@@ -13,7 +13,9 @@ Each call to :meth:`Scheduler.schedule` builds one step:
    scheduler preempt — the newest request first — and retry that request.
 
 The result is a :class:`ScheduledStep` (step.py); :meth:`Scheduler.update` applies the sampled
-tokens and retires requests. Queues: queues.py; hashes: block_hashes.py; victims: preemption.py.
+tokens and retires requests. :meth:`Scheduler.plan_ahead` plans the step after one in flight,
+without the kv-cache-manager (async scheduling, lookahead.py). Queues: queues.py; hashes:
+block_hashes.py; victims: preemption.py.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from services.model_runner.client import RunnerInfo
 from services.model_runner.types import StepOutput
 from services.scheduler.block_hashes import extend_hashes, full_block_hashes, load_external
 from services.scheduler.config import SchedulerConfig
+from services.scheduler.lookahead import plan_ahead
 from services.scheduler.offload import OffloadConnector
 from services.scheduler.preemption import preempt_until_fits
 from services.scheduler.queues import RequestQueues
@@ -153,14 +156,16 @@ class Scheduler:
         """What the kv-cache-manager gets: the tokens and full-block hashes it does not know yet.
 
         Every allocation sends the hashes of every full block of the tokens known so far, so the
-        manager holds ``num_tokens_sent_to_kvm // block_size`` of them and the rest follow here.
+        manager holds ``num_tokens_sent_to_kvm // block_size`` of them and the rest follow here;
+        a running request's count includes the tokens steps sent ahead computed unasked
+        (``num_unreported_tokens``), so the manager's computed count catches up.
         """
         start = 0 if is_new else req.num_tokens_sent_to_kvm
         n_full = extend_hashes(req, self.hash_seed, self.block_size)
         return AllocationSpec(
             request_id=req.request_id,
             new_token_ids=tuple(req.token_ids_from(start)),
-            num_new_tokens=num_new,
+            num_new_tokens=num_new if is_new else num_new + req.num_unreported_tokens,
             is_new=is_new,
             use_prefix_cache=self.config.enable_prefix_caching,
             is_resumed=is_new and req.num_preemptions > 0,
@@ -238,6 +243,15 @@ class Scheduler:
         self._step_id += 1
         return build_step(self._step_id, scheduled, admitted, preempted, self.queues.take_runner_forget(),
                           self.last_kv_stats, self.num_groups)
+
+    def plan_ahead(self, prev: ScheduledStep) -> ScheduledStep | None:
+        """The step to send while ``prev`` runs (async scheduling, lookahead.py), or None when the
+        next step must be planned synchronously, after ``prev`` returns."""
+        step = plan_ahead(prev, self.queues, self._step_id + 1, self.block_size, self.info.max_model_len,
+                          self.config.max_num_seqs, self.config.max_num_batched_tokens)
+        if step is not None:
+            self._step_id += 1
+        return step
 
     def _kv_step(self, allocations: list[AllocationSpec]) -> StepResult:
         """One kv-cache-manager call (pending frees first); evicted cached blocks are saved

@@ -22,6 +22,9 @@ class ScheduledStep:
     num_scheduled: dict[str, int]  # request id -> tokens computed this step
     preempted: list[str] = field(default_factory=list)
     kv_stats: KVCacheStats | None = None
+    # False for a step sent ahead (lookahead.py): it ran on slots already held, no allocation was
+    # asked, so it renewed no kv-cache-manager lease.
+    allocated: bool = True
 
     @property
     def total_tokens(self) -> int:
@@ -69,9 +72,11 @@ def build_step(step_id: int, scheduled: list[tuple[Request, AllocationResult]],
     cached: list[CachedRequestData] = []
     num_scheduled: dict[str, int] = {}
     for req, res in scheduled:
+        num_new = res.num_new_tokens - req.num_unreported_tokens  # the manager caught up (scheduler.py)
+        req.num_unreported_tokens = 0
         cached.append(CachedRequestData(
             request_id=req.request_id, new_block_ids=tuple(res.new_block_ids),
-            num_computed_tokens=req.num_computed_tokens, num_new_tokens=res.num_new_tokens,
+            num_computed_tokens=req.num_computed_tokens, num_new_tokens=num_new,
         ))
         if num_groups == 1:
             req.block_tables[0].extend(res.new_block_ids)
@@ -79,7 +84,7 @@ def build_step(step_id: int, scheduled: list[tuple[Request, AllocationResult]],
             for table, run in zip(req.block_tables, split_groups(res.new_block_ids, num_groups), strict=True):
                 table.extend(run)
         req.num_tokens_sent_to_kvm = req.num_tokens
-        num_scheduled[req.request_id] = res.num_new_tokens
+        num_scheduled[req.request_id] = num_new
     for req, res in admitted:
         if req.is_finished or req.status is not RequestStatus.RUNNING:
             continue

@@ -153,6 +153,11 @@ def test_names_follow_vllm(loaded: tuple[int, dict[str, list]]) -> None:
     assert _value(runner, "kvmesh:iteration_tokens_total_sum") == (
         _value(sched, "kvmesh:prompt_tokens_total") + _value(sched, "kvmesh:generation_tokens_total") - N_REQUESTS)
     assert _value(kvm, "kvmesh:prefix_cache_queries_total") >= _value(kvm, "kvmesh:prefix_cache_hits_total")
+    # every step the runner ran is one the scheduler collected, planned synchronously or sent ahead
+    # (block size 4: decodes at a block's 2nd-4th slot need no allocation, so some were sent ahead)
+    steps = {labels["planned"]: v for n, labels, v in sched if n == "kvmesh:steps_total"}
+    assert set(steps) == {"synchronous", "ahead"} and steps["ahead"] > 0
+    assert steps["synchronous"] + steps["ahead"] == _value(runner, "kvmesh:iteration_tokens_total_count")
 
 
 def test_dashboard_queries_name_real_series(loaded: tuple[int, dict[str, list]]) -> None:

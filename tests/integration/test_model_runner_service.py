@@ -86,6 +86,43 @@ def test_bad_steps_are_invalid_and_the_runner_keeps_serving(
     stub.Execute(pb.ExecuteRequest(step_id=11, finished_request_ids=["c"]))
 
 
+def _decode(step_id: int, computed: int, after: int = 0, new_blocks: tuple[int, ...] = ()) -> pb.ExecuteRequest:
+    return pb.ExecuteRequest(step_id=step_id, after_step_id=after, cached_requests=[pb.CachedRequestData(
+        request_id="d", new_block_ids=list(new_blocks), num_computed_tokens=computed, num_new_tokens=1)])
+
+
+def test_a_step_sent_ahead_runs_right_after_the_one_it_follows(
+        runner: tuple[ServiceProcess, pb_grpc.ModelRunnerStub], tiny_llama_dir: Path) -> None:
+    """Async scheduling: step N + 1 may reach the runner before step N; it waits for N, takes N's
+    sampled token as its input, and is refused (changing nothing) when N failed."""
+    _, stub = runner
+    prompt = list(range(30, 40))  # 10 tokens in blocks 1-3: positions 10 and 11 fit, 12 needs block 4
+    first = stub.Execute(pb.ExecuteRequest(step_id=20, new_requests=[_new("d", prompt, [1, 2, 3])]))
+    tokens = [first.sampled[0].token_id]
+    ahead = stub.Execute.future(_decode(22, 11, after=21))  # sent first: waits for step 21
+    with pytest.raises(grpc.FutureTimeoutError):
+        ahead.result(timeout=0.5)
+    tokens.append(stub.Execute(_decode(21, 10)).sampled[0].token_id)
+    tokens.append(ahead.result(timeout=30).sampled[0].token_id)
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    ref = model.generate(torch.tensor([prompt]), max_new_tokens=4, do_sample=False, pad_token_id=0)[0, 10:].tolist()
+    assert tokens == ref[:3]
+
+    # Step 23 is refused (it names a computed count the runner does not have): 24, sent after it,
+    # is refused too, and the runner's state is the one step 22 left.
+    ahead = stub.Execute.future(_decode(24, 13, after=23, new_blocks=(4,)))
+    with pytest.raises(grpc.RpcError) as bad:
+        stub.Execute(_decode(23, 99, new_blocks=(4,)))
+    assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(grpc.RpcError) as refused:
+        ahead.result(timeout=30)
+    assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "step 23, which this step follows, failed" in (refused.value.details() or "")
+    assert stub.Execute(_decode(25, 12, new_blocks=(4,))).sampled[0].token_id == ref[3]
+    stub.Execute(pb.ExecuteRequest(step_id=26, finished_request_ids=["d"]))
+
+
 def test_pool_handle_maps_zero_copy_and_blocks_copy_through_staging(
         runner: tuple[ServiceProcess, pb_grpc.ModelRunnerStub]) -> None:
     _, stub = runner

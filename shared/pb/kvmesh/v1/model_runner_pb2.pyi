@@ -307,6 +307,7 @@ class ExecuteRequest(_message.Message):
     FINISHED_REQUEST_IDS_FIELD_NUMBER: _builtins.int
     EXPECTED_POOL_ID_FIELD_NUMBER: _builtins.int
     RESET_REQUESTS_FIELD_NUMBER: _builtins.int
+    AFTER_STEP_ID_FIELD_NUMBER: _builtins.int
     step_id: _builtins.int
     """Monotonic step number."""
     expected_pool_id: _builtins.str
@@ -315,6 +316,11 @@ class ExecuteRequest(_message.Message):
     """
     reset_requests: _builtins.bool
     """Forget every request first (a scheduler that (re)bound to this runner knows none of them)."""
+    after_step_id: _builtins.int
+    """When set: a step sent before step `after_step_id` returned (async scheduling). It runs only
+    right after that step ran to completion on this runner, and is refused with
+    FAILED_PRECONDITION when that step failed or did not arrive in time.
+    """
     @_builtins.property
     def new_requests(self) -> _containers.RepeatedCompositeFieldContainer[Global___NewRequestData]:
         """Requests described in full."""
@@ -336,10 +342,11 @@ class ExecuteRequest(_message.Message):
         finished_request_ids: _abc.Iterable[_builtins.str] | None = ...,
         expected_pool_id: _builtins.str = ...,
         reset_requests: _builtins.bool = ...,
+        after_step_id: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_requests", b"cached_requests", "expected_pool_id", b"expected_pool_id", "finished_request_ids", b"finished_request_ids", "new_requests", b"new_requests", "reset_requests", b"reset_requests", "step_id", b"step_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["after_step_id", b"after_step_id", "cached_requests", b"cached_requests", "expected_pool_id", b"expected_pool_id", "finished_request_ids", b"finished_request_ids", "new_requests", b"new_requests", "reset_requests", b"reset_requests", "step_id", b"step_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
