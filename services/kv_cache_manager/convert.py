@@ -60,6 +60,7 @@ def spec_to_pb(spec: AllocationSpec) -> pb.Allocation:
         request_id=spec.request_id, new_token_ids=spec.new_token_ids, num_new_tokens=spec.num_new_tokens,
         is_new=spec.is_new, use_prefix_cache=spec.use_prefix_cache, is_resumed=spec.is_resumed,
         num_external_blocks=spec.num_external_blocks, block_hashes=spec.block_hashes,
+        num_lookahead_tokens=spec.num_lookahead_tokens,
     )
 
 
@@ -75,6 +76,7 @@ def spec_from_pb(msg: pb.Allocation) -> AllocationSpec:
         is_resumed=msg.is_resumed,
         num_external_blocks=msg.num_external_blocks,
         block_hashes=tuple([BlockHash(h) for h in msg.block_hashes]),
+        num_lookahead_tokens=msg.num_lookahead_tokens,
     )
 
 

@@ -52,10 +52,11 @@ def _check_requests(pool: BlockPool, requests: Iterable[RequestState], block_siz
         _check_tables(pool, req, windows, sinks, block_size, refs)
         if not 0 <= req.num_computed_tokens <= req.num_tokens:
             raise IntegrityError(f"request {rid!r}: {req.num_computed_tokens} computed of {req.num_tokens}")
-        expected_blocks = -(-req.num_computed_tokens // block_size)
-        if len(req.blocks) != expected_blocks:
-            raise IntegrityError(f"request {rid!r}: {len(req.blocks)} blocks for "
-                                 f"{req.num_computed_tokens} computed tokens (expected {expected_blocks})")
+        least = -(-req.num_computed_tokens // block_size)
+        most = max(least, -(-req.reserved_end // block_size))  # plus a lookahead reserve, if granted
+        if not least <= len(req.blocks) <= most:
+            raise IntegrityError(f"request {rid!r}: {len(req.blocks)} blocks for {req.num_computed_tokens} "
+                                 f"computed tokens (expected {least}, or up to {most} with its lookahead)")
         if len(req.block_hashes) != req.num_tokens // block_size:
             raise IntegrityError(f"request {rid!r}: {len(req.block_hashes)} hashes for {req.num_tokens} tokens")
         if req.num_cached_blocks > min(len(req.block_hashes), req.num_computed_tokens // block_size):

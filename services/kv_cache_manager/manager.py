@@ -240,6 +240,9 @@ class KVCacheManager:
         num_free_hits = sum(1 for block in hit_blocks if block.ref_cnt == 0)
         if num_fresh * num_groups > pool.num_free_blocks - num_free_hits:
             return AllocationResult(spec.request_id, AllocationStatus.OUT_OF_BLOCKS)
+        end = num_computed + num_new
+        num_fresh += self._lookahead_blocks(end, num_hit + num_fresh, spec.num_lookahead_tokens,
+                                            pool.num_free_blocks - num_free_hits - num_fresh * num_groups)
 
         pool.touch(hit_blocks)
         fresh = self._get_new_blocks(num_fresh * num_groups, evicted, events)
@@ -248,6 +251,7 @@ class KVCacheManager:
         for g, window in self._window_groups:
             state.num_skipped[g] = dead_range(window, self._sinks[g], bs, num_hit * bs)[1]
         state.num_computed_tokens = num_computed + num_new
+        state.reserved_end = end + spec.num_lookahead_tokens
         self._requests[spec.request_id] = state
         self._cache_full_blocks(state, (num_computed + num_new) // bs, events)
         if spec.use_prefix_cache:
@@ -284,6 +288,8 @@ class KVCacheManager:
         num_freed = sum(1 for block in dead if block.ref_cnt == 1)
         if num_fresh * num_groups > self._pool.num_free_blocks + num_freed:
             return AllocationResult(spec.request_id, AllocationStatus.OUT_OF_BLOCKS)
+        num_fresh += self._lookahead_blocks(total, len(state.blocks) + num_fresh, spec.num_lookahead_tokens,
+                                            self._pool.num_free_blocks + num_freed - num_fresh * num_groups)
         if dead:
             state.skip_dead(self._window_groups, bs, num_computed, self._pool.null_block, self._sinks)
             self._pool.free_blocks(dead)
@@ -292,6 +298,7 @@ class KVCacheManager:
         for g, table in enumerate(state.tables):
             table.extend(fresh[g * num_fresh : (g + 1) * num_fresh])
         state.num_computed_tokens = total
+        state.reserved_end = max(state.reserved_end, total + spec.num_lookahead_tokens)
         state.num_committed_blocks = state.num_cached_blocks  # the previous step ran
         self._cache_full_blocks(state, total // bs, events)
         return AllocationResult(
@@ -300,6 +307,20 @@ class KVCacheManager:
             num_computed_tokens=num_computed,
             num_new_tokens=spec.num_new_tokens,
         )
+
+    def _lookahead_blocks(self, end: int, num_blocks: int, lookahead: int, num_free: int) -> int:
+        """Blocks per group to add to a table of ``num_blocks`` for ``lookahead`` slots past ``end``
+        (async scheduling's reserve, best effort): only as many as leave every live request one more
+        block per group among the ``num_free`` free blocks left after the step's own.
+
+        NOTE: the reserve never costs a refusal or a preemption: under pressure it shrinks to nothing
+        and the scheduler's next step allocates synchronously, as without async scheduling.
+        """
+        if lookahead <= 0:
+            return 0
+        want = -(-min(end + lookahead, self._config.max_model_len) // self._block_size) - num_blocks
+        spare = (num_free - len(self._requests) * self._num_groups) // self._num_groups
+        return max(0, min(want, spare))
 
     def _find_hit(self, hashes: Sequence[BlockHash], token_ids: Sequence[int] | None,
                   max_blocks: int) -> tuple[int, list[list[KVCacheBlock]]]:

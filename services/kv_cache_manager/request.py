@@ -47,7 +47,8 @@ class RequestState:
     """
 
     __slots__ = ("block_hashes", "blocks", "num_cached_blocks", "num_committed_blocks",
-                 "num_computed_tokens", "num_skipped", "num_tokens", "request_id", "tables", "tail_token_ids")
+                 "num_computed_tokens", "num_skipped", "num_tokens", "request_id", "reserved_end", "tables",
+                 "tail_token_ids")
 
     def __init__(self, request_id: str, num_tokens: int, tail_token_ids: list[int],
                  block_hashes: list[BlockHash], num_cached_blocks: int = 0,
@@ -63,6 +64,9 @@ class RequestState:
         # they start at 0, or after the sink blocks with attention sinks.
         self.num_skipped = [0] * len(self.tables)
         self.num_computed_tokens = 0
+        # The furthest slot end any allocation asked for, lookahead included (async scheduling's
+        # reserve): the table holds blocks for at least the computed tokens and at most up to here.
+        self.reserved_end = 0
         # Leading blocks already registered in the prefix map (or skipped as duplicates).
         self.num_cached_blocks = num_cached_blocks
         # Leading registered blocks whose KV is known to be written: those registered before the

@@ -28,6 +28,7 @@ class AllocationSpec:
     is_resumed: bool = False
     num_external_blocks: int = 0
     block_hashes: tuple[BlockHash, ...] = ()
+    num_lookahead_tokens: int = 0
 
 
 class AllocationStatus(enum.Enum):

@@ -80,6 +80,8 @@ def validate_step(requests: Mapping[str, RequestState], free_request_ids: Sequen
             raise InvalidArgument(f"request {rid!r}: num_new_tokens must be >= 0")
         if spec.num_external_blocks < 0:
             raise InvalidArgument(f"request {rid!r}: num_external_blocks must be >= 0")
+        if not 0 <= spec.num_lookahead_tokens <= max_model_len:
+            raise InvalidArgument(f"request {rid!r}: num_lookahead_tokens must be in [0, {max_model_len}]")
         if spec.num_external_blocks and has_windows:
             raise InvalidArgument(f"request {rid!r}: external blocks need a model without sliding-window "
                                   "groups (the offload tier is off for it)")

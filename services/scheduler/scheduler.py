@@ -171,6 +171,9 @@ class Scheduler:
             is_resumed=is_new and req.num_preemptions > 0,
             num_external_blocks=external,
             block_hashes=tuple(req.block_hashes[start // self.block_size : n_full]),
+            # With async scheduling a block's worth of slots is reserved ahead, when the pool has
+            # them, so the steps sent ahead rarely stop at a block boundary (lookahead.py).
+            num_lookahead_tokens=self.block_size if self.config.async_scheduling else 0,
         )
 
     def schedule(self) -> ScheduledStep | None:

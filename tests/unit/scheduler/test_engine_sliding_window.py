@@ -81,13 +81,16 @@ def model(request: pytest.FixtureRequest,
     return request.param, folder, _checkpoint(request.param, folder, _prompts())
 
 
-def _suite(name: str, folder: Path, num_blocks: int | None = None, budget: int | None = None) -> InProcessSuite:
+def _suite(name: str, folder: Path, num_blocks: int | None = None, budget: int | None = None,
+           async_scheduling: bool = False) -> InProcessSuite:
     num_blocks = num_blocks or MODELS[name][3]
     budget = budget or MODELS[name][4]
     rc = RunnerConfig(model_dir=str(folder), block_size=4, kv_cache_memory_bytes=num_blocks * BYTES_PER_BLOCK,
                       warmup=False, dtype="float32", attention_backend="torch")
     # Every prompt is read in chunks, each chunk's queries straddle the window.
-    sc = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=6)
+    # Synchronous unless asked: the exact preemption and block counts below are the planner's
+    # without async scheduling's slot reserve (which admits fewer at once on so small a pool).
+    sc = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=6, async_scheduling=async_scheduling)
     return build_inprocess(rc, sc, with_tokenizer=False)
 
 
@@ -135,6 +138,7 @@ def test_greedy_matches_transformers_past_the_window(model: tuple[str, Path, lis
         # Wave 1: six requests at once on a pool that holds about two: chunked prefill, preemption.
         assert _generate(suite, prompts, "a") == refs
         assert suite.engine.scheduler.num_preemptions > 0
+        assert suite.engine.num_steps_ahead == 0
         _wait_idle(suite)
         suite.manager.check_integrity()
         # Wave 2, one at a time: each prompt hits what wave 1 left cached (the shared head at
@@ -143,6 +147,23 @@ def test_greedy_matches_transformers_past_the_window(model: tuple[str, Path, lis
         for i, p in enumerate(prompts):
             assert _generate(suite, [p], f"b{i}-") == [refs[i]], f"prompt {i} after a prefix hit"
         assert suite.manager.stats().prefix_cache_hits > before
+        _wait_idle(suite)
+        stats = suite.manager.stats()
+        assert (stats.num_requests, stats.num_free_blocks) == (0, stats.num_blocks)
+        suite.manager.check_integrity()
+    finally:
+        suite.close()
+
+
+def test_async_scheduling_matches_transformers_past_the_window(model: tuple[str, Path, list[list[int]]]) -> None:
+    """The same six requests with async scheduling (steps sent ahead, the lookahead slot reserve,
+    the kv-cache-manager hearing of tokens late and freeing slid-out blocks late): the same tokens,
+    and every block free after."""
+    name, folder, refs = model
+    suite = _suite(name, folder, async_scheduling=True)
+    try:
+        assert _generate(suite, _prompts(), "x") == refs
+        assert suite.engine.num_steps_ahead > 0
         _wait_idle(suite)
         stats = suite.manager.stats()
         assert (stats.num_requests, stats.num_free_blocks) == (0, stats.num_blocks)

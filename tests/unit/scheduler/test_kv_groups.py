@@ -40,7 +40,7 @@ def _info(num_blocks: int, windows: tuple[int | None, ...] = HYBRID) -> RunnerIn
 def _make(num_blocks: int, budget: int, windows: tuple[int | None, ...] = HYBRID) -> tuple[Scheduler, KVCacheManager]:
     manager = KVCacheManager(CacheConfig(block_size=16, num_blocks=num_blocks, max_model_len=4096,
                                          group_windows=windows))
-    cfg = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=16)
+    cfg = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=16, async_scheduling=False)
     return Scheduler(cfg, InProcessKVCache(manager), _info(num_blocks, windows), hash_seed=SEED), manager
 
 
@@ -111,7 +111,7 @@ def test_a_window_model_preempts_by_recompute_and_resumes_from_its_window() -> N
 
 
 def test_admission_counts_a_window_group_as_the_window_it_holds() -> None:
-    config = SchedulerConfig(max_num_batched_tokens=64)
+    config = SchedulerConfig(max_num_batched_tokens=64, async_scheduling=False)
     window_only = _info(11, (32,))
     # 1,000 tokens need 63 blocks with full attention; a window of 32 never holds more than 7.
     validate_request(A, SamplingParams(), 900, window_only, config)

@@ -32,7 +32,9 @@ def _make(num_blocks: int, budget: int = 1024, max_seqs: int = 16, block_size: i
     manager = KVCacheManager(CacheConfig(block_size=block_size, num_blocks=num_blocks, max_model_len=4096))
     info = RunnerInfo(model_id="m", vocab_size=1000, max_model_len=4096, eos_token_ids=(EOS,),
                       num_blocks=num_blocks, block_size=block_size)
-    cfg = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs, enable_prefix_caching=prefix)
+    # The synchronous planner: async scheduling's slot reserve would change every block id below.
+    cfg = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs, enable_prefix_caching=prefix,
+                          async_scheduling=False)
     return Scheduler(cfg, InProcessKVCache(manager), info, hash_seed=SEED), manager
 
 
@@ -267,7 +269,7 @@ def test_prefix_caching_off_says_the_offload_tier_is_unused(tmp_path: Path, capl
                           num_blocks=40, block_size=16)
         for prefix, expect_warning in ((True, False), (False, True)):
             caplog.clear()
-            cfg = SchedulerConfig(enable_prefix_caching=prefix, preemption_mode="swap")
+            cfg = SchedulerConfig(enable_prefix_caching=prefix, preemption_mode="swap", async_scheduling=False)
             with caplog.at_level(logging.WARNING, logger="services.scheduler.scheduler"):
                 sched = Scheduler(cfg, InProcessKVCache(manager), info, OffloadConnector(store),
                                   hash_seed=SEED)

@@ -50,7 +50,9 @@ def _suite(folder: Path, num_blocks: int) -> InProcessSuite:
     rc = RunnerConfig(model_dir=str(folder), block_size=BS, kv_cache_memory_bytes=num_blocks * BYTES_PER_BLOCK,
                       warmup=False, dtype="float32", streaming_sinks=SINKS, streaming_window=WINDOW)
     runner, kv = InProcessRunner.from_config(rc), InProcessKVCache()
-    engine = Engine(SchedulerConfig(max_num_batched_tokens=BUDGET, max_num_seqs=4), kv, runner)  # bound, not started
+    # Synchronous: the exact live-block counts below leave out async scheduling's slot reserve.
+    config = SchedulerConfig(max_num_batched_tokens=BUDGET, max_num_seqs=4, async_scheduling=False)
+    engine = Engine(config, kv, runner)  # bound, not started
     return InProcessSuite(engine, kv, runner, None)
 
 
@@ -161,7 +163,7 @@ def test_the_engine_thread_streams_it_too(folder: Path, hf: PreTrainedModel) -> 
 
 def test_admission_counts_the_sink_blocks() -> None:
     """A stream fits when its peak fits: ceil(k / bs) + ceil((W - 1 + chunk + bs - 1) / bs) blocks."""
-    config = SchedulerConfig(max_num_batched_tokens=BUDGET)
+    config = SchedulerConfig(max_num_batched_tokens=BUDGET, async_scheduling=False)
     info = RunnerInfo(model_id="m", vocab_size=320, max_model_len=2**31 - 1, eos_token_ids=(), num_blocks=8,
                       block_size=BS, kv_group_windows=(WINDOW,), kv_group_sink_tokens=(SINKS,))
     with pytest.raises(InvalidArgument, match="needs 8 KV blocks but the whole pool has 7"):

@@ -168,6 +168,7 @@ class Allocation(_message.Message):
     IS_RESUMED_FIELD_NUMBER: _builtins.int
     NUM_EXTERNAL_BLOCKS_FIELD_NUMBER: _builtins.int
     BLOCK_HASHES_FIELD_NUMBER: _builtins.int
+    NUM_LOOKAHEAD_TOKENS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Request id, unique among live requests."""
     num_new_tokens: _builtins.int
@@ -184,6 +185,12 @@ class Allocation(_message.Message):
     """Leading full blocks of this request present in an external tier (the offload-store),
     counted from the start of the prompt. Blocks past the pool hit and within this count are
     allocated, registered as cached and returned in external_block_ids for the caller to fill.
+    """
+    num_lookahead_tokens: _builtins.int
+    """Slots to reserve past this step's tokens, if the pool has them (async scheduling: the steps
+    the scheduler then sends ahead need no allocation). Best effort: granted only while every
+    live request could still get one more block afterwards; never counted as computed or
+    registered. At most max_model_len.
     """
     @_builtins.property
     def new_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -211,10 +218,11 @@ class Allocation(_message.Message):
         is_resumed: _builtins.bool = ...,
         num_external_blocks: _builtins.int = ...,
         block_hashes: _abc.Iterable[_builtins.bytes] | None = ...,
+        num_lookahead_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "is_new", b"is_new", "is_resumed", b"is_resumed", "new_token_ids", b"new_token_ids", "num_external_blocks", b"num_external_blocks", "num_new_tokens", b"num_new_tokens", "request_id", b"request_id", "use_prefix_cache", b"use_prefix_cache"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "is_new", b"is_new", "is_resumed", b"is_resumed", "new_token_ids", b"new_token_ids", "num_external_blocks", b"num_external_blocks", "num_lookahead_tokens", b"num_lookahead_tokens", "num_new_tokens", b"num_new_tokens", "request_id", b"request_id", "use_prefix_cache", b"use_prefix_cache"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
