@@ -127,6 +127,13 @@ def _wait_idle(suite: InProcessSuite) -> None:
         time.sleep(0.01)
 
 
+def _assert_all_free(suite: InProcessSuite) -> None:
+    _wait_idle(suite)
+    stats = suite.manager.stats()
+    assert (stats.num_requests, stats.num_free_blocks) == (0, stats.num_blocks)
+    suite.manager.check_integrity()
+
+
 def test_greedy_matches_transformers_past_the_window(model: tuple[str, Path, list[list[int]]]) -> None:
     name, folder, refs = model
     suite = _suite(name, folder)
@@ -147,10 +154,7 @@ def test_greedy_matches_transformers_past_the_window(model: tuple[str, Path, lis
         for i, p in enumerate(prompts):
             assert _generate(suite, [p], f"b{i}-") == [refs[i]], f"prompt {i} after a prefix hit"
         assert suite.manager.stats().prefix_cache_hits > before
-        _wait_idle(suite)
-        stats = suite.manager.stats()
-        assert (stats.num_requests, stats.num_free_blocks) == (0, stats.num_blocks)
-        suite.manager.check_integrity()
+        _assert_all_free(suite)
     finally:
         suite.close()
 
@@ -164,10 +168,7 @@ def test_async_scheduling_matches_transformers_past_the_window(model: tuple[str,
     try:
         assert _generate(suite, _prompts(), "x") == refs
         assert suite.engine.num_steps_ahead > 0
-        _wait_idle(suite)
-        stats = suite.manager.stats()
-        assert (stats.num_requests, stats.num_free_blocks) == (0, stats.num_blocks)
-        suite.manager.check_integrity()
+        _assert_all_free(suite)
     finally:
         suite.close()
 
