@@ -175,3 +175,24 @@ def test_plan_ahead_leaves_out_a_request_its_step_ends_by_length() -> None:
     step = plan_ahead(_prev(last=1, other=1), _queues(last, other), 8, 16, 1000, 8, 512)
     assert step is not None and list(step.num_scheduled) == ["other"]
     assert plan_ahead(_prev(last=1), _queues(last), 8, 16, 1000, 8, 512) is None
+
+
+def test_seeded_sampling_and_logprobs_are_those_of_synchronous_steps(tiny_llama_dir: Path) -> None:
+    """Two requests sampling with seeds (and one asking for logprobs) side by side: the chunks,
+    tokens and logprobs alike, are the same with async scheduling on and off."""
+    params = [SamplingParams(temperature=0.9, top_k=20, seed=7, logprobs=2),
+              SamplingParams(temperature=1.2, top_p=0.8, seed=11)]
+    runs = []
+    for async_scheduling in (True, False):
+        suite = _suite(tiny_llama_dir, async_scheduling)
+        try:
+            streams = [OutputStream(suite.engine, build_spec(suite.engine, PROMPT[i:] + PROMPT[:i], p, MAX_TOKENS,
+                                                             request_id=f"s{i}"), suite.tokenizer)
+                       for i, p in enumerate(params)]
+            runs.append([[(c.token_ids, c.logprobs) for c in s] for s in streams])
+            assert suite.engine.num_steps_ahead > 0 if async_scheduling else suite.engine.num_steps_ahead == 0
+        finally:
+            suite.close()
+    assert runs[0] == runs[1]
+    assert all(sum(len(t) for t, _ in chunks) == MAX_TOKENS for chunks in runs[0])
+    assert all(lp is not None for _, lps in runs[0][0] for lp in lps)
