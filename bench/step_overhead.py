@@ -76,7 +76,9 @@ def _time_native_kernels() -> None:
     """Wraps every entry point of the cached ``NativeKernels`` in a timer, in place (each spelling of
     the call is its own ``functools.cache`` entry, hence its own instance)."""
     done: set[int] = set()
-    for kernels in (native.load_kernels(), native.load_kernels(False), native.load_kernels(portable=False)):
+    spellings = (native.load_kernels(), native.load_kernels(False), native.load_kernels(portable=False),
+                 native.load_kernels(False, plain=False))  # the last: cpu_backend's
+    for kernels in spellings:
         if kernels is None or id(kernels) in done:
             continue
         done.add(id(kernels))
