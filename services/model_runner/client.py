@@ -124,6 +124,12 @@ class InProcessRunner:
             self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvmesh-runner-step")
         return self._worker.submit(self.execute, step).result
 
+    def close(self) -> None:
+        """Ends the step worker (after the step it runs, if any)."""
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
+            self._worker = None
+
     def bind(self, pool_id: str) -> None:
         return None  # one process: the pool cannot restart under the engine
 

@@ -43,6 +43,7 @@ class InProcessSuite:
     def close(self) -> None:
         """Stops the engine, closes the store and releases the pool file."""
         self.engine.stop()
+        self.runner_client.close()
         if self.store is not None:
             self.store.close()
         self.runner_client.core.pool.close()
