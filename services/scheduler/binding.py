@@ -140,20 +140,26 @@ class SuiteBinding:
                 self._offload_renewed = now
             self._offload_mark = mark
 
+    def _kv_due(self, now: float) -> bool:
+        return now - self._kv_renewed >= self._period
+
+    def _offload_due(self, now: float) -> bool:
+        # NOTE: offload is None while the bound model cannot use the tier: no lease to renew.
+        return self.scheduler.offload is not None and now - self._offload_renewed >= self._period
+
     def renewal_due(self) -> bool:
         """Whether a lease needs renewing (so the next step should be a synchronous one: the
         keep-alive does not run while a step is in flight)."""
         now = self._clock()
-        return (now - self._kv_renewed >= self._period
-                or (self.scheduler.offload is not None and now - self._offload_renewed >= self._period))
+        return self._kv_due(now) or self._offload_due(now)
 
     def keepalive(self) -> None:
         """Renews whichever lease nothing renewed for a third of the lease (also while idle)."""
         now = self._clock()
-        if now - self._kv_renewed >= self._period and not self.check_peers(after_failure=False):
+        if self._kv_due(now) and not self.check_peers(after_failure=False):
             return
-        offload = self.scheduler.offload  # None while the bound model cannot use the tier
-        if offload is not None and now - self._offload_renewed >= self._period:
+        offload = self.scheduler.offload
+        if offload is not None and self._offload_due(now):
             self._offload_renewed = now
             offload.keepalive()
 

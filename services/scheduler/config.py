@@ -87,6 +87,15 @@ class SchedulerConfig:
     role: str = "mixed"
     async_scheduling: bool = True
 
+    @property
+    def sends_ahead(self) -> bool:
+        """Whether steps are sent ahead (async scheduling) and so allocations reserve slots for them.
+
+        NOTE: not on a prefill replica: its requests end at their first token, so there is no next
+        step to send, and its prompts are published to the offload-store as each step returns.
+        """
+        return self.async_scheduling and self.role != "prefill"
+
     def __post_init__(self) -> None:
         if self.max_num_seqs <= 0 or self.max_num_batched_tokens <= 0:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")

@@ -91,7 +91,6 @@ class Engine:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._in_flight: _InFlight | None = None
-        self._look_ahead = config.async_scheduling and config.role != "prefill"
         self.num_steps = 0
         self.num_steps_ahead = 0  # steps sent while the one before them ran
 
@@ -228,7 +227,7 @@ class Engine:
                     return
             self._in_flight = None
             ahead = None
-            if self._look_ahead and not self.binding.renewal_due():
+            if self.config.sends_ahead and not self.binding.renewal_due():
                 step = sched.plan_ahead(current.step)
                 if step is not None:
                     ahead = self._send(step)

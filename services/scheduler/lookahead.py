@@ -36,11 +36,6 @@ def _samples(req: Request, num_computed: int) -> bool:
     return num_computed >= req.num_tokens
 
 
-def _ends_by_length(req: Request, max_model_len: int) -> bool:
-    """Whether the token about to be sampled ends the request by length (known before it is)."""
-    return len(req.output_token_ids) + 1 >= req.spec.max_tokens or req.num_tokens + 1 >= max_model_len
-
-
 def plan_ahead(prev: ScheduledStep, queues: RequestQueues, step_id: int, block_size: int,
                max_model_len: int, max_num_seqs: int, token_budget: int) -> ScheduledStep | None:
     """The step to run right after ``prev`` (in flight), or None when it needs a synchronous one.
@@ -64,7 +59,7 @@ def plan_ahead(prev: ScheduledStep, queues: RequestQueues, step_id: int, block_s
             return None  # not in the step in flight: its plan is the synchronous planner's
         computed = req.num_computed_tokens + num_prev
         if _samples(req, computed):
-            if _ends_by_length(req, max_model_len):
+            if req.at_length(max_model_len, more=1):  # the token N samples ends it: known now
                 continue
             num_new = 1
         else:

@@ -147,6 +147,13 @@ class Request:
         """Waiting-queue order: lower priority value first, then arrival."""
         return (self.spec.priority, self.seq)
 
+    def at_length(self, max_model_len: int, more: int = 0) -> bool:
+        """Whether the request is at its length limit (``max_tokens`` or ``max_model_len``) once
+        ``more`` tokens are appended: the one rule the stop check (``more=0``, after appending)
+        and async scheduling (``more=1``, before the token is known) both read."""
+        return (len(self.output_token_ids) + more >= self.spec.max_tokens
+                or self.num_tokens + more >= max_model_len)
+
     @property
     def is_finished(self) -> bool:
         """Whether the request has ended."""

@@ -173,7 +173,7 @@ class Scheduler:
             block_hashes=tuple(req.block_hashes[start // self.block_size : n_full]),
             # With async scheduling a block's worth of slots is reserved ahead, when the pool has
             # them, so the steps sent ahead rarely stop at a block boundary (lookahead.py).
-            num_lookahead_tokens=self.block_size if self.config.async_scheduling else 0,
+            num_lookahead_tokens=self.block_size if self.config.sends_ahead else 0,
         )
 
     def schedule(self) -> ScheduledStep | None:
@@ -328,7 +328,7 @@ class Scheduler:
             return FinishReason.STOP, ""
         if token in params.stop_token_ids:
             return FinishReason.STOP, str(token)
-        if len(req.output_token_ids) >= req.spec.max_tokens or req.num_tokens >= self.info.max_model_len:
+        if req.at_length(self.info.max_model_len):
             return FinishReason.LENGTH, ""
         return None, ""
 
