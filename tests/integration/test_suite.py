@@ -25,7 +25,10 @@ from shared.pb.kvmesh.v1 import (
     scheduler_pb2,
 )
 
-MAX_TOKENS = 8
+# 24 new tokens: 6 blocks of growth per request, so the running ones outgrow the pool and preempt
+# even with async scheduling's slot reserve (a block per request, which makes admission more
+# cautious: with 8 tokens, one run in three had no preemption).
+MAX_TOKENS = 24
 N_REQUESTS = 10
 
 
