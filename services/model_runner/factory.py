@@ -20,7 +20,7 @@ from services.model_runner.config import RunnerConfig
 from services.model_runner.kv_pool import KVPool, kv_dtype_for
 from services.model_runner.loader import load_model, parse_dtype
 from services.model_runner.model.config import ModelConfig
-from services.model_runner.native import load_kernels
+from services.model_runner.native import HALF_RATE_BF16_DOTS_VENDOR, cpu_vendor, load_kernels
 from services.model_runner.runner import ModelRunner
 from services.model_runner.streaming import check_streaming
 from shared.errors import FailedPrecondition
@@ -29,9 +29,9 @@ from shared.tensor_handle import dtype_name
 
 log = logging.getLogger(__name__)
 
-# CPU flags (as /proc/cpuinfo spells them) of hardware that computes bf16 at more than fp32's rate:
-# AMX tiles (Sapphire Rapids and later) and AVX512-BF16 dot products (Cooper Lake, Zen 4). Without
-# them torch converts bf16 to fp32 around every op, slower than fp32 itself.
+# CPU flags (as /proc/cpuinfo spells them) of bf16 hardware: AMX tiles (Sapphire Rapids and later)
+# and AVX512-BF16 dot products (Zen 4 and 5, Cooper Lake, and Intel's AMX CPUs). Without them torch
+# converts bf16 to fp32 around every op, slower than fp32 itself.
 BF16_FLAGS = ("amx_bf16", "avx512_bf16")
 # The native decode attention's limits (native/paged_decode.c: MAX_GROUP, MAX_HEAD_DIM).
 NATIVE_MAX_GROUP = 16
@@ -58,9 +58,16 @@ def cpu_flags() -> frozenset[str]:
 
 
 def select_dtype(requested: str, device_type: str, flags: Iterable[str], quantization: str = "none",
-                 bf16_kernels: bool = False, mla: bool = False) -> Choice:
-    """``dtype=auto``: bf16 on a CPU with bf16 hardware *and* batch-invariant bf16 kernels built
-    here (``bf16_kernels``), fp32 elsewhere.
+                 bf16_kernels: bool = False, mla: bool = False, vendor: str = "", bf16_fma: bool = False) -> Choice:
+    """``dtype=auto``: bf16 on a CPU with bf16 hardware *and* batch-invariant bf16 kernels built here
+    (``bf16_kernels``) that run bf16 at full rate, fp32 elsewhere.
+
+    Full rate: AMX tiles, AVX512-BF16 dot products on a CPU not from ``HALF_RATE_BF16_DOTS_VENDOR``
+    (``vendor``, ``/proc/cpuinfo``'s ``vendor_id``), or bf16 mode's arithmetic as fp32 FMAs over
+    widened bf16 values (``bf16_fma``: the kernels' choice on an Intel CPU without AMX,
+    ``native.bf16_in_fma``). An Intel core runs ``vdpbf16ps`` at half its fp32 FMA rate, so bf16
+    dot products there (``KVMESH_NATIVE_BF16=dots``) would make bf16 mode slower than fp32 mode:
+    auto then picks fp32 (vLLM's bf16 default was slower than its fp32 on that machine too).
 
     bf16 needs both because the cache must never change the answer in the default mode: torch's
     bf16 GEMMs (oneDNN) pick their blocking by the row count, so a prefix hit, a chunked prefill
@@ -87,6 +94,10 @@ def select_dtype(requested: str, device_type: str, flags: Iterable[str], quantiz
     have = sorted(set(flags) & set(BF16_FLAGS))
     if not have:
         return Choice("float32", "auto: the CPU has no AMX-BF16 or AVX512-BF16 (bf16 would run as converted fp32)")
+    if "amx_bf16" not in have and vendor == HALF_RATE_BF16_DOTS_VENDOR and bf16_kernels and not bf16_fma:
+        return Choice("float32", "auto: an Intel CPU with AVX512-BF16 but no AMX-BF16, and bf16 mode set to dot "
+                                 "products (KVMESH_NATIVE_BF16=dots): its cores run vdpbf16ps at half their fp32 "
+                                 "FMA rate, so float32 is the faster dtype here")
     if not bf16_kernels:
         return Choice("float32", f"auto: the CPU has bf16 hardware ({', '.join(have)}) but no batch-invariant bf16 "
                                  "kernels built here (torch's bf16 GEMMs change their reduction order with the "
@@ -204,23 +215,28 @@ def make_backend(name: str, device: torch.device, batch_invariant: bool = False,
     return TorchAttentionBackend()
 
 
-def build_runner(config: RunnerConfig, flags: Iterable[str] | None = None) -> ModelRunner:
+def build_runner(config: RunnerConfig, flags: Iterable[str] | None = None, vendor: str | None = None) -> ModelRunner:
     """Loads the model, allocates the pool from the memory budget, picks the backend.
 
     Args:
         config: what to build; ``auto`` settings are resolved by :func:`select_dtype` and
             :func:`select_backend`.
         flags: the CPU's feature flags; default: this machine's (:func:`cpu_flags`).
+        vendor: the CPU's ``vendor_id``; default: this machine's (:func:`cpu_vendor`) where
+            ``flags`` is this machine's too, else none (a test's machine class given by its flags).
     """
     if config.num_threads > 0:
         torch.set_num_threads(config.num_threads)
     device = resolve_device(config.device)
     cpu = cpu_flags() if flags is None else frozenset(flags)
+    if vendor is None:
+        vendor = cpu_vendor() if flags is None else ""
     mcfg0 = ModelConfig.from_dir(config.model_dir)
     bf16_kernels = not config.streaming and _bf16_kernels(config, device, cpu, mcfg0)
     mla = mcfg0.kv_layout == "mla"
+    kernels = load_kernels() if bf16_kernels else None
     dtype_choice = select_dtype(config.dtype, device.type, cpu, config.quantization, bf16_kernels=bf16_kernels,
-                                mla=mla)
+                                mla=mla, vendor=vendor, bf16_fma=kernels is not None and kernels.linear_bf16_fma)
     if config.streaming:
         backend_choice = streaming_backend(config, mcfg0)
     else:
@@ -320,6 +336,8 @@ def _bf16_gemm_note() -> str:
     kernels = load_kernels()
     if kernels is not None and kernels.linear_bf16_amx:
         return "; bf16 GEMMs on AMX tiles (native/gemm_amx.c)"
+    if kernels is not None and kernels.linear_bf16_fma:
+        return "; bf16 weights and KV widened into fp32 FMAs, activations unrounded (native/gemm_bf16.c, fma)"
     return "; bf16 GEMMs on AVX512-BF16 (native/gemm_bf16.c)"
 
 

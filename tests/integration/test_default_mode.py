@@ -1,5 +1,6 @@
 """The default mode (``dtype=auto``, ``attention_backend=auto``: the native kernels, in fp32, or
-in bf16 mode where the CPU has AVX512-BF16) through the real in-process engine: in each dtype,
+in bf16 mode where auto picks it: AMX, or AVX512-BF16 on a CPU not from Intel) through the real
+in-process engine: in each dtype,
 the cache never changes the answer.
 
 A cold run (each prompt alone, prefix caching off) is the baseline. Neither other sequences in
@@ -30,8 +31,8 @@ import pytest
 import torch
 
 from services.model_runner.config import RunnerConfig
-from services.model_runner.factory import BF16_FLAGS, cpu_flags
-from services.model_runner.native import load_kernels
+from services.model_runner.factory import cpu_flags, select_dtype
+from services.model_runner.native import cpu_vendor, load_kernels
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.inprocess import build_inprocess
 from services.scheduler.servicer import SchedulerServicer
@@ -55,10 +56,17 @@ def _kv_dtype(runner: dict[str, Any]) -> str:
     """The pool dtype a mode gets here: bf16 in bf16 mode (its default), else fp32."""
     kv = runner.get("kv_cache_dtype", "auto")
     if kv == "auto":
-        bf16_mode = (runner.get("dtype", "auto") != "float32" and _bf16_gemm_here()
-                     and bool(cpu_flags() & set(BF16_FLAGS)))
+        dtype = runner.get("dtype", "auto")
+        bf16_mode = (dtype == "bfloat16" and _bf16_gemm_here()) or (dtype == "auto" and _auto_is_bf16())
         return "bfloat16" if bf16_mode and runner.get("attention_backend", "auto") != "torch" else "float32"
     return str(kv)
+
+
+def _auto_is_bf16() -> bool:
+    """Whether ``dtype=auto`` picks bf16 mode on this machine (the factory's own rule)."""
+    kernels = load_kernels()
+    return select_dtype("auto", "cpu", cpu_flags(), bf16_kernels=_bf16_gemm_here(), vendor=cpu_vendor(),
+                        bf16_fma=kernels is not None and kernels.linear_bf16_fma).value == "bfloat16"
 
 
 def _bf16_gemm_here() -> bool:
@@ -166,12 +174,12 @@ def cold(model_dir: Path, mode: dict[str, Any]) -> Iterator[tuple[Outputs, Any]]
 
 
 def test_the_default_and_its_reasons_reach_both_model_infos(tiny_llama_dir: Path) -> None:
-    """With nothing set: the native kernels, in bf16 mode where the CPU has AVX512-BF16 and the bf16
+    """With nothing set: the native kernels, in bf16 mode where auto's rule picks it and the bf16
     GEMM built (never bf16 on the torch path), fp32 elsewhere; reported by the runner and by the
     scheduler alike."""
     _, (_, _, info, sched_info) = _run(tiny_llama_dir, concurrent=False, runner={}, enable_prefix_caching=False)
     built = load_kernels() is not None
-    bf16 = bool(cpu_flags() & set(BF16_FLAGS)) and _bf16_gemm_here()
+    bf16 = _auto_is_bf16()
     assert (info.dtype, info.attention_backend, info.kv_cache_dtype) == (
         ("bfloat16", "cpu", "bfloat16") if bf16 else ("float32", "cpu" if built else "torch", "float32"))
     assert (sched_info.dtype, sched_info.attention_backend) == (info.dtype, info.attention_backend)

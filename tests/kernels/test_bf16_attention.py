@@ -29,17 +29,27 @@ from services.model_runner.native import load_kernels
 
 from .test_paged_attention import Batch, make_batch
 
+# The build whose bf16 mode runs dot products (on an Intel CPU without AMX the default build runs
+# bf16 mode in fp32 FMAs instead, native.bf16_in_fma, and never takes them).
+DOTS = load_kernels(bf16_fma=False)
 pytestmark = pytest.mark.skipif(
-    load_kernels() is None or not load_kernels().attention_bf16_dots,  # type: ignore[union-attr]
+    DOTS is None or not DOTS.attention_bf16_dots,
     reason="bf16 attention needs a build with AVX512-BF16 (this CPU or compiler has none)",
 )
+
+
+def _backend() -> CpuAttentionBackend:
+    """The native backend on the dot-product build."""
+    backend = CpuAttentionBackend()
+    backend.native_kernels = DOTS
+    return backend
 
 
 def test_which_shapes_take_bf16_dots() -> None:
     """kv_elem.h's kv_bf16_dots, the one rule both kernels and the runner's log follow: head_dim a
     multiple of 32 up to 256, an even block size, at most 128 query heads; never in the portable
     build (no AVX-512), where a bf16 pool is read widened."""
-    kernels = load_kernels()
+    kernels = DOTS
     assert kernels is not None and "avx512_bf16" in cpu_flags()
     takes = kernels.bf16_dots_for
     assert [bool(takes(h, d, b)) for h, d, b in [(9, 64, 16), (32, 128, 16), (128, 256, 2), (9, 32, 4)]] == [True] * 4
@@ -47,6 +57,9 @@ def test_which_shapes_take_bf16_dots() -> None:
                                                  (129, 64, 16)]] == [False] * 6  # fmt: skip
     portable = load_kernels(portable=True)
     assert portable is not None and not portable.attention_bf16_dots and not portable.bf16_dots_for(9, 64, 16)
+    fma = load_kernels(bf16_fma=True)  # bf16 mode in fp32 FMAs: a bf16 pool is read widened, for every shape
+    assert fma is not None and fma.linear_bf16_fma and not fma.attention_bf16_dots
+    assert not any(fma.bf16_dots_for(h, d, b) for h, d, b in [(9, 64, 16), (32, 128, 16)])
 
 
 def _bf16(x: float) -> float:
@@ -103,19 +116,19 @@ def test_the_arithmetic_on_exact_values(block_size: int, window: int) -> None:
     different, so this fails if the bf16 path is not the one running."""
     batch, table = _exact_batch(9, 9, block_size, window)
     scale = 1.0
-    prefill = CpuAttentionBackend().forward(batch.query, batch.k_cache, batch.v_cache, batch.meta, scale)
+    prefill = _backend().forward(batch.query, batch.k_cache, batch.v_cache, batch.meta, scale)
     decodes = dataclasses.replace(
         batch.meta, query_start_loc=torch.arange(10, dtype=torch.int32),
         seq_lens=torch.arange(1, 10, dtype=torch.int32),
         block_tables=batch.meta.block_tables.repeat(9, 1), max_query_len=1,
     )  # fmt: skip
-    decoded = CpuAttentionBackend().forward(batch.query, batch.k_cache, batch.v_cache, decodes, scale)
+    decoded = _backend().forward(batch.query, batch.k_cache, batch.v_cache, decodes, scale)
     for pos in range(9):
         expected = _expected_row(batch, table, pos, window)
         assert torch.equal(prefill[pos], expected), pos
         assert torch.equal(decoded[pos], expected), pos
     # and the same pool read in fp32 arithmetic (an fp32 pool of the same values) differs
-    wide = CpuAttentionBackend().forward(batch.query, batch.k_cache.float(), batch.v_cache.float(), batch.meta, scale)
+    wide = _backend().forward(batch.query, batch.k_cache.float(), batch.v_cache.float(), batch.meta, scale)
     assert not torch.equal(wide[:9], prefill[:9])
 
 
@@ -131,12 +144,12 @@ def test_a_prefill_row_is_bitwise_the_decode_of_its_position(
                        num_kv_heads=2, cache_dtype=torch.bfloat16, seed=head_dim + window)  # fmt: skip
     meta = dataclasses.replace(chunk.meta, window=window or None)
     scale = head_dim**-0.5
-    as_chunk = CpuAttentionBackend().forward(chunk.query, chunk.k_cache, chunk.v_cache, meta, scale)
+    as_chunk = _backend().forward(chunk.query, chunk.k_cache, chunk.v_cache, meta, scale)
     decodes = dataclasses.replace(
         meta, query_start_loc=torch.arange(46, dtype=torch.int32), seq_lens=torch.arange(16, 61, dtype=torch.int32),
         block_tables=chunk.meta.block_tables.repeat(45, 1), max_query_len=1,
     )  # fmt: skip
-    as_decodes = CpuAttentionBackend().forward(chunk.query, chunk.k_cache, chunk.v_cache, decodes, scale)
+    as_decodes = _backend().forward(chunk.query, chunk.k_cache, chunk.v_cache, decodes, scale)
     assert torch.equal(as_chunk[:45], as_decodes[:45])
     reference = TorchAttentionBackend().forward(chunk.query, chunk.k_cache, chunk.v_cache, meta, scale)
     torch.testing.assert_close(as_chunk[:45], reference[:45], atol=1.5e-2, rtol=1e-2)
@@ -153,7 +166,7 @@ def test_a_mixed_step_agrees_with_the_fp32_reference(head_dim: int, queries_per_
                        seed=head_dim + queries_per_kv)  # fmt: skip
     n = batch.num_real_tokens
     scale = head_dim**-0.5
-    out = CpuAttentionBackend().forward(batch.query, batch.k_cache, batch.v_cache, batch.meta, scale)
+    out = _backend().forward(batch.query, batch.k_cache, batch.v_cache, batch.meta, scale)
     reference = TorchAttentionBackend().forward(batch.query, batch.k_cache, batch.v_cache, batch.meta, scale)
     torch.testing.assert_close(out[:n], reference[:n], atol=1.5e-2, rtol=1e-2)
     # the decode of sequence 3 (300 keys) alone
@@ -162,4 +175,4 @@ def test_a_mixed_step_agrees_with_the_fp32_reference(head_dim: int, queries_per_
         block_tables=batch.meta.block_tables[3:4], max_query_len=1, max_seq_len=300,
     )  # fmt: skip
     row = batch.query[54:55].contiguous()
-    assert torch.equal(CpuAttentionBackend().forward(row, batch.k_cache, batch.v_cache, alone, scale)[0], out[54])
+    assert torch.equal(_backend().forward(row, batch.k_cache, batch.v_cache, alone, scale)[0], out[54])

@@ -1,13 +1,15 @@
-"""The native bf16 GEMM's two kernels (AMX ``gemm_amx.c``, AVX512-BF16 ``gemm_bf16.c``) and the packed layout.
+"""The native bf16 GEMM's three kernels (AMX ``gemm_amx.c``; AVX512-BF16 dot products and fp32 FMAs
+over widened weights, ``gemm_bf16.c``) and the packed layout.
 
-Against a float64 reference of the same bf16-rounded inputs (so only the fp32 accumulation's
-rounding is left: a tight tolerance), over partial panels and tiles, odd k and k not a whole
-number of AMX k tiles, more rows than one 256-row chunk, strided rows and biases; and batch
-invariance: each row's output is bitwise the same computed alone or within batches of 1..33
-rows, at any offset. Each test runs on both kernels where the CPU has AMX: the default build
-(AMX) and the build without it (``load_kernels(no_amx=True)``), since a process runs one kernel
-for every call. Skipped on a CPU without AVX512-BF16 (the GEMM is not built there, and the
-runner never packs bf16).
+Against a float64 reference of the same bf16-rounded inputs (x unrounded for the FMA kernel; so
+only the fp32 accumulation's rounding is left: a tight tolerance), over partial panels and tiles,
+odd k and k not a whole number of AMX k tiles, more rows than one 256-row chunk, strided rows and
+biases; and batch invariance: each row's output is bitwise the same computed alone or within
+batches of 1..33 rows, at any offset (and, in the FMA kernel, whether its chunk widened the panel
+once or per tile). Each test runs on every kernel this CPU can run: the default build and the
+variants (``load_kernels(no_amx=True, bf16_fma=False)``, ``load_kernels(bf16_fma=True)``), since a
+process runs one kernel for every call. Skipped on a CPU without AVX512-BF16 (the GEMM is not
+built there, and the runner never packs bf16).
 """
 
 from __future__ import annotations
@@ -31,10 +33,11 @@ def _amx_cpu() -> bool:
     return "amx_tile" in flags and "amx_bf16" in flags
 
 
-@pytest.fixture(params=["default", "no_amx"])
+@pytest.fixture(params=["default", "dots", "fma"])
 def kernel_build(request: pytest.FixtureRequest) -> native.NativeKernels:
-    """The default build (AMX where the CPU has it), and the AVX512-BF16 kernel's build where the
-    default is AMX (elsewhere the default already is that kernel)."""
+    """The default build (AMX where the CPU has it; the fp32-FMA kernel on an Intel CPU without it),
+    the AVX512-BF16 dot-product kernel's build where the default is another kernel, and the fp32-FMA
+    kernel's build where the default is not that one."""
     kernels = native.load_kernels()
     if kernels is None:
         pytest.skip("the native kernels did not build here")
@@ -42,10 +45,17 @@ def kernel_build(request: pytest.FixtureRequest) -> native.NativeKernels:
         pytest.skip("the CPU has no AVX512-BF16: the native bf16 GEMM is not built here")
     if request.param == "default":
         return kernels
-    if not kernels.linear_bf16_amx:
-        pytest.skip("the default build runs the AVX512-BF16 kernel already (no AMX here)")
-    other = native.load_kernels(no_amx=True)
+    if request.param == "fma":
+        if kernels.linear_bf16_fma:
+            pytest.skip("the default build runs the fp32-FMA kernel already (an Intel CPU without AMX)")
+        fma = native.load_kernels(bf16_fma=True)
+        assert fma is not None and fma.linear_bf16_fma and not fma.linear_bf16_amx
+        return fma
+    if not kernels.linear_bf16_amx and not kernels.linear_bf16_fma:
+        pytest.skip("the default build runs the AVX512-BF16 dot-product kernel already")
+    other = native.load_kernels(no_amx=True, bf16_fma=False)
     assert other is not None and other.linear_bf16 is not None and not other.linear_bf16_amx
+    assert not other.linear_bf16_fma
     return other
 
 
@@ -79,7 +89,9 @@ def test_linear_bf16_matches_float64_of_the_rounded_inputs(kernel_build: native.
     weight = torch.randn(out_features, in_features, generator=gen)
     bias = torch.randn(out_features, generator=gen) if with_bias else None
     out = PackedWeight(weight, bias, "native_bf16", kernels)(x)
-    expected = torch.nn.functional.linear(_bf16(x), _bf16(weight), None if bias is None else bias.double())
+    # the fp32-FMA kernel reads x as given; the others round it to bf16 first
+    x_in = x.double() if kernels.linear_bf16_fma else _bf16(x)
+    expected = torch.nn.functional.linear(x_in, _bf16(weight), None if bias is None else bias.double())
     # the products of two bf16 are exact in fp32; only the fp32 sums round: ~sqrt(k) ulps of the terms
     torch.testing.assert_close(out.double(), expected, atol=2e-5 * in_features**0.5, rtol=1e-5)
 
@@ -89,7 +101,23 @@ def test_rounding_is_at_the_input_not_a_truncation(kernel_build: native.NativeKe
     kernels = kernel_build
     x = torch.full((1, 2), 1 + 2**-8 + 2**-9)
     out = PackedWeight(torch.ones(1, 2), None, "native_bf16", kernels)(x)
-    assert out.item() == 2 * (1 + 2**-7)
+    assert out.item() == (2 * (1 + 2**-8 + 2**-9) if kernels.linear_bf16_fma else 2 * (1 + 2**-7))
+
+
+@pytest.mark.parametrize(("rows", "out_features", "in_features"), [(1, 960, 576), (33, 130, 99), (300, 48, 7)])
+def test_fma_kernel_is_bitwise_the_fp32_gemm_over_the_rounded_weights(rows: int, out_features: int,
+                                                                       in_features: int) -> None:  # fmt: skip
+    """The fp32-FMA kernel: each output sum_k x[k] w[k] in k order with FMA, plus the bias, so bitwise
+    gemm.c's fp32 kernel on the bf16-rounded weights (odd k: the last pair's low half alone)."""
+    fma = native.load_kernels(bf16_fma=True)
+    if fma is None or fma.linear_bf16 is None:
+        pytest.skip("the CPU has no AVX512-BF16: the native bf16 GEMM is not built here")
+    gen = torch.Generator().manual_seed(rows + in_features)
+    x = torch.randn(rows, in_features + 1, generator=gen)[:, :in_features]
+    weight, bias = torch.randn(out_features, in_features, generator=gen), torch.randn(out_features, generator=gen)
+    out = PackedWeight(weight, bias, "native_bf16", fma)(x)
+    fp32 = PackedWeight(weight.to(torch.bfloat16).float(), bias, "native", fma)(x)
+    assert torch.equal(out, fp32)
 
 
 @pytest.mark.parametrize("in_features", [576, 99])

@@ -24,6 +24,9 @@ What is here, and why torch alone was not enough (measurements in docs/model_run
   same packed weights, chosen once per process when the object loads (``KVMESH_NATIVE_AMX=0``
   keeps the AVX512-BF16 kernel) and then used for every row count and both entry points, so a
   row's bits never depend on its batch (``NativeKernels.linear_bf16_amx`` says which one runs);
+  and a third on the same weights, fp32 FMAs over the widened bf16 values with x unrounded
+  (``KVMESH_NATIVE_BF16=fma``, ``NativeKernels.linear_bf16_fma``): for a CPU whose ``vdpbf16ps``
+  runs at half its FMA rate (Intel without AMX; docs/model_runner.md, "auto");
 * ``gemm_int8.c`` — the same arithmetic on int8 weights with a scale per output channel, widened
   to bf16 in registers (``quantization=int8_weight_only``): half bf16 mode's weight bytes, for
   single-stream decode, which streams every weight once per token;
@@ -81,6 +84,13 @@ PLAIN_CFLAGS = ("-mno-avx512f", "-mno-avx2", "-mno-fma")
 # The build without AMX (the bf16 GEMM's AVX512-BF16 kernel on an AMX CPU): the tests run each bf16
 # GEMM test on both kernels in one process (a process uses one of them, chosen when loaded).
 NO_AMX_CFLAGS = ("-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8")
+BF16_FMA_CFLAGS = (*NO_AMX_CFLAGS, "-DKVMESH_BF16_FMA")  # bf16 mode's arithmetic in fp32 FMAs (bf16_in_fma)
+# The vendor (``vendor_id``) whose cores run AVX512-BF16's dot product at half their fp32 FMA rate:
+# measured on an Intel Xeon whose AMX is not exposed (family 6, model 207), ``vdpbf16ps`` 83 GFLOP/s
+# against ``vfmadd231ps`` 164 (docs/model_runner.md, "auto"). AMD's Zen 4 and 5 run it at about
+# twice their fp32 rate.
+HALF_RATE_BF16_DOTS_VENDOR = "GenuineIntel"
+BF16_SETTINGS = ("auto", "fma", "dots")  # KVMESH_NATIVE_BF16
 _I64 = ctypes.c_int64
 _PTR = ctypes.c_void_p
 _F32 = ctypes.c_float
@@ -113,6 +123,36 @@ def _cpu_flags() -> str:
     except OSError:
         pass
     return platform.processor()
+
+
+def cpu_vendor() -> str:
+    """The CPU's ``vendor_id`` from ``/proc/cpuinfo`` (``GenuineIntel``, ``AuthenticAMD``; empty where
+    there is none)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("vendor_id"):
+                return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def bf16_in_fma(flags: frozenset[str], vendor: str, setting: str = "auto") -> bool:
+    """Whether bf16 mode's arithmetic runs as fp32 FMAs over widened bf16 weights and KV (the
+    ``BF16_FMA_CFLAGS`` build) rather than ``vdpbf16ps`` dot products: ``setting``
+    (``KVMESH_NATIVE_BF16``) ``fma`` or ``dots`` decides; ``auto`` picks the FMAs on a CPU from
+    ``HALF_RATE_BF16_DOTS_VENDOR`` without AMX-BF16 (with AMX the GEMMs run on tiles). A rule on the
+    vendor, not a timing at start-up: a measured choice could differ between two replicas of one
+    mesh and make their answers differ.
+
+    Raises:
+        ValueError: a setting outside ``BF16_SETTINGS``.
+    """
+    if setting not in BF16_SETTINGS:
+        raise ValueError(f"KVMESH_NATIVE_BF16 must be one of {', '.join(BF16_SETTINGS)}, not {setting!r}")
+    if setting != "auto":
+        return setting == "fma"
+    return vendor == HALF_RATE_BF16_DOTS_VENDOR and "amx_bf16" not in flags
 
 
 def _compiler() -> str | None:
@@ -176,6 +216,8 @@ class NativeKernels:
     linear_int8: Any | None = None  # kvmesh_linear_int8; None unless built for AVX512-BF16, as linear_bf16
     linear_bf16_swiglu: Any | None = None  # kvmesh_linear_bf16_swiglu (gate_up GEMM + SwiGLU); as linear_bf16
     linear_bf16_amx: bool = False  # kvmesh_linear_bf16_amx(): the bf16 GEMMs run on AMX tiles (gemm_amx.c)
+    # kvmesh_linear_bf16_fma(): bf16 mode's GEMMs and attention run fp32 FMAs over widened bf16 values
+    linear_bf16_fma: bool = False
     # kvmesh_bf16_dots_for(num_heads, head_dim, block_size): whether a bf16 pool of that shape is attended
     # in bf16 dot products (kv_elem.h's kv_bf16_dots, the one owner of the rule)
     bf16_dots_for: Any = None
@@ -200,18 +242,25 @@ def _bind(lib: ctypes.CDLL, name: str, restype: Any, argtypes: list[Any]) -> Any
 
 
 @functools.cache
-def load_kernels(portable: bool = False, no_amx: bool = False, plain: bool = False) -> NativeKernels | None:
+def load_kernels(portable: bool = False, no_amx: bool = False, plain: bool = False,
+                 bf16_fma: bool | None = None) -> NativeKernels | None:
     """The built kernels, or None when they cannot be built here (logged once).
 
     Args:
         portable: the variant without the AVX-512 paths (AVX2 where the CPU has it; for tests).
         no_amx: the variant built without AMX, whose bf16 GEMMs run the AVX512-BF16 kernel (for tests).
         plain: the variant without AVX2 either: the plain C loops (for tests).
+        bf16_fma: whether bf16 mode runs fp32 FMAs over widened bf16 weights and KV
+            (``gemm_bf16.c``'s third kernel) or ``vdpbf16ps``; None: :func:`bf16_in_fma` on this
+            machine and ``KVMESH_NATIVE_BF16`` (True / False: that variant, for tests).
     """
+    if bf16_fma is None:
+        bf16_fma = not (portable or plain or no_amx) and bf16_in_fma(
+            frozenset(_cpu_flags().split()), cpu_vendor(), os.environ.get("KVMESH_NATIVE_BF16") or "auto")
     # NOTE: torch is imported at the top of this module, so its libgomp is loaded before the
     # kernels' object and both share one thread pool.
     flags = (*(PORTABLE_CFLAGS if portable else ()), *(PLAIN_CFLAGS if plain else ()),
-             *(NO_AMX_CFLAGS if no_amx else ()))
+             *(NO_AMX_CFLAGS if no_amx else ()), *(BF16_FMA_CFLAGS if bf16_fma else ()))
     try:
         lib = ctypes.CDLL(str(build(extra_cflags=flags)))
     except (OSError, RuntimeError) as exc:
@@ -296,5 +345,6 @@ def load_kernels(portable: bool = False, no_amx: bool = False, plain: bool = Fal
             _PTR, _I64,  # out, out_stride
         ]) if _bind(lib, "kvmesh_linear_int8_available", _I64, [])() else None,
         linear_bf16_amx=bf16 and bool(_bind(lib, "kvmesh_linear_bf16_amx", _I64, [])()),
+        linear_bf16_fma=bf16 and bool(_bind(lib, "kvmesh_linear_bf16_fma", _I64, [])()),
         bf16_dots_for=_bind(lib, "kvmesh_bf16_dots_for", _I64, [_I64, _I64, _I64]),
     )  # fmt: skip

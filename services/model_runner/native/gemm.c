@@ -233,6 +233,18 @@ static void run_panels(const float *x, int64_t x_stride, int64_t r0, int64_t row
     }
 }
 
+/* rows of x (any count) times one packed fp32 panel ([k][PANEL]), no prefetch, into out (the panel's
+ * first column): gemm_bf16.c's FMA build runs a prefill chunk here over a panel it widened from bf16
+ * once, bitwise what its in-register tiles give (the same FMAs in the same order). */
+void kvmesh_linear_f32_panel(const float *x, int64_t x_stride, int64_t rows, int64_t k, const float *panel,
+                             const float *bias, float *out, int64_t out_stride, int64_t cols)
+{
+    for (int64_t row = 0; row < rows; row += ROW_TILE) {
+        const int mr = (int)(rows - row < ROW_TILE ? rows - row : ROW_TILE);
+        tile_dispatch(x + row * x_stride, x_stride, k, panel, bias, out + row * out_stride, out_stride, mr, cols, NULL);
+    }
+}
+
 /* out[m, n] (rows out_stride apart) = x[m, k] (rows x_stride apart) W^T + bias (NULL: none),
  * with W packed as described above. */
 void kvmesh_linear_f32(const float *x, int64_t x_stride, int64_t m, int64_t k, const float *packed, int64_t n,

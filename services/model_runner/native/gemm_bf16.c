@@ -60,6 +60,94 @@ typedef int32_t __attribute__((may_alias)) bf16_pair;  /* two bf16 read as one b
 
 int64_t kvmesh_linear_bf16_available(void) { return 1; }
 
+/* The third kernel (a build with -DKVMESH_BF16_FMA: native/__init__.py's bf16_in_fma decides, for an
+ * Intel CPU without AMX or KVMESH_NATIVE_BF16=fma): fp32 FMAs over the packed bf16 weights widened in
+ * registers, x not rounded. Why: an Intel core issues vdpbf16ps once every two cycles and its fp32
+ * FMA twice a cycle (docs/model_runner.md, "auto"), so there the bf16 dot product is half the FMA
+ * rate; widening a bf16 pair is two integer ops (the even k is the word shifted left 16, the odd k
+ * the word's top half), shared by the tile's 8 rows. Each output is sum_k x[k] w[k] in k order with
+ * FMA from zero, plus the bias: bitwise gemm.c's fp32 kernel over the bf16-rounded weights,
+ * whatever the batch. The attention kernels read the same switch (kv_elem.h's kv_bf16_dots): a bf16
+ * pool is then attended in fp32 over widened values, not in bf16 dot products, for the same reason.
+ * That build leaves AMX out, so one process runs one kernel for every call. */
+#if defined(KVMESH_BF16_FMA)
+#define FMA_IN_USE 1
+#else
+#define FMA_IN_USE 0
+#endif
+
+int64_t kvmesh_linear_bf16_fma(void) { return FMA_IN_USE; }
+
+/* One row tile (mr rows, a constant after inlining) of fp32 x times one packed bf16 panel. */
+static inline __attribute__((always_inline)) void tile_fma(
+    const float *x, int64_t x_stride, int64_t k, const uint16_t *panel, const float *bias, float *out,
+    int64_t out_stride, const int mr, int64_t cols, PanelPrefetch *pf, const int prefetch)
+{
+    __m512 c[ROW_TILE][3];
+    for (int r = 0; r < mr; r++)
+        for (int j = 0; j < 3; j++) c[r][j] = _mm512_setzero_ps();
+    const __m512i top = _mm512_set1_epi32((int)0xFFFF0000u);
+    const int64_t pairs = k / 2;  /* whole pairs; an odd k's last weight is the low half of one more */
+    const uint16_t *b = panel;
+    for (int64_t p = 0; p < pairs; p++, b += 2 * PANEL) {
+        if (prefetch) panel_prefetch_step(pf);
+        const __m512i w0 = _mm512_loadu_si512(b), w1 = _mm512_loadu_si512(b + 32), w2 = _mm512_loadu_si512(b + 64);
+        const __m512 e0 = _mm512_castsi512_ps(_mm512_slli_epi32(w0, 16)),
+                     e1 = _mm512_castsi512_ps(_mm512_slli_epi32(w1, 16)),
+                     e2 = _mm512_castsi512_ps(_mm512_slli_epi32(w2, 16));
+        for (int r = 0; r < mr; r++) {
+            const __m512 a = _mm512_set1_ps(x[r * x_stride + 2 * p]);
+            c[r][0] = _mm512_fmadd_ps(a, e0, c[r][0]);
+            c[r][1] = _mm512_fmadd_ps(a, e1, c[r][1]);
+            c[r][2] = _mm512_fmadd_ps(a, e2, c[r][2]);
+        }
+        const __m512 o0 = _mm512_castsi512_ps(_mm512_and_si512(w0, top)),
+                     o1 = _mm512_castsi512_ps(_mm512_and_si512(w1, top)),
+                     o2 = _mm512_castsi512_ps(_mm512_and_si512(w2, top));
+        for (int r = 0; r < mr; r++) {
+            const __m512 a = _mm512_set1_ps(x[r * x_stride + 2 * p + 1]);
+            c[r][0] = _mm512_fmadd_ps(a, o0, c[r][0]);
+            c[r][1] = _mm512_fmadd_ps(a, o1, c[r][1]);
+            c[r][2] = _mm512_fmadd_ps(a, o2, c[r][2]);
+        }
+    }
+    if (k % 2) {  /* the last k: the low halves of the last pair (x has no k + 1) */
+        const __m512 e0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_loadu_si512(b), 16)),
+                     e1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_loadu_si512(b + 32), 16)),
+                     e2 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_loadu_si512(b + 64), 16));
+        for (int r = 0; r < mr; r++) {
+            const __m512 a = _mm512_set1_ps(x[r * x_stride + k - 1]);
+            c[r][0] = _mm512_fmadd_ps(a, e0, c[r][0]);
+            c[r][1] = _mm512_fmadd_ps(a, e1, c[r][1]);
+            c[r][2] = _mm512_fmadd_ps(a, e2, c[r][2]);
+        }
+    }
+    for (int j = 0; j < 3; j++) {
+        const int64_t left = cols - j * 16;
+        if (left <= 0) break;
+        const __mmask16 live = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1u);
+        const __m512 bv = bias != NULL ? _mm512_maskz_loadu_ps(live, bias + j * 16) : _mm512_setzero_ps();
+        for (int r = 0; r < mr; r++)
+            _mm512_mask_storeu_ps(out + r * out_stride + j * 16, live, _mm512_add_ps(c[r][j], bv));
+    }
+}
+
+#define FMA_CASE(n) \
+    case n: \
+        if (pf != NULL) tile_fma(x, x_stride, k, panel, bias, out, out_stride, n, cols, pf, 1); \
+        else tile_fma(x, x_stride, k, panel, bias, out, out_stride, n, cols, NULL, 0); \
+        break;
+
+static void tile_dispatch_fma(const float *x, int64_t x_stride, int64_t k, const uint16_t *panel, const float *bias,
+                              float *out, int64_t out_stride, int mr, int64_t cols, PanelPrefetch *pf)
+{
+    switch (mr) {
+    FMA_CASE(8) FMA_CASE(7) FMA_CASE(6) FMA_CASE(5) FMA_CASE(4) FMA_CASE(3) FMA_CASE(2)
+    default: FMA_CASE(1)
+    }
+}
+#undef FMA_CASE
+
 /* One row tile (mr rows, a compile-time constant after inlining) times one panel; `prefetch`
  * (also a constant) steps the next panel's prefetch once per k pair. */
 static inline __attribute__((always_inline)) void tile_bf16(
@@ -109,29 +197,85 @@ static void tile_dispatch(const uint16_t *xb, int64_t xb_stride, int64_t kp, con
     }
 }
 
+/* A chunk of at least WIDEN_ROWS rows in the FMA build: each panel widened once into an fp32 scratch
+ * panel and the chunk's tiles run gemm.c's fp32 tile over it (kvmesh_linear_f32_panel), rather than
+ * widening in registers per tile: a prefill chunk's 32 tiles then share one widening. Bitwise the
+ * same (the same FMAs in the same order), so which path a row takes never shows. Decode-sized
+ * chunks keep the in-register widening: their weights stream from memory once, prefetched. */
+#define WIDEN_ROWS 64
+
+/* panel ([kp][PANEL][2] bf16) -> dst ([k][PANEL] fp32), exact. */
+static void widen_panel(const uint16_t *panel, int64_t k, float *dst)
+{
+    const __m512i top = _mm512_set1_epi32((int)0xFFFF0000u);
+    for (int64_t p = 0; p < (k + 1) / 2; p++)
+        for (int j = 0; j < 3; j++) {
+            const __m512i w = _mm512_loadu_si512(panel + p * 2 * PANEL + j * 32);
+            _mm512_storeu_ps(dst + 2 * p * PANEL + j * 16, _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)));
+            if (2 * p + 1 < k)
+                _mm512_storeu_ps(dst + (2 * p + 1) * PANEL + j * 16, _mm512_castsi512_ps(_mm512_and_si512(w, top)));
+        }
+}
+
+/* Row tile `row` (mr rows) of the call's input times one panel, on the kernel in use: the rounded
+ * rows xb (vdpbf16ps) or, in the FMA build, the fp32 rows x themselves (xb NULL). */
+static inline void row_tile(const float *x, int64_t x_stride, const uint16_t *xb, int64_t width, int64_t row,
+                            int64_t k, const uint16_t *panel, const float *bias, float *out, int64_t out_stride,
+                            int mr, int64_t cols, PanelPrefetch *pf)
+{
+    if (xb == NULL)
+        tile_dispatch_fma(x + row * x_stride, x_stride, k, panel, bias, out, out_stride, mr, cols, pf);
+    else
+        tile_dispatch(xb + row * width, width, (k + 1) / 2, panel, bias, out, out_stride, mr, cols, pf);
+}
+
+/* x rounded to bf16 rows for vdpbf16ps (NULL with *failed 0 where the FMA kernel reads x itself). */
+static uint16_t *rounded_rows(const float *x, int64_t x_stride, int64_t m, int64_t k, int64_t width, int *failed)
+{
+    *failed = 0;
+    if (FMA_IN_USE) return NULL;
+    uint16_t *xb = malloc(sizeof(uint16_t) * (size_t)(m * width) + 64);
+    if (xb == NULL) {
+        *failed = 1;
+        return NULL;
+    }
+    bf16_round_rows(x, x_stride, m, k, xb, width);
+    return xb;
+}
+
 /* out[m, n] (rows out_stride apart) = bf16(x[m, k]) (rows x_stride apart) W^T + bias (NULL: none),
- * with W packed as described above. Returns 0, or -1 when the scratch for bf16(x) cannot be had. */
+ * with W packed as described above (with the FMA kernel: x W^T, x as given). Returns 0, or -1 when
+ * the scratch for bf16(x) cannot be had. */
 int kvmesh_linear_bf16(const float *x, int64_t x_stride, int64_t m, int64_t k, const uint16_t *packed, int64_t n,
                        const float *bias, float *out, int64_t out_stride)
 {
     if (kvmesh_linear_bf16_amx()) return kvmesh_amx_linear_bf16(x, x_stride, m, k, packed, n, bias, out, out_stride);
     const int64_t kp = (k + 1) / 2, panels = (n + PANEL - 1) / PANEL, panel_size = kp * 2 * PANEL;
     const int64_t width = (2 * kp + 31) / 32 * 32;  /* xb's row: a whole number of 32-bf16 stores */
-    uint16_t *xb = malloc(sizeof(uint16_t) * (size_t)(m * width) + 64);
-    if (xb == NULL) return -1;
-    bf16_round_rows(x, x_stride, m, k, xb, width);
+    int failed;
+    uint16_t *xb = rounded_rows(x, x_stride, m, k, width, &failed);
+    if (failed) return -1;
     for (int64_t r0 = 0; r0 < m; r0 += ROW_CHUNK) {
         const int64_t rows = m - r0 < ROW_CHUNK ? m - r0 : ROW_CHUNK, tiles = (rows + ROW_TILE - 1) / ROW_TILE;
         int64_t claimed[MAX_PAIRS] = {0};
+        const int widen = FMA_IN_USE && rows >= WIDEN_ROWS;
         #pragma omp parallel if (panels > 1)
         {
             PairedRun run;
             paired_run_init(&run, panels, claimed);
+            float *wide = widen ? malloc(sizeof(float) * (size_t)(k * PANEL)) : NULL;
             for (int64_t taken = 0;; taken++) {
                 const int64_t p = paired_run_take(&run, taken);
                 if (p < 0) break;
                 const uint16_t *panel = packed + p * panel_size;
                 const int64_t cols = n - p * PANEL < PANEL ? n - p * PANEL : PANEL;
+                if (wide != NULL) {
+                    widen_panel(panel, k, wide);
+                    kvmesh_linear_f32_panel(x + r0 * x_stride, x_stride, rows, k, wide,
+                                            bias != NULL ? bias + p * PANEL : NULL,
+                                            out + r0 * out_stride + p * PANEL, out_stride, cols);
+                    continue;
+                }
                 /* the next panel's prefetch over the chunk's first (up to) PREFETCH_TILES tiles, as gemm.c */
                 const int64_t next = paired_run_after(&run, p), pf_tiles = tiles < PREFETCH_TILES ? tiles : PREFETCH_TILES;
                 PanelPrefetch pf = panel_prefetch(next >= 0 ? packed + next * panel_size : NULL,
@@ -139,10 +283,11 @@ int kvmesh_linear_bf16(const float *x, int64_t x_stride, int64_t m, int64_t k, c
                 for (int64_t t = 0; t < tiles; t++) {
                     const int64_t row = r0 + t * ROW_TILE;
                     const int mr = (int)(r0 + rows - row < ROW_TILE ? r0 + rows - row : ROW_TILE);
-                    tile_dispatch(xb + row * width, width, kp, panel, bias != NULL ? bias + p * PANEL : NULL,
-                                  out + row * out_stride + p * PANEL, out_stride, mr, cols, t < pf_tiles ? &pf : NULL);
+                    row_tile(x, x_stride, xb, width, row, k, panel, bias != NULL ? bias + p * PANEL : NULL,
+                             out + row * out_stride + p * PANEL, out_stride, mr, cols, t < pf_tiles ? &pf : NULL);
                 }
             }
+            free(wide);
         }
     }
     free(xb);
@@ -165,21 +310,28 @@ int kvmesh_linear_bf16_swiglu(const float *x, int64_t x_stride, int64_t m, int64
         return kvmesh_amx_linear_bf16_swiglu(x, x_stride, m, k, packed, inter, bias, out, out_stride);
     const int64_t kp = (k + 1) / 2, panels = inter / PANEL, panel_size = kp * 2 * PANEL;
     const int64_t width = (2 * kp + 31) / 32 * 32;
-    uint16_t *xb = malloc(sizeof(uint16_t) * (size_t)(m * width) + 64);
-    if (xb == NULL) return -1;
-    bf16_round_rows(x, x_stride, m, k, xb, width);
+    int failed;
+    uint16_t *xb = rounded_rows(x, x_stride, m, k, width, &failed);
+    if (failed) return -1;
     for (int64_t r0 = 0; r0 < m; r0 += ROW_CHUNK) {
         const int64_t rows = m - r0 < ROW_CHUNK ? m - r0 : ROW_CHUNK, tiles = (rows + ROW_TILE - 1) / ROW_TILE;
         int64_t claimed[MAX_PAIRS] = {0};
+        const int widen = FMA_IN_USE && rows >= WIDEN_ROWS;
         #pragma omp parallel if (panels > 1)
         {
             float gate[ROW_TILE * PANEL], up[ROW_TILE * PANEL];
             PairedRun run;
             paired_run_init(&run, panels, claimed);
+            /* the FMA build's widened gate and up panels, side by side */
+            float *wide = widen ? malloc(sizeof(float) * (size_t)(2 * k * PANEL)) : NULL;
             for (int64_t taken = 0;; taken++) {
                 const int64_t g = paired_run_take(&run, taken);
                 if (g < 0) break;
                 const uint16_t *gp = packed + g * panel_size, *upp = packed + (g + panels) * panel_size;
+                if (wide != NULL) {
+                    widen_panel(gp, k, wide);
+                    widen_panel(upp, k, wide + k * PANEL);
+                }
                 /* the next gate and up panels' prefetch over the first (up to) PREFETCH_TILES tiles */
                 const int64_t next = paired_run_after(&run, g), pf_tiles = tiles < PREFETCH_TILES ? tiles : PREFETCH_TILES;
                 const int64_t bytes = panel_size * (int64_t)sizeof(uint16_t);
@@ -190,11 +342,18 @@ int kvmesh_linear_bf16_swiglu(const float *x, int64_t x_stride, int64_t m, int64
                 for (int64_t t = 0; t < tiles; t++) {
                     const int64_t row = r0 + t * ROW_TILE;
                     const int mr = (int)(r0 + rows - row < ROW_TILE ? r0 + rows - row : ROW_TILE);
-                    const uint16_t *xr = xb + row * width;
-                    tile_dispatch(xr, width, kp, gp, bias != NULL ? bias + g * PANEL : NULL, gate, PANEL, mr, PANEL,
-                                  t < pf_tiles ? &pf_gate : NULL);
-                    tile_dispatch(xr, width, kp, upp, bias != NULL ? bias + inter + g * PANEL : NULL, up, PANEL, mr,
-                                  PANEL, t < pf_tiles ? &pf_up : NULL);
+                    const float *bg = bias != NULL ? bias + g * PANEL : NULL;
+                    const float *bu = bias != NULL ? bias + inter + g * PANEL : NULL;
+                    if (wide != NULL) {
+                        kvmesh_linear_f32_panel(x + row * x_stride, x_stride, mr, k, wide, bg, gate, PANEL, PANEL);
+                        kvmesh_linear_f32_panel(x + row * x_stride, x_stride, mr, k, wide + k * PANEL, bu, up, PANEL,
+                                                PANEL);
+                    } else {
+                        row_tile(x, x_stride, xb, width, row, k, gp, bg, gate, PANEL, mr, PANEL,
+                                 t < pf_tiles ? &pf_gate : NULL);
+                        row_tile(x, x_stride, xb, width, row, k, upp, bu, up, PANEL, mr, PANEL,
+                                 t < pf_tiles ? &pf_up : NULL);
+                    }
                     for (int r = 0; r < mr; r++)
                         for (int j = 0; j < PANEL; j += 16)
                             _mm512_storeu_ps(out + (row + r) * out_stride + g * PANEL + j,
@@ -202,6 +361,7 @@ int kvmesh_linear_bf16_swiglu(const float *x, int64_t x_stride, int64_t m, int64
                                                          _mm512_loadu_ps(up + r * PANEL + j)));
                 }
             }
+            free(wide);
         }
     }
     free(xb);
@@ -211,6 +371,8 @@ int kvmesh_linear_bf16_swiglu(const float *x, int64_t x_stride, int64_t m, int64
 #else
 
 int64_t kvmesh_linear_bf16_available(void) { return 0; }
+
+int64_t kvmesh_linear_bf16_fma(void) { return 0; }
 
 /* Not built for this CPU: the runner checks kvmesh_linear_bf16_available() and never calls it. */
 int kvmesh_linear_bf16(const float *x, int64_t x_stride, int64_t m, int64_t k, const uint16_t *packed, int64_t n,

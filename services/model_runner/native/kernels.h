@@ -53,6 +53,9 @@ int kvmesh_linear_bf16_swiglu(const float *x, int64_t x_stride, int64_t m, int64
                               int64_t inter, const float *bias, float *out, int64_t out_stride);
 int64_t kvmesh_linear_bf16_available(void);
 int64_t kvmesh_linear_bf16_amx(void);
+int64_t kvmesh_linear_bf16_fma(void);
+void kvmesh_linear_f32_panel(const float *x, int64_t x_stride, int64_t rows, int64_t k, const float *panel,
+                             const float *bias, float *out, int64_t out_stride, int64_t cols);
 int kvmesh_linear_int8(const float *x, int64_t x_stride, int64_t m, int64_t k, const void *packed, int64_t n,
                        const float *bias, float *out, int64_t out_stride);
 int64_t kvmesh_linear_int8_available(void);

@@ -17,6 +17,7 @@
 #include <string.h>
 
 #include "exp_math.h"
+#include "kernels.h"
 
 static inline uint16_t kv_f32_to_bf16(float f) {
     uint32_t u;
@@ -61,9 +62,11 @@ static inline float kv_load1(const char *base, int64_t i, int esz) {
  * products live on that path, so a prefill kernel taking more heads would not match its decode. */
 #define KV_MAX_HEADS 128
 
+/* Not where bf16 mode runs its arithmetic as fp32 FMAs (gemm_bf16.c's kvmesh_linear_bf16_fma: a CPU
+ * whose vdpbf16ps is half its FMA rate): there a bf16 pool is attended widened, in fp32. */
 static inline int kv_bf16_dots(int esz, int64_t num_heads, int64_t head_dim, int64_t block_size) {
     return KV_BF16_DOTS_BUILT && esz == 2 && head_dim % 32 == 0 && head_dim <= 256 && block_size % 2 == 0
-           && num_heads <= KV_MAX_HEADS;
+           && num_heads <= KV_MAX_HEADS && !kvmesh_linear_bf16_fma();
 }
 
 #if defined(__AVX512F__)

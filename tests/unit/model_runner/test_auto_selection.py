@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from services.model_runner import native
 from services.model_runner.config import RunnerConfig
 from services.model_runner.factory import build_runner, cpu_flags, select_backend, select_dtype, select_kv_dtype
 from services.model_runner.native import load_kernels
@@ -23,6 +24,10 @@ BASE = {"fpu", "sse2", "avx", "avx2", "fma", "f16c"}
 # Intel Xeon, Sapphire Rapids (the issue's machine): AVX-512 with bf16 and AMX tiles.
 AMX = frozenset(BASE | {"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16",
                         "amx_int8"})
+# Intel Xeon, Emerald Rapids-class with its AMX not exposed (session 25's machine): AVX512-BF16 and
+# AVX512-FP16 but no AMX flags; its cores run vdpbf16ps at half their fp32 FMA rate.
+INTEL_NO_AMX = frozenset(AMX - {"amx_tile", "amx_bf16", "amx_int8"})
+INTEL, AMD = "GenuineIntel", "AuthenticAMD"
 # Intel Xeon, Skylake-SP / Cascade Lake: AVX-512 without bf16.
 AVX512 = frozenset(BASE | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"})
 # AMD EPYC Zen 4: AVX-512 with bf16 dot products, no AMX.
@@ -49,6 +54,52 @@ def test_auto_dtype_is_bf16_only_with_bf16_hardware_and_invariant_kernels(
     choice = select_dtype("auto", "cpu", flags, bf16_kernels=bf16_kernels)
     assert choice.value == dtype
     assert reason_part in choice.reason and choice.reason.startswith("auto: ")
+
+
+@pytest.mark.parametrize(("flags", "vendor", "fma", "dtype"), [
+    (INTEL_NO_AMX, INTEL, True, "bfloat16"),  # bf16 mode's arithmetic in fp32 FMAs: full rate
+    (INTEL_NO_AMX, INTEL, False, "float32"),  # vdpbf16ps at half the fp32 FMA rate: fp32 is faster
+    (INTEL_NO_AMX, AMD, False, "bfloat16"),  # the same flags from a vendor whose dot products are fast
+    (INTEL_NO_AMX, "", False, "bfloat16"),  # vendor unknown: the flags decide, as before
+    (AMX, INTEL, False, "bfloat16"),  # AMX tiles run the GEMMs
+    (ZEN4, AMD, False, "bfloat16"),
+    (ZEN4, INTEL, False, "float32"),
+    (AVX512, INTEL, True, "float32"),  # no bf16 hardware at all
+])  # fmt: skip
+def test_auto_dtype_by_vendor(flags: frozenset[str], vendor: str, fma: bool, dtype: str) -> None:
+    """bf16 mode only where it runs at full rate: an Intel core without AMX gets it in fp32 FMAs, or
+    fp32 mode where its kernels would run bf16 dot products, with the reason."""
+    choice = select_dtype("auto", "cpu", flags, bf16_kernels=True, vendor=vendor, bf16_fma=fma)
+    assert choice.value == dtype
+    if dtype == "float32" and flags != AVX512:
+        assert choice.reason == ("auto: an Intel CPU with AVX512-BF16 but no AMX-BF16, and bf16 mode set to dot "
+                                 "products (KVMESH_NATIVE_BF16=dots): its cores run vdpbf16ps at half their fp32 "
+                                 "FMA rate, so float32 is the faster dtype here")
+    # without the invariant kernels the Intel rule is not what decides (the flags' reason stays)
+    assert "no batch-invariant bf16 kernels" in select_dtype("auto", "cpu", flags & INTEL_NO_AMX, vendor=INTEL).reason \
+        or flags == AVX512
+    # asked for explicitly, bf16 is given on any vendor
+    assert select_dtype("bfloat16", "cpu", flags, vendor=vendor).value == "bfloat16"
+
+
+@pytest.mark.parametrize(("setting", "flags", "vendor", "fma"), [
+    ("auto", INTEL_NO_AMX, INTEL, True), ("auto", AMX, INTEL, False), ("auto", ZEN4, AMD, False),
+    ("auto", INTEL_NO_AMX, AMD, False), ("auto", INTEL_NO_AMX, "", False),
+    ("fma", ZEN4, AMD, True), ("dots", INTEL_NO_AMX, INTEL, False),
+])  # fmt: skip
+def test_bf16_in_fma_rule(setting: str, flags: frozenset[str], vendor: str, fma: bool) -> None:
+    assert native.bf16_in_fma(flags, vendor, setting) is fma
+
+
+def test_bf16_setting_is_validated() -> None:
+    with pytest.raises(ValueError, match="KVMESH_NATIVE_BF16 must be one of auto, fma, dots, not 'fast'"):
+        native.bf16_in_fma(INTEL_NO_AMX, INTEL, "fast")
+
+
+def test_cpu_vendor_reads_this_machine() -> None:
+    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    line = next((x for x in text.splitlines() if x.startswith("vendor_id")), "vendor_id :")
+    assert native.cpu_vendor() == line.partition(":")[2].strip()
 
 
 def test_auto_dtype_defaults_to_no_bf16_kernels() -> None:
@@ -135,7 +186,9 @@ def test_build_runner_default_per_machine(tiny_llama_dir: Path) -> None:
     """The defaults, built for real: this machine's class (AVX2) gets fp32 on the native kernels
     where they build, and its output equals the torch fp32 reference; an AMX machine's flags give
     bf16 mode on the native kernels where their bf16 GEMM is built (a CPU with AVX512-BF16, as
-    here on a Zen 4), fp32 elsewhere; bf16 on the torch path stays available when asked for."""
+    here on a Zen 4), fp32 elsewhere; an Intel CPU without AMX gets bf16 mode where this process's
+    kernels run it in fp32 FMAs, else fp32 (its bf16 dot products run at half the fp32 rate); bf16 on
+    the torch path stays available when asked for."""
     common = dict(model_dir=str(tiny_llama_dir), block_size=4, kv_cache_memory_bytes=16 * 2048, warmup=False)
     prompt = [5, 9, 17, 33, 65, 129, 7]
     runners = []
@@ -153,7 +206,8 @@ def test_build_runner_default_per_machine(tiny_llama_dir: Path) -> None:
                                  flags=EPYC_AVX2)
         runners.append(reference)
         assert reference.model_info().attention_backend == "torch"
-        assert _greedy(default, prompt, 6) == _greedy(reference, prompt, 6)
+        expected = _greedy(reference, prompt, 6)
+        assert _greedy(default, prompt, 6) == expected
 
         amx = build_runner(RunnerConfig(**common), flags=AMX)  # type: ignore[arg-type]
         runners.append(amx)
@@ -170,8 +224,10 @@ def test_build_runner_default_per_machine(tiny_llama_dir: Path) -> None:
             assert (fp32_kv.pool.bytes_per_block, fp32_kv.pool.num_blocks) == (2048, 16)
             assert "native batch-invariant bf16 kernels built here" in info.dtype_reason
             # which bf16 GEMM this process runs (one for every m: their bits differ) is in GetModelInfo too
-            assert info.dtype_reason.endswith("; bf16 GEMMs on AMX tiles (native/gemm_amx.c)" if kernels.linear_bf16_amx
-                                              else "; bf16 GEMMs on AVX512-BF16 (native/gemm_bf16.c)")
+            assert info.dtype_reason.endswith(
+                "; bf16 GEMMs on AMX tiles (native/gemm_amx.c)" if kernels.linear_bf16_amx
+                else "; bf16 weights and KV widened into fp32 FMAs, activations unrounded (native/gemm_bf16.c, fma)"
+                if kernels.linear_bf16_fma else "; bf16 GEMMs on AVX512-BF16 (native/gemm_bf16.c)")
             assert "bf16 GEMMs with fp32 accumulation" in info.attention_backend_reason
             # head_dim 16: the bf16 dot products take multiples of 32 (tests/integration/test_default_mode.py's
             # head_dim-32 twin says the other)
@@ -182,6 +238,19 @@ def test_build_runner_default_per_machine(tiny_llama_dir: Path) -> None:
             assert (info.dtype, info.kv_cache_dtype, info.attention_backend) == (
                 "float32", "float32", "cpu" if built else "torch")
             assert "no batch-invariant bf16 kernels" in info.dtype_reason
+        intel = build_runner(RunnerConfig(**common), flags=INTEL_NO_AMX, vendor=INTEL)  # type: ignore[arg-type]
+        runners.append(intel)
+        info = intel.model_info()
+        if kernels is not None and kernels.linear_bf16_fma:  # this process's kernels run bf16 in fp32 FMAs
+            assert (info.dtype, info.kv_cache_dtype, info.attention_backend) == ("bfloat16", "bfloat16", "cpu")
+            assert info.dtype_reason.endswith("; bf16 weights and KV widened into fp32 FMAs, activations unrounded "
+                                              "(native/gemm_bf16.c, fma)")
+            assert info.attention_backend_reason.endswith("; a bf16 pool attended in fp32 (K/V widened)")
+        else:  # vdpbf16ps (half rate on that CPU) or no bf16 GEMM: fp32
+            assert (info.dtype, info.kv_cache_dtype, info.attention_backend) == ("float32", "float32", "cpu" if built
+                                                                                  else "torch")
+            assert (intel.pool.bytes_per_block, intel.pool.num_blocks) == (2048, 16)
+            assert _greedy(intel, prompt, 6) == expected
         torch_bf16 = build_runner(RunnerConfig(**common, dtype="bfloat16", attention_backend="torch"),  # type: ignore[arg-type]
                                   flags=AMX)
         runners.append(torch_bf16)
