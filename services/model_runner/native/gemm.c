@@ -36,6 +36,7 @@
 #include "kernels.h"
 #include "pairs.h"
 #include "panel_prefetch.h"
+#include "tile_store.h"
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
@@ -74,14 +75,7 @@ static inline __attribute__((always_inline)) void tile_avx512(
             c[r][2] = _mm512_fmadd_ps(a, b2, c[r][2]);
         }
     }
-    for (int j = 0; j < 3; j++) {
-        const int64_t left = cols - j * 16;
-        if (left <= 0) break;
-        const __mmask16 live = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1u);
-        const __m512 bv = bias != NULL ? _mm512_maskz_loadu_ps(live, bias + j * 16) : _mm512_setzero_ps();
-        for (int r = 0; r < mr; r++)
-            _mm512_mask_storeu_ps(out + r * out_stride + j * 16, live, _mm512_add_ps(c[r][j], bv));
-    }
+    tile_store(c, mr, cols, bias, out, out_stride);
 }
 
 #define TILE_CASE(n) \

@@ -48,6 +48,7 @@
 #include "kernels.h"
 #include "pairs.h"
 #include "panel_prefetch.h"
+#include "tile_store.h"
 
 #define PANEL BF16_PANEL
 #define ROW_TILE 8
@@ -78,6 +79,16 @@ int64_t kvmesh_linear_bf16_available(void) { return 1; }
 
 int64_t kvmesh_linear_bf16_fma(void) { return FMA_IN_USE; }
 
+/* c[r][j] += x[r][kk] w[j] for the tile's mr rows (mr a constant after inlining). */
+static inline __attribute__((always_inline)) void fma_rows(__m512 c[][3], const int mr, const float *x,
+                                                           int64_t x_stride, int64_t kk, const __m512 *w)
+{
+    for (int r = 0; r < mr; r++) {
+        const __m512 a = _mm512_set1_ps(x[r * x_stride + kk]);
+        for (int j = 0; j < 3; j++) c[r][j] = _mm512_fmadd_ps(a, w[j], c[r][j]);
+    }
+}
+
 /* One row tile (mr rows, a constant after inlining) of fp32 x times one packed bf16 panel. */
 static inline __attribute__((always_inline)) void tile_fma(
     const float *x, int64_t x_stride, int64_t k, const uint16_t *panel, const float *bias, float *out,
@@ -87,49 +98,24 @@ static inline __attribute__((always_inline)) void tile_fma(
     for (int r = 0; r < mr; r++)
         for (int j = 0; j < 3; j++) c[r][j] = _mm512_setzero_ps();
     const __m512i top = _mm512_set1_epi32((int)0xFFFF0000u);
-    const int64_t pairs = k / 2;  /* whole pairs; an odd k's last weight is the low half of one more */
     const uint16_t *b = panel;
-    for (int64_t p = 0; p < pairs; p++, b += 2 * PANEL) {
+    __m512i pair[3];
+    __m512 w[3];
+    for (int64_t p = 0; p < k / 2; p++, b += 2 * PANEL) {
         if (prefetch) panel_prefetch_step(pf);
-        const __m512i w0 = _mm512_loadu_si512(b), w1 = _mm512_loadu_si512(b + 32), w2 = _mm512_loadu_si512(b + 64);
-        const __m512 e0 = _mm512_castsi512_ps(_mm512_slli_epi32(w0, 16)),
-                     e1 = _mm512_castsi512_ps(_mm512_slli_epi32(w1, 16)),
-                     e2 = _mm512_castsi512_ps(_mm512_slli_epi32(w2, 16));
-        for (int r = 0; r < mr; r++) {
-            const __m512 a = _mm512_set1_ps(x[r * x_stride + 2 * p]);
-            c[r][0] = _mm512_fmadd_ps(a, e0, c[r][0]);
-            c[r][1] = _mm512_fmadd_ps(a, e1, c[r][1]);
-            c[r][2] = _mm512_fmadd_ps(a, e2, c[r][2]);
+        for (int j = 0; j < 3; j++) {
+            pair[j] = _mm512_loadu_si512(b + j * 32);
+            w[j] = _mm512_castsi512_ps(_mm512_slli_epi32(pair[j], 16));  /* k = 2p: the low halves */
         }
-        const __m512 o0 = _mm512_castsi512_ps(_mm512_and_si512(w0, top)),
-                     o1 = _mm512_castsi512_ps(_mm512_and_si512(w1, top)),
-                     o2 = _mm512_castsi512_ps(_mm512_and_si512(w2, top));
-        for (int r = 0; r < mr; r++) {
-            const __m512 a = _mm512_set1_ps(x[r * x_stride + 2 * p + 1]);
-            c[r][0] = _mm512_fmadd_ps(a, o0, c[r][0]);
-            c[r][1] = _mm512_fmadd_ps(a, o1, c[r][1]);
-            c[r][2] = _mm512_fmadd_ps(a, o2, c[r][2]);
-        }
+        fma_rows(c, mr, x, x_stride, 2 * p, w);
+        for (int j = 0; j < 3; j++) w[j] = _mm512_castsi512_ps(_mm512_and_si512(pair[j], top));  /* k = 2p + 1 */
+        fma_rows(c, mr, x, x_stride, 2 * p + 1, w);
     }
-    if (k % 2) {  /* the last k: the low halves of the last pair (x has no k + 1) */
-        const __m512 e0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_loadu_si512(b), 16)),
-                     e1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_loadu_si512(b + 32), 16)),
-                     e2 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_loadu_si512(b + 64), 16));
-        for (int r = 0; r < mr; r++) {
-            const __m512 a = _mm512_set1_ps(x[r * x_stride + k - 1]);
-            c[r][0] = _mm512_fmadd_ps(a, e0, c[r][0]);
-            c[r][1] = _mm512_fmadd_ps(a, e1, c[r][1]);
-            c[r][2] = _mm512_fmadd_ps(a, e2, c[r][2]);
-        }
+    if (k % 2) {  /* the last k: the low halves of one more pair (x has no k + 1) */
+        for (int j = 0; j < 3; j++) w[j] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_loadu_si512(b + j * 32), 16));
+        fma_rows(c, mr, x, x_stride, k - 1, w);
     }
-    for (int j = 0; j < 3; j++) {
-        const int64_t left = cols - j * 16;
-        if (left <= 0) break;
-        const __mmask16 live = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1u);
-        const __m512 bv = bias != NULL ? _mm512_maskz_loadu_ps(live, bias + j * 16) : _mm512_setzero_ps();
-        for (int r = 0; r < mr; r++)
-            _mm512_mask_storeu_ps(out + r * out_stride + j * 16, live, _mm512_add_ps(c[r][j], bv));
-    }
+    tile_store(c, mr, cols, bias, out, out_stride);
 }
 
 #define FMA_CASE(n) \
@@ -170,14 +156,7 @@ static inline __attribute__((always_inline)) void tile_bf16(
             c[r][2] = _mm512_dpbf16_ps(c[r][2], a, b2);
         }
     }
-    for (int j = 0; j < 3; j++) {
-        const int64_t left = cols - j * 16;
-        if (left <= 0) break;
-        const __mmask16 live = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1u);
-        const __m512 bv = bias != NULL ? _mm512_maskz_loadu_ps(live, bias + j * 16) : _mm512_setzero_ps();
-        for (int r = 0; r < mr; r++)
-            _mm512_mask_storeu_ps(out + r * out_stride + j * 16, live, _mm512_add_ps(c[r][j], bv));
-    }
+    tile_store(c, mr, cols, bias, out, out_stride);
 }
 
 #define TILE_CASE(n) \
