@@ -55,7 +55,7 @@ from services.model_runner.runner import ModelRunner  # noqa: E402
 from services.model_runner.types import CachedRequestData, NewRequestData, StepInput  # noqa: E402
 from shared.sampling_params import SamplingParams  # noqa: E402
 
-DEFAULT_MODEL = "/tmp/kvmesh-cache/SmolLM2-135M-Instruct"
+DEFAULT_MODEL = str(Path.home() / ".cache/kvmesh/SmolLM2-135M-Instruct")  # where kvmesh model prepare puts it
 BLOCK_SIZE = 16
 # mode -> (dtype, attention_backend, quantization, kv_cache_dtype)
 MODES = {"fp32": ("float32", "cpu", "none", "auto"), "bf16": ("bfloat16", "cpu", "none", "auto"),

@@ -24,6 +24,7 @@ from bench.peerbench.render import render, replace_section
 from bench.peerbench.table import build_report, shown_flags, to_json
 from bench.peerbench.workloads import build_prompts, select
 from bench.serve.machine import load_average, machine_info
+from services.model_runner.native import cpu_vendor
 
 LLAMA_SDIST = "llama_cpp_python-0.3.36"
 ROOT = Path(__file__).resolve().parents[2]
@@ -128,6 +129,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         results = {s.name: run_engine(s, cfg, prompts) for s in specs}
     meta = {"command": command, "machine": vars(machine_info(load_start)), "cpu_flags": shown_flags(cpu_flags()),
+            "cpu_vendor": cpu_vendor(),  # with the flags, what picks bf16 mode's arithmetic (native.bf16_in_fma)
             "threads": ns.threads, "repeats": repeats, "seed": ns.seed, "elapsed_s": time.perf_counter() - started,
             "git": git_describe(), "notes": list(ns.note), "model_dir": str(model_dir), "ggufs": ggufs,
             "vllm_enforce_eager": cfg.vllm_enforce_eager}

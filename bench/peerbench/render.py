@@ -24,7 +24,7 @@ def render(report: Report, default: str, exact: str, llama_engines: tuple[str, .
         "",
         f"- Machine: {mach.get('cpu_count', '?')} cores ({mach.get('cpu_model', '?')}), "
         f"{mach.get('mem_total_gib', 0):.1f} GiB; CPU flags that pick the fast dtype: "
-        f"{', '.join(m.get('cpu_flags', [])) or 'none'}.",
+        f"{', '.join(m.get('cpu_flags', [])) or 'none'}; vendor {m.get('cpu_vendor') or 'not recorded'}.",
         f"- Threads: {m.get('threads', '?')} compute thread(s) for every engine alike. Load average (1/5/15 min) "
         f"{load_a[0]:.2f} / {load_a[1]:.2f} / {load_a[2]:.2f} at the start, "
         f"{load_b[0]:.2f} / {load_b[1]:.2f} / {load_b[2]:.2f} at the end (above the core count: other processes "

@@ -130,6 +130,10 @@ def test_report_ratios_identity_and_tables() -> None:
     assert doc["outputs"]["vllm-fp32"]["single"]["token_ids"] == [[[1, 2, 3, 4]], [[5, 6, 7, 8]]]
     text = render(report, "kvmesh-suite-fp32", "kvmesh-suite-fp32", eng.LLAMA)
     assert "python bench/peers.py --x" in text and "#### 1 x (4 in + 4 out)" in text
+    assert "CPU flags that pick the fast dtype: none; vendor not recorded." in text  # a run before the vendor
+    report.meta.update(cpu_flags=["avx512f", "avx512_bf16"], cpu_vendor="GenuineIntel")
+    assert "CPU flags that pick the fast dtype: avx512f, avx512_bf16; vendor GenuineIntel." in render(
+        report, "kvmesh-suite-fp32", "kvmesh-suite-fp32", eng.LLAMA)
 
 
 def test_wall_seconds_figure_for_prefill_bound_workloads() -> None:
