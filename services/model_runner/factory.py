@@ -20,7 +20,7 @@ from services.model_runner.config import RunnerConfig
 from services.model_runner.kv_pool import KVPool, kv_dtype_for
 from services.model_runner.loader import load_model, parse_dtype
 from services.model_runner.model.config import ModelConfig
-from services.model_runner.native import HALF_RATE_BF16_DOTS_VENDOR, cpu_vendor, load_kernels
+from services.model_runner.native import HALF_RATE_BF16_DOTS_VENDOR, cpu_vendor, cpuinfo_field, load_kernels
 from services.model_runner.runner import ModelRunner
 from services.model_runner.streaming import check_streaming
 from shared.errors import FailedPrecondition
@@ -48,13 +48,7 @@ class Choice:
 
 def cpu_flags() -> frozenset[str]:
     """The CPU's feature flags from ``/proc/cpuinfo`` (empty where there is none)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return frozenset(line.partition(":")[2].split())
-    except OSError:
-        pass
-    return frozenset()
+    return frozenset(cpuinfo_field("flags").split())
 
 
 def select_dtype(requested: str, device_type: str, flags: Iterable[str], quantization: str = "none",

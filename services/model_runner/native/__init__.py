@@ -125,16 +125,21 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
-def cpu_vendor() -> str:
-    """The CPU's ``vendor_id`` from ``/proc/cpuinfo`` (``GenuineIntel``, ``AuthenticAMD``; empty where
-    there is none)."""
+def cpuinfo_field(key: str) -> str:
+    """The first processor's ``key`` line of ``/proc/cpuinfo``, after the colon (empty where there
+    is none): the one reader of that file for the flags and the vendor."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("vendor_id"):
+            if line.startswith(key):
                 return line.partition(":")[2].strip()
     except OSError:
         pass
     return ""
+
+
+def cpu_vendor() -> str:
+    """The CPU's ``vendor_id`` (``GenuineIntel``, ``AuthenticAMD``; empty where there is none)."""
+    return cpuinfo_field("vendor_id")
 
 
 def bf16_in_fma(flags: frozenset[str], vendor: str, setting: str = "auto") -> bool:
