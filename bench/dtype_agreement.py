@@ -11,7 +11,11 @@ built by ``factory.build_runner`` exactly as the service builds them:
 * ``torch-bf16`` (``--torch-bf16``): ``dtype=bfloat16``, ``attention_backend=torch``, what ``auto``
   picked on a bf16 CPU before bf16 mode existed (oneDNN's bf16 GEMMs);
 * ``int8`` (``--int8``): ``quantization=int8_weight_only`` on the native kernels (int8 weights
-  with a scale per output channel, widened to bf16 in registers, ``native/gemm_int8.c``).
+  with a scale per output channel, widened to bf16 in registers, ``native/gemm_int8.c``);
+* ``q4_1`` (``--q4-1``): ``quantization=q4_1`` (llama.cpp's Q4_1 projections and Q8_0 head,
+  fp32 GEMMs over the dequantized weights, ``native/gemm_q4_1.c``).
+
+``--no-bf16`` leaves bf16 mode out (a CPU without AVX512-BF16 has none).
 
 1. **Step times**, same-process A/B: the runners take turns step by step (so a noisy neighbour
    hits all of them alike); medians of ``--repeats`` steps (min..max). Decode steps at batch 1
@@ -60,7 +64,7 @@ BLOCK_SIZE = 16
 # mode -> (dtype, attention_backend, quantization, kv_cache_dtype)
 MODES = {"fp32": ("float32", "cpu", "none", "auto"), "bf16": ("bfloat16", "cpu", "none", "auto"),
          "bf16-fp32kv": ("bfloat16", "cpu", "none", "float32"), "torch-bf16": ("bfloat16", "torch", "none", "auto"),
-         "int8": ("float32", "cpu", "int8_weight_only", "auto")}
+         "int8": ("float32", "cpu", "int8_weight_only", "auto"), "q4_1": ("float32", "cpu", "q4_1", "auto")}
 PROMPTS = (
     "The capital of France is", "Water boils at a temperature of", "Photosynthesis is the process by which",
     "Once upon a time, in a small village,", "The three primary colors are", "To make a cup of tea, first",
@@ -236,6 +240,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--torch-bf16", action="store_true", help="add the torch path in bf16 (oneDNN's GEMMs)")
     parser.add_argument("--int8", action="store_true", help="add quantization=int8_weight_only")
+    parser.add_argument("--q4-1", action="store_true", help="add quantization=q4_1")
+    parser.add_argument("--no-bf16", action="store_true", help="leave bf16 mode out")
     parser.add_argument("--fp32-kv", action="store_true", help="add bf16 mode over an fp32 KV pool")
     parser.add_argument("--threads", type=int, default=0, help="torch (and native) threads; 0 = torch's default")
     parser.add_argument("--skip-times", action="store_true")
@@ -248,8 +254,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     tok = AutoTokenizer.from_pretrained(args.model)
     prompts = [tok(p)["input_ids"] for p in PROMPTS[: args.prompts]]
-    modes = ["fp32", "bf16", *(["bf16-fp32kv"] if args.fp32_kv else []), *(["torch-bf16"] if args.torch_bf16 else []),
-             *(["int8"] if args.int8 else [])]
+    modes = ["fp32", *([] if args.no_bf16 else ["bf16"]), *(["bf16-fp32kv"] if args.fp32_kv else []),
+             *(["torch-bf16"] if args.torch_bf16 else []), *(["int8"] if args.int8 else []),
+             *(["q4_1"] if args.q4_1 else [])]
     flags = sorted(cpu_flags() & {"avx512_bf16", "amx_bf16", "avx512f", "avx2"})
     print(f"machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, flags {flags}")
     max_len = max(args.context, args.prefill) + 64

@@ -135,7 +135,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "vllm_enforce_eager": cfg.vllm_enforce_eager}
     report = build_report(workloads, [s.name for s in specs], {s.name: s.label for s in specs}, results,
                           eng.reference(results), eng.BASELINE, eng.FP32_BASELINE, meta)
-    text = render(report, eng.DEFAULT_KVMESH, eng.EXACT_KVMESH, eng.LLAMA, eng.HTTP_PAIRS, roofline_md)
+    text = render(report, eng.DEFAULT_KVMESH, eng.EXACT_KVMESH, eng.LLAMA, eng.HTTP_PAIRS, roofline_md,
+                  eng.WEIGHT_ONLY_KVMESH)
     print(text)
     out = Path(ns.out)
     out.parent.mkdir(parents=True, exist_ok=True)

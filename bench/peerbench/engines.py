@@ -16,8 +16,8 @@ llama.cpp; kvmesh in-process) counts the worker's whole process tree; a server t
 and only drives (``count_worker=False``: the kvmesh suite, both HTTP servers) counts the server's
 processes, not the worker's own client and driver.
 
-The ``int8`` rows (opt-in, not in ``all``'s
-default story) run kvmesh with ``quantization=int8_weight_only``, for the single-stream target.
+The ``int8`` and ``q4_1`` rows (opt-in, not in ``all``'s default story) run kvmesh with
+``quantization=int8_weight_only`` / ``q4_1``, for the single-stream target.
 """
 
 from __future__ import annotations
@@ -73,6 +73,11 @@ ENGINES = (
     EngineSpec("kvmesh-inproc-int8", "kvmesh in-process int8 weights", "kvmesh",
                {"mode": "inprocess", "dtype": "auto", "attention_backend": "auto",
                 "quantization": "int8_weight_only"}),
+    EngineSpec("kvmesh-suite-q4_1", "kvmesh suite Q4_1 weights", "kvmesh",
+               {"mode": "suite", "dtype": "auto", "attention_backend": "auto", "quantization": "q4_1"},
+               count_worker=False),
+    EngineSpec("kvmesh-inproc-q4_1", "kvmesh in-process Q4_1 weights", "kvmesh",
+               {"mode": "inprocess", "dtype": "auto", "attention_backend": "auto", "quantization": "q4_1"}),
 )
 BY_NAME = {e.name: e for e in ENGINES}
 BASELINE = "vllm-default"  # ratios: against vLLM as a user runs it
@@ -81,6 +86,7 @@ REFERENCES = ("kvmesh-suite-fp32", "kvmesh-inproc-fp32")  # identity: kvmesh's e
 DEFAULT_KVMESH = "kvmesh-suite-auto"  # the issue's "default kvmesh suite"
 EXACT_KVMESH = "kvmesh-suite-fp32"
 LLAMA = ("llamacpp-f32", "llamacpp-q4_1")
+WEIGHT_ONLY_KVMESH = ("kvmesh-suite-int8", "kvmesh-suite-q4_1")  # opt-in quantized rows: the single-stream target
 HTTP_PAIRS = (("kvmesh-http-auto", "vllm-serve-default"), ("kvmesh-http-fp32", "vllm-serve-fp32"))  # same client
 
 

@@ -9,7 +9,8 @@ END = "<!-- kvmesh-peers:end -->"
 
 
 def render(report: Report, default: str, exact: str, llama_engines: tuple[str, ...],
-           http_pairs: tuple[tuple[str, str], ...] = (), roofline_md: str = "") -> str:
+           http_pairs: tuple[tuple[str, str], ...] = (), roofline_md: str = "",
+           weight_only: tuple[str, ...] = ()) -> str:
     """The whole result as markdown: command, machine, the issue's table, one table per workload,
     the targets, the HTTP pairs, the roofline (``bench/roofline.py``'s table, when it ran), the engines."""
     m = report.meta
@@ -44,7 +45,7 @@ def render(report: Report, default: str, exact: str, llama_engines: tuple[str, .
     for w in report.workloads:
         if any((n, w.name) in report.cells for n in report.order):
             lines += [f"#### {w.title}", "", *workload_table(report, w), ""]
-    targets = target_lines(report, default, exact, llama_engines)
+    targets = target_lines(report, default, exact, llama_engines, weight_only)
     if targets:
         lines += ["#### The issue's targets, from this run", "", *targets, ""]
     http = http_lines(report, http_pairs)

@@ -232,8 +232,10 @@ def http_lines(report: Report, pairs: Sequence[tuple[str, str]]) -> list[str]:
     return out
 
 
-def target_lines(report: Report, default: str, exact: str, llama_engines: Sequence[str]) -> list[str]:
-    """The issue's targets that this run can check (ratios of medians in this run)."""
+def target_lines(report: Report, default: str, exact: str, llama_engines: Sequence[str],
+                 weight_only: Sequence[str] = ()) -> list[str]:
+    """The issue's targets that this run can check (ratios of medians in this run); the single-stream
+    one for the ``weight_only`` kvmesh rows too (opt-in quantizations, where they ran)."""
     out: list[str] = []
 
     def check(label: str, r: float | None, goal: float) -> None:
@@ -250,7 +252,7 @@ def target_lines(report: Report, default: str, exact: str, llama_engines: Sequen
     fastest = max((n for n in llama_engines if (n, "single") in report.cells),
                   key=lambda n: report.cells[(n, "single")].tok_s.median, default=None)
     if fastest is not None:
-        for n in (default, exact):
+        for n in (default, exact, *(n for n in weight_only if (n, "single") in report.cells)):
             check(f"{report.labels.get(n, n)} vs the fastest llama.cpp ({report.labels.get(fastest)}), single stream",
                   report.ratio(n, "single", fastest), 1.0)
     return out

@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 # RunnerConfig.quantization's values (model/packed.py packs for each)
-QUANTIZATIONS = ("none", "int8", "fp16", "int8_weight_only")
+QUANTIZATIONS = ("none", "int8", "fp16", "int8_weight_only", "q4_1")
+WEIGHT_ONLY = ("int8_weight_only", "q4_1")  # packed once from fp32 weights for a native GEMM of their own
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "fp8_e4m3", "int4")
 
 
@@ -43,8 +44,12 @@ class RunnerConfig:
             weights, dynamically quantized activations), ``fp16`` (fp16 weights, fp32 math) or
             ``int8_weight_only`` (int8 weights, one scale per output channel, on the native
             kernels' int8 GEMM: bf16 GEMM inputs, fp32 accumulation and everything else, batch
-            invariant; needs a CPU with AVX512-BF16). Faster linear layers, but outputs are no
-            longer token-identical to fp32 (see docs/model_runner.md).
+            invariant; needs a CPU with AVX512-BF16) or ``q4_1`` (llama.cpp's Q4_1 groups for the
+            projections, Q8_0 for the head, on the native kernels' fp32 GEMM over the
+            dequantized weights: a fifth of the weight bytes, any x86 CPU; bitwise fp32 mode on
+            a checkpoint already on that grid, such as the embedded SmolLM2). Faster linear
+            layers, but outputs are in general no longer token-identical to fp32 (see
+            docs/model_runner.md).
         pack_tied_head: give a head tied to the embedding its own packed copy (fp32 on the CPU):
             a third faster vocabulary projection for ``vocab x hidden x 4`` more bytes
             (113 MB for SmolLM2-135M); off keeps one copy of the weight.
@@ -84,9 +89,9 @@ class RunnerConfig:
     def __post_init__(self) -> None:
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
-        if self.quantization == "int8_weight_only" and (self.dtype not in ("auto", "float32")
-                                                        or self.attention_backend not in ("auto", "cpu")):
-            raise ValueError(f"quantization=int8_weight_only runs on the native CPU kernels from float32 weights: "
+        if self.quantization in WEIGHT_ONLY and (self.dtype not in ("auto", "float32")
+                                                 or self.attention_backend not in ("auto", "cpu")):
+            raise ValueError(f"quantization={self.quantization} runs on the native CPU kernels from float32 weights: "
                              f"dtype must be auto or float32 (got {self.dtype!r}) and attention_backend auto "
                              f"or cpu (got {self.attention_backend!r})")
         if self.attention_backend not in ("auto", "torch", "triton", "cpu"):

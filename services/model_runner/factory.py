@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from services.model_runner.attention.base import AttentionBackend
-from services.model_runner.config import RunnerConfig
+from services.model_runner.config import WEIGHT_ONLY, RunnerConfig
 from services.model_runner.kv_pool import KVPool, kv_dtype_for
 from services.model_runner.loader import load_model, parse_dtype
 from services.model_runner.model.config import ModelConfig
@@ -83,6 +83,10 @@ def select_dtype(requested: str, device_type: str, flags: Iterable[str], quantiz
         return Choice("float32", "auto: quantization=int8_weight_only loads float32 weights and packs them as int8 "
                                  "(one scale per output channel) for the native int8 GEMM (bf16 GEMM inputs, fp32 "
                                  "accumulation and everything else)")
+    if quantization == "q4_1":
+        return Choice("float32", "auto: quantization=q4_1 loads float32 weights and packs the projections as Q4_1 "
+                                 "and the head as Q8_0 groups for the native GEMM, fp32 over the dequantized "
+                                 "weights (fp32 everything else)")
     if quantization != "none":
         return Choice("float32", f"auto: quantization={quantization} packs fp32 weights")
     have = sorted(set(flags) & set(BF16_FLAGS))
@@ -238,8 +242,8 @@ def build_runner(config: RunnerConfig, flags: Iterable[str] | None = None, vendo
     # bf16 mode on the native kernels: fp32 weights as loaded, packed to bf16 by prepare_model
     native_bf16 = dtype_choice.value == "bfloat16" and bf16_kernels and backend_choice.value == "cpu"
     dtype = torch.float32 if native_bf16 else parse_dtype(dtype_choice.value)
-    if config.quantization == "int8_weight_only":
-        _check_int8_weight_only(device, cpu, backend_choice)
+    if config.quantization in WEIGHT_ONLY:
+        _check_weight_only(config.quantization, device, cpu, backend_choice)
     model, mcfg = load_model(config.model_dir, dtype=dtype, device=device)
     if config.batch_invariant and (backend_choice.value != "cpu" or dtype != torch.float32
                                    or load_kernels() is None):
@@ -306,23 +310,26 @@ def _select_backend(requested: str, device: torch.device, dtype: str, mcfg: Mode
                           mcfg.head_dim, bf16_kernels=bf16_kernels, mla=mcfg.kv_layout == "mla")
 
 
-def _check_int8_weight_only(device: torch.device, flags: frozenset[str], backend: Choice) -> None:
-    """``quantization=int8_weight_only`` runs only on the native int8 GEMM: refuse, with the reason,
-    anything else (there is no torch fallback of the same arithmetic)."""
+def _check_weight_only(quantization: str, device: torch.device, flags: frozenset[str], backend: Choice) -> None:
+    """A ``WEIGHT_ONLY`` quantization runs only on its native GEMM (``int8_weight_only``: the int8
+    one, which needs AVX512-BF16; ``q4_1``: gemm_q4_1.c, in every native build): refuse, with the
+    reason, anything else (there is no torch fallback of the same arithmetic)."""
+    int8 = quantization == "int8_weight_only"
+    kernels = load_kernels() if device.type == "cpu" else None
     why = ""
     if device.type != "cpu":
         why = f"the device is {device.type}"
     elif backend.value != "cpu":
         why = f"the attention backend is {backend.value} ({backend.reason})"
-    elif not flags & set(BF16_FLAGS):
+    elif int8 and not flags & set(BF16_FLAGS):
         why = "the CPU has no AVX512-BF16 / AMX-BF16"
-    else:
-        kernels = load_kernels()
-        if kernels is None or kernels.linear_int8 is None:
-            why = "the native int8 GEMM did not build here (a compiler without -mavx512bf16?)"
+    elif kernels is None:
+        why = "the native kernels did not build"
+    elif int8 and kernels.linear_int8 is None:
+        why = "the native int8 GEMM did not build here (a compiler without -mavx512bf16?)"
     if why:
-        raise ValueError(f"quantization=int8_weight_only needs the native CPU kernels' int8 GEMM (a CPU with "
-                         f"AVX512-BF16); here {why}")
+        needs = "int8 GEMM (a CPU with AVX512-BF16)" if int8 else "Q4_1 GEMM (gemm_q4_1.c)"
+        raise ValueError(f"quantization={quantization} needs the native CPU kernels' {needs}; here {why}")
 
 
 def _bf16_gemm_note() -> str:

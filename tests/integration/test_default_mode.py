@@ -13,7 +13,8 @@ chunk; docs/model_runner.md, "Prefill"). Every scenario runs in both modes the d
 bf16 mode (bf16 GEMMs with fp32 accumulation, batch invariant by construction, over a bf16 KV pool,
 its default; skipped on a CPU without AVX512-BF16), bf16 mode over an fp32 pool
 (``kv_cache_dtype=float32``), and in the opt-in ``quantization=int8_weight_only`` (int8 weights widened to
-bf16 in registers, the same accumulation; skipped likewise), each against its own cold run.
+bf16 in registers, the same accumulation; skipped likewise) and ``quantization=q4_1`` (Q4_1 / Q8_0
+weights dequantized to fp32 for gemm.c's arithmetic; every machine), each against its own cold run.
 The tiny model's head_dim is 16, which reads a bf16 pool widened into fp32 attention; mode
 ``bf16-hd32`` runs bf16 mode on a head_dim-32 twin, whose bf16 pool is attended in bf16 dot
 products where the build has them (kv_elem.h's kv_bf16_dots; tests/kernels/test_bf16_attention.py).
@@ -49,7 +50,8 @@ Outputs = dict[int, tuple[list[int], list[float]]]
 FP32_DEFAULT = {"dtype": "float32"}
 MODES = {"fp32": FP32_DEFAULT, "bf16": {"dtype": "bfloat16"},
          "bf16-fp32kv": {"dtype": "bfloat16", "kv_cache_dtype": "float32"},
-         "int8": {"dtype": "float32", "quantization": "int8_weight_only"}, HD32: {"dtype": "bfloat16"}}
+         "int8": {"dtype": "float32", "quantization": "int8_weight_only"}, HD32: {"dtype": "bfloat16"},
+         "q4_1": {"dtype": "float32", "quantization": "q4_1"}}
 
 
 def _kv_dtype(runner: dict[str, Any]) -> str:
@@ -158,7 +160,7 @@ def mode(mode_name: str) -> dict[str, Any]:
 def cold(model_dir: Path, mode: dict[str, Any]) -> Iterator[tuple[Outputs, Any]]:
     out, counters = _run(model_dir, concurrent=False, runner=mode, enable_prefix_caching=False)
     assert counters[2].attention_backend == "cpu"  # what auto picks where the kernels build
-    reported = "int8" if mode.get("quantization") == "int8_weight_only" else mode["dtype"]
+    reported = {"int8_weight_only": "int8", "q4_1": "q4_1"}.get(mode.get("quantization", ""), mode["dtype"])
     assert counters[2].dtype == reported and counters[2].kv_cache_dtype == _kv_dtype(mode)
     assert counters[2].num_blocks == 512  # the same block count whatever the KV dtype (the budget follows it)
     kernels = load_kernels()
@@ -213,11 +215,12 @@ def test_default_equals_torch_fp32_reference_greedy(model_dir: Path, mode_name: 
                                                     cold: tuple[Outputs, Any]) -> None:
     """Greedy identity rate against the torch fp32 reference: 12 of 12 prompts, all 12 tokens,
     in fp32 and in bf16 mode alike on this tiny model; with int8 weights (a lossy opt-in mode)
-    9 of 12, and bf16 mode on the head_dim-32 twin 11 of 12 (its bf16 attention over a bf16 pool;
-    the same mode over an fp32 pool measured 10: the bf16 GEMMs' rounding, not the attention's),
+    9 of 12, with Q4_1 weights (lossy on these random weights, which lie on no grid) 6 of 12, and
+    bf16 mode on the head_dim-32 twin 11 of 12 (its bf16 attention over a bf16 pool; the same
+    mode over an fp32 pool measured 10: the bf16 GEMMs' rounding, not the attention's),
     pinned so a change in their rounding shows (agreement on SmolLM2 is measured in
     docs/model_runner.md)."""
-    expected = {"int8": 9, HD32: 11}.get(mode_name, NUM_PROMPTS)
+    expected = {"int8": 9, "q4_1": 6, HD32: 11}.get(mode_name, NUM_PROMPTS)
     kernels = load_kernels()
     amx = kernels is not None and kernels.linear_bf16_amx
     if mode_name == HD32 and amx:

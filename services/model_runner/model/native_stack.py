@@ -27,7 +27,7 @@ from services.model_runner.native import NativeKernels, is_cpu_fp32, is_cpu_kv
 _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
 # PackedWeight modes the stack runs, by their KvmStackShape.gemm code
-STACK_MODES = {"native": 0, "native_bf16": 1, "native_int8": 2}
+STACK_MODES = {"native": 0, "native_bf16": 1, "native_int8": 2, "native_q4_1": 3}
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,12 @@
            ``native/gemm_int8.c`` (mode ``native_int8``): widened to bf16 in
            registers, activations rounded to bf16 at the input as in bf16 mode, fp32
            accumulation, batch invariant; half bf16 mode's weight bytes
+    q4_1   llama.cpp's Q4_1 blocks for the projections (4-bit codes, an f16 scale   (opt-in)
+           and minimum per 32 weights along k) and Q8_0 for the head (8-bit codes,
+           an f16 scale per 32), for ``native/gemm_q4_1.c`` (modes ``native_q4_1``
+           / ``native_q8_0``): dequantized to fp32 as gguf-py does, then gemm.c's
+           fp32 GEMM over those weights, activations unrounded; a fifth of fp32's
+           weight bytes, and bitwise fp32 mode where the weights lie on that grid
 
 The packed copy replaces the dense weight, which is freed (vLLM calls this step
 ``process_weights_after_loading``). Off the CPU, or for fp16/bf16 models, ``none`` packs nothing
@@ -40,8 +46,11 @@ import torch.nn.functional as F
 
 from services.model_runner.native import NativeKernels, is_cpu_fp32, load_kernels
 
-MODES = ("fp32", "native", "native_bf16", "native_int8", "fp16", "int8")
-NATIVE_MODES = ("native", "native_bf16", "native_int8")
+MODES = ("fp32", "native", "native_bf16", "native_int8", "native_q4_1", "native_q8_0", "fp16", "int8")
+NATIVE_MODES = ("native", "native_bf16", "native_int8", "native_q4_1", "native_q8_0")
+Q_BITS = {"native_q4_1": 4, "native_q8_0": 8}  # the grouped modes' code widths (gemm_q4_1.c)
+Q4_MAX = 15  # Q4_1's codes: 0..15 above the group's minimum
+Q8_MAX = 127  # Q8_0's codes: -127..127, symmetric
 INT8_MAX = 127  # symmetric: -127..127, so a scale maps the channel's largest |w| to +-127 exactly
 PACK_BATCH = 32  # the batch oneDNN's layout is tuned for; any batch runs (as fast at 1 and 8, measured)
 
@@ -111,6 +120,10 @@ class PackedWeight:
             self.packed = pack_panels_bf16(weight, self.kernels.panel_width)
         elif self.kernels is not None and mode == "native_int8":
             self.packed = pack_int8(*quantize_int8(weight), self.kernels.panel_width)
+        elif self.kernels is not None and mode in Q_BITS:
+            quantize = quantize_q4_1 if mode == "native_q4_1" else quantize_q8_0
+            self.packed = pack_q_groups(*quantize(weight, self.kernels.q_group), bits=Q_BITS[mode],
+                                        width=self.kernels.panel_width, group=self.kernels.q_group)
         elif self.kernels is not None:
             self.packed = pack_panels(weight, self.kernels.panel_width)
         elif mode == "fp32":
@@ -130,8 +143,7 @@ class PackedWeight:
         """Whether ``weight`` can be packed for ``mode`` in this build."""
         if mode in NATIVE_MODES:
             kernels = load_kernels()
-            gemm = None if kernels is None else {"native": kernels.linear, "native_bf16": kernels.linear_bf16,
-                                                 "native_int8": kernels.linear_int8}[mode]  # fmt: skip
+            gemm = None if kernels is None else _gemm(kernels, mode)
             return is_cpu_fp32(weight) and gemm is not None
         return is_cpu_fp32(weight) and (mode != "fp32" or _ONEDNN)
 
@@ -153,15 +165,19 @@ class PackedWeight:
         if x.shape[0]:
             packed = self.packed
             assert isinstance(packed, torch.Tensor)
-            fn: Any = {"native_bf16": kernels.linear_bf16, "native_int8": kernels.linear_int8}.get(self.mode,
-                                                                                                   kernels.linear)
-            status = fn(
+            status = _gemm(kernels, self.mode)(
                 x.data_ptr(), x.stride(0), x.shape[0], self.in_features, packed.data_ptr(), self.out_features,
                 None if self.bias is None else self.bias.data_ptr(), out.data_ptr(), out.stride(0),
             )  # fmt: skip
             if self.mode != "native" and status != 0:
                 raise RuntimeError(f"native {self.mode} GEMM failed with status {status}")
         return out
+
+
+def _gemm(kernels: NativeKernels, mode: str) -> Any:
+    """The native entry point of a ``NATIVE_MODES`` mode (None: not built here)."""
+    return {"native": kernels.linear, "native_bf16": kernels.linear_bf16, "native_int8": kernels.linear_int8,
+            "native_q4_1": kernels.linear_q4_1, "native_q8_0": kernels.linear_q8_0}[mode]
 
 
 def pack_panels(weight: torch.Tensor, width: int) -> torch.Tensor:
@@ -210,3 +226,74 @@ def pack_int8(q: torch.Tensor, scales: torch.Tensor, width: int) -> torch.Tensor
     padded_scales = scales.new_zeros(panels * width)
     padded_scales[:out_features] = scales
     return torch.cat([padded_scales.view(torch.uint8), panel_q.view(-1).view(torch.uint8)])
+
+
+def _grouped(weight: torch.Tensor, group: int) -> torch.Tensor:
+    """``[out, in]`` -> ``[out, ceil(in / group), group]``; a short last group is padded with its
+    own last weight, which changes neither its minimum, maximum nor largest magnitude."""
+    out_features, in_features = weight.shape
+    groups = -(-in_features // group)
+    padded = weight[:, -1:].expand(out_features, groups * group).clone()
+    padded[:, :in_features] = weight
+    return padded.view(out_features, groups, group)
+
+
+def quantize_q4_1(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``[out, in]`` fp32 -> (uint8 codes ``[out, in]`` in 0..15, scales ``d`` and minimums ``m``
+    ``[out, ceil(in / group)]`` fp32): llama.cpp's Q4_1 per ``group`` weights along ``in``, with
+    ``d = (max - min) / 15`` and ``m = min`` rounded to f16 as its files store them, and each code
+    ``round((w - m) / d)`` from those stored values. The one rule of ``native_q4_1``: the kernel
+    and the tests' reference (:func:`dequantize_groups`) start from it. A weight already on such a
+    grid (a checkpoint dequantized from a Q4_1 file) comes back exactly."""
+    g = _grouped(weight.float(), group)
+    lo, hi = g.amin(dim=2), g.amax(dim=2)
+    fmax = torch.finfo(torch.float16).max
+    d = ((hi - lo) / Q4_MAX).clamp(max=fmax).to(torch.float16).float()
+    m = lo.clamp(-fmax, fmax).to(torch.float16).float()
+    steps = torch.where(d[..., None] > 0, (g - m[..., None]) / d[..., None], torch.zeros_like(g))
+    codes = torch.round(steps).clamp_(0, Q4_MAX).to(torch.uint8)
+    return codes.view(weight.shape[0], -1)[:, : weight.shape[1]].contiguous(), d, m
+
+
+def quantize_q8_0(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``[out, in]`` fp32 -> (int8 codes ``[out, in]`` in -127..127, scales ``d``, zero minimums
+    ``m``, both ``[out, ceil(in / group)]`` fp32): llama.cpp's Q8_0 per ``group`` weights along
+    ``in``, ``d = max |w| / 127`` rounded to f16, each code ``round(w / d)``. The head's format
+    under ``quantization=q4_1`` (as in llama.cpp's Q4_1 files of small models)."""
+    g = _grouped(weight.float(), group)
+    d = (g.abs().amax(dim=2) / Q8_MAX).clamp(max=torch.finfo(torch.float16).max).to(torch.float16).float()
+    steps = torch.where(d[..., None] > 0, g / d[..., None], torch.zeros_like(g))
+    codes = torch.round(steps).clamp_(-Q8_MAX, Q8_MAX).to(torch.int8)
+    return codes.view(weight.shape[0], -1)[:, : weight.shape[1]].contiguous(), d, torch.zeros_like(d)
+
+
+def dequantize_groups(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor, group: int) -> torch.Tensor:
+    """The fp32 weights the grouped kernels compute on: ``fl(fl(d * q) + m)``, two roundings in
+    that order (gguf-py's, hence transformers' GGUF loading), never one fused multiply-add."""
+    scale = d.repeat_interleave(group, dim=1)[:, : codes.shape[1]]
+    low = m.repeat_interleave(group, dim=1)[:, : codes.shape[1]]
+    return (codes.float() * scale) + low
+
+
+def pack_q_groups(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bits: int, width: int,
+                  group: int) -> torch.Tensor:
+    """Codes ``[out, in]`` + ``d``, ``m`` ``[out, groups]`` -> one uint8 buffer in
+    ``native/gemm_q4_1.c``'s layout: per panel of ``width`` output columns and per group of
+    ``group`` k rows, ``d`` fp32 ``[width]``, ``m`` fp32 ``[width]``, then the group's rows of codes
+    (``bits`` 4: ``width / 2`` bytes a row, column ``c`` in the low nibble of byte ``c`` and column
+    ``c + width / 2`` in its high one; 8: ``width`` int8). Columns past ``out`` and rows past
+    ``in`` are zero."""
+    if bits not in (4, 8) or width % 2:
+        raise ValueError(f"bits must be 4 or 8 and width even, got {bits} and {width}")
+    out_features, in_features = codes.shape
+    panels, groups = -(-out_features // width), d.shape[1]
+    q = torch.zeros(panels * width, groups * group, dtype=torch.uint8)
+    q[:out_features, :in_features] = codes.view(torch.uint8)
+    rows = q.view(panels, width, groups, group).permute(0, 2, 3, 1)  # [panel, group, k, column]
+    if bits == 4:
+        rows = rows[..., : width // 2] | (rows[..., width // 2 :] << 4)
+    scales = torch.zeros(2, panels * width, groups, dtype=torch.float32)
+    scales[0, :out_features], scales[1, :out_features] = d, m
+    heads = scales.view(2, panels, width, groups).permute(1, 3, 0, 2).contiguous()  # [panel, group, 2, width]
+    parts = (heads.view(panels, groups, -1).view(torch.uint8), rows.reshape(panels, groups, -1))
+    return torch.cat(parts, dim=2).reshape(-1).contiguous()

@@ -42,11 +42,15 @@ def prepare_model(
     (activations rounded to bf16 at the input, fp32 accumulation), everything else stays fp32
     (docs/model_runner.md, "Weight-only int8"). The embedding stays fp32 for the lookups.
 
+    ``q4_1`` (with ``kernels``, fp32 weights as loaded) packs every projection in llama.cpp's Q4_1
+    groups and the head (tied or not) in Q8_0 for ``gemm_q4_1.c``, whose GEMMs are fp32 over the
+    dequantized weights (docs/model_runner.md, "Weight-only Q4_1"); everything else is fp32 mode.
+
     Raises:
         ValueError: an unknown ``quantization``, another one than the model was prepared
             for, or ``fp16``/``int8`` on weights that are not fp32 on the CPU; ``bfloat16``
             without the native bf16 GEMM, or with a quantization; ``int8_weight_only``
-            without the native int8 GEMM.
+            without the native int8 GEMM; ``q4_1`` without the native kernels.
     """
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
@@ -62,8 +66,12 @@ def prepare_model(
     if quantization == "int8_weight_only" and (kernels is None or kernels.linear_int8 is None):
         raise ValueError("int8_weight_only needs the native int8 GEMM (the native CPU kernels on a CPU with "
                          "AVX512-BF16)")
+    if quantization == "q4_1" and kernels is None:
+        raise ValueError("q4_1 needs the native CPU kernels (gemm_q4_1.c)")
     if quantization == "int8_weight_only":
         mode = "native_int8"
+    elif quantization == "q4_1":
+        mode = "native_q4_1"
     elif quantization != "none":
         mode = quantization
     else:
@@ -71,14 +79,20 @@ def prepare_model(
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     if quantization != "none" or bf16 or all(PackedWeight.supported(m.weight, mode) for m in linears):
         for module in linears:
-            module.pack(mode, kernels)
+            module.pack(_head_mode(mode) if module is model.lm_head else mode, kernels)
     embedding = model.model.embed_tokens.weight
     # NOTE: bf16 mode always packs a tied head: the logits' GEMM is then bf16 like every other;
     # int8_weight_only quantizes it too: it is a fifth of a small model's weight bytes per token
     pack_head = quantization != "none" or bf16 or (pack_tied_head and PackedWeight.supported(embedding, mode))
     if model.lm_head is None and pack_head:
-        model.packed_head = PackedWeight(embedding, None, mode, kernels)
+        model.packed_head = PackedWeight(embedding, None, _head_mode(mode), kernels)
     if kernels is not None:
         use_native_kernels(model, kernels)
     model.prepared = quantization
-    model.compute_dtype = "bfloat16" if bf16 else "int8" if mode == "native_int8" else None
+    model.compute_dtype = "bfloat16" if bf16 else {"native_int8": "int8", "native_q4_1": "q4_1"}.get(mode)
+
+
+def _head_mode(mode: str) -> str:
+    """The head's packing under ``mode``: Q8_0 beside Q4_1 projections, as llama.cpp's Q4_1 files of
+    small models store it (the logits are the most sensitive GEMM), else the projections' own."""
+    return "native_q8_0" if mode == "native_q4_1" else mode

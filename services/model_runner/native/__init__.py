@@ -30,6 +30,11 @@ What is here, and why torch alone was not enough (measurements in docs/model_run
 * ``gemm_int8.c`` — the same arithmetic on int8 weights with a scale per output channel, widened
   to bf16 in registers (``quantization=int8_weight_only``): half bf16 mode's weight bytes, for
   single-stream decode, which streams every weight once per token;
+* ``gemm_q4_1.c`` — weight-only groups of 32 in llama.cpp's Q4_1 (4-bit codes, a scale and a
+  minimum; the projections) and Q8_0 (8-bit codes, a scale; the head) formats, dequantized to fp32
+  exactly as gguf-py does and run as ``gemm.c``'s fp32 GEMM over them (``quantization=q4_1``):
+  a fifth of fp32's weight bytes, no bf16 hardware needed, and bitwise fp32 mode on a checkpoint
+  whose weights lie on that grid (the embedded SmolLM2);
 * ``decode_stack.c`` — a decode-only step's whole layer stack in one call: the kernels above in
   the per-layer order, without the Python between them (``model/native_stack.py``);
 * ``int4_kv.c`` — the INT4 KV cache's slot writes (quantize + pack, byte for byte
@@ -219,6 +224,9 @@ class NativeKernels:
     write_kv_int4: Any | None = None  # kvmesh_write_kv_int4
     paged_attention_int4: Any | None = None  # kvmesh_paged_attention_int4
     linear_int8: Any | None = None  # kvmesh_linear_int8; None unless built for AVX512-BF16, as linear_bf16
+    linear_q4_1: Any = None  # kvmesh_linear_q4_1 (every build; the default only keeps hand-made NativeKernels valid)
+    linear_q8_0: Any = None  # kvmesh_linear_q8_0 (as linear_q4_1)
+    q_group: int = 32  # kvmesh_linear_q_group(): weights along k per Q4_1 / Q8_0 scale
     linear_bf16_swiglu: Any | None = None  # kvmesh_linear_bf16_swiglu (gate_up GEMM + SwiGLU); as linear_bf16
     linear_bf16_amx: bool = False  # kvmesh_linear_bf16_amx(): the bf16 GEMMs run on AMX tiles (gemm_amx.c)
     # kvmesh_linear_bf16_fma(): bf16 mode's GEMMs and attention run fp32 FMAs over widened bf16 values
@@ -349,6 +357,17 @@ def load_kernels(portable: bool = False, no_amx: bool = False, plain: bool = Fal
             _PTR, _I64, _PTR,  # packed (scales, then int8 panels: pack_int8), n, bias (or NULL)
             _PTR, _I64,  # out, out_stride
         ]) if _bind(lib, "kvmesh_linear_int8_available", _I64, [])() else None,
+        linear_q4_1=_bind(lib, "kvmesh_linear_q4_1", ctypes.c_int, [
+            _PTR, _I64, _I64, _I64,  # x (fp32), x_stride, m, k
+            _PTR, _I64, _PTR,  # packed (pack_q_groups, 4 bits), n, bias (or NULL)
+            _PTR, _I64,  # out, out_stride
+        ]),
+        linear_q8_0=_bind(lib, "kvmesh_linear_q8_0", ctypes.c_int, [
+            _PTR, _I64, _I64, _I64,  # x (fp32), x_stride, m, k
+            _PTR, _I64, _PTR,  # packed (pack_q_groups, 8 bits), n, bias (or NULL)
+            _PTR, _I64,  # out, out_stride
+        ]),
+        q_group=int(_bind(lib, "kvmesh_linear_q_group", _I64, [])()),
         linear_bf16_amx=bf16 and bool(_bind(lib, "kvmesh_linear_bf16_amx", _I64, [])()),
         linear_bf16_fma=bf16 and bool(_bind(lib, "kvmesh_linear_bf16_fma", _I64, [])()),
         bf16_dots_for=_bind(lib, "kvmesh_bf16_dots_for", _I64, [_I64, _I64, _I64]),

@@ -21,8 +21,8 @@
 
 #include "kernels.h"
 
-/* One layer's parameters: norms dense, projections packed for gemm.c (fp32), gemm_bf16.c (bf16) or
- * gemm_int8.c (int8 weights; KvmStackShape.gemm; biases fp32, may be NULL), and the layer's K and V halves of the pool.
+/* One layer's parameters: norms dense, projections packed for gemm.c (fp32), gemm_bf16.c (bf16),
+ * gemm_int8.c (int8 weights) or gemm_q4_1.c (Q4_1 weights; KvmStackShape.gemm; biases fp32, may be NULL), and the layer's K and V halves of the pool.
  * Mirrored by ctypes in model/native_stack.py. */
 typedef struct {
     const float *input_norm, *post_norm;
@@ -40,19 +40,20 @@ typedef struct {
 typedef struct {
     int64_t hidden, num_heads, num_kv_heads, head_dim, intermediate;
     int64_t block_size, block_stride, num_slots;  /* block_stride: elements from one block to the next */
-    int64_t gemm;  /* every projection packed for: 0 gemm.c, 1 gemm_bf16.c (bf16 mode), 2 gemm_int8.c */
+    int64_t gemm;  /* every projection packed for: 0 gemm.c, 1 gemm_bf16.c (bf16 mode), 2 gemm_int8.c, 3 gemm_q4_1.c */
     int64_t window;  /* every layer's sliding window (one KV cache group), 0 = full attention */
     int64_t kv_bf16;  /* the pool's elements: 0 fp32, 1 bf16 */
     float eps, scale;
 } KvmStackShape;
 
-/* The projection's GEMM, fp32, bf16 or int8 as the stack was packed (output rows n apart): 0, or
- * the bf16 / int8 GEMM's failure status. */
+/* The projection's GEMM, fp32, bf16, int8 or Q4_1 as the stack was packed (output rows n apart): 0,
+ * or the packed GEMM's failure status. */
 static int linear(const KvmStackShape *shape, const float *x, int64_t x_stride, int64_t m, int64_t k,
                   const void *packed, int64_t n, const float *bias, float *out)
 {
     if (shape->gemm == 1) return kvmesh_linear_bf16(x, x_stride, m, k, (const uint16_t *)packed, n, bias, out, n);
     if (shape->gemm == 2) return kvmesh_linear_int8(x, x_stride, m, k, packed, n, bias, out, n);
+    if (shape->gemm == 3) return kvmesh_linear_q4_1(x, x_stride, m, k, packed, n, bias, out, n);
     kvmesh_linear_f32(x, x_stride, m, k, (const float *)packed, n, bias, out, n);
     return 0;
 }
@@ -72,7 +73,7 @@ typedef struct {
 } KvmDecodeStep;
 
 /* Returns 0, the failing paged-attention status (see kvmesh_paged_decode_f32), or 100 - the
- * failing bf16 / int8 GEMM's (negative) status. */
+ * failing packed GEMM's (negative) status. */
 int kvmesh_decode_stack_f32(const KvmLayer *layers, int64_t num_layers, const KvmStackShape *shape,
                             const KvmDecodeStep *step)
 {

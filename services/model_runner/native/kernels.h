@@ -59,6 +59,12 @@ void kvmesh_linear_f32_panel(const float *x, int64_t x_stride, int64_t rows, int
 int kvmesh_linear_int8(const float *x, int64_t x_stride, int64_t m, int64_t k, const void *packed, int64_t n,
                        const float *bias, float *out, int64_t out_stride);
 int64_t kvmesh_linear_int8_available(void);
+/* gemm_q4_1.c: weight-only Q4_1 / Q8_0 groups, bitwise gemm.c over the dequantized weights */
+int kvmesh_linear_q4_1(const float *x, int64_t x_stride, int64_t m, int64_t k, const void *packed, int64_t n,
+                       const float *bias, float *out, int64_t out_stride);
+int kvmesh_linear_q8_0(const float *x, int64_t x_stride, int64_t m, int64_t k, const void *packed, int64_t n,
+                       const float *bias, float *out, int64_t out_stride);
+int64_t kvmesh_linear_q_group(void);
 /* 1 where kv_elem.h's kv_bf16_dots holds for a bf16 pool of this shape: the runner's log and
  * GetModelInfo say which arithmetic its attention runs from this, the one owner of the rule. */
 int64_t kvmesh_bf16_dots_for(int64_t num_heads, int64_t head_dim, int64_t block_size);

@@ -125,6 +125,10 @@ def test_report_ratios_identity_and_tables() -> None:
     lines = target_lines(report, "kvmesh-suite-fp32", "kvmesh-suite-fp32", eng.LLAMA)
     assert lines == ["- KVMESH-SUITE-FP32 vs the fastest llama.cpp (LLAMACPP-F32), single stream: 8.00x "
                      "(target >= 1.0x: met)"] * 2
+    # weight-only rows get the single-stream check where they ran (a row absent here adds nothing)
+    assert target_lines(report, "kvmesh-suite-fp32", "kvmesh-suite-fp32", eng.LLAMA, ("kvmesh-suite-q4_1",)) == lines
+    assert target_lines(report, "kvmesh-suite-fp32", "kvmesh-suite-fp32", eng.LLAMA, ("vllm-fp32",)) == [
+        *lines, "- VLLM-FP32 vs the fastest llama.cpp (LLAMACPP-F32), single stream: 2.00x (target >= 1.0x: met)"]
     doc = to_json(report)
     assert json.loads(json.dumps(doc))["cells"][0]["ratio_vs_baseline"] == 1.0
     assert doc["outputs"]["vllm-fp32"]["single"]["token_ids"] == [[[1, 2, 3, 4]], [[5, 6, 7, 8]]]

@@ -60,7 +60,7 @@ def test_servers_count_their_own_processes_not_the_worker(tmp_path: Path) -> Non
     counted = {e.name: e.count_worker for e in eng.ENGINES}
     assert [n for n, c in counted.items() if not c] == ["kvmesh-suite-fp32", "kvmesh-suite-auto", "vllm-serve-fp32",
                                                         "vllm-serve-default", "kvmesh-http-fp32", "kvmesh-http-auto",
-                                                        "kvmesh-suite-int8"]
+                                                        "kvmesh-suite-int8", "kvmesh-suite-q4_1"]
     prompts = [build_prompts(Workload("single", 1, 4, 3), 64, 1, 0, 0)]
     cfg = RunConfig(model_dir=tmp_path, work_dir=tmp_path, pythons={"vllm": "/v/bin/python"}, threads=2)
     job = job_for(eng.BY_NAME["vllm-serve-default"], cfg, prompts)

@@ -64,7 +64,7 @@ def _decodes(tables: dict[str, list[int]], step: int) -> list[ScheduledRequest]:
 
 # (gemm_dtype, quantization) -> (the projections' PackedWeight mode, ModelInfo.dtype)
 GEMMS = {("float32", "none"): ("native", "float32"), ("bfloat16", "none"): ("native_bf16", "bfloat16"),
-         ("float32", "int8_weight_only"): ("native_int8", "int8")}
+         ("float32", "int8_weight_only"): ("native_int8", "int8"), ("float32", "q4_1"): ("native_q4_1", "q4_1")}
 
 
 # the KV pool's dtypes per mode: fp32, and bf16 (bf16 mode's default; fp32 weights over it too)
@@ -78,11 +78,11 @@ def test_decode_steps_are_bitwise_the_per_layer_path(
     checkpoint: Any, make_runner: Any, name: str, gemm_dtype: str, quantization: str, kv_cache_dtype: str,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """In fp32, in bf16 mode and with int8 weights (the stack's GEMMs then the bf16 or int8 ones,
-    as the per-layer path's), over an fp32 and a bf16 pool (the stack's K/V writes and reads then
-    the bf16 ones, as the per-layer path's)."""
+    """In fp32, in bf16 mode, with int8 weights and with Q4_1 weights (the stack's GEMMs then the
+    bf16, int8 or Q4_1 ones, as the per-layer path's), over an fp32 and a bf16 pool (the stack's
+    K/V writes and reads then the bf16 ones, as the per-layer path's)."""
     mode, reported = GEMMS[(gemm_dtype, quantization)]
-    if mode != "native":
+    if mode not in ("native", "native_q4_1"):  # the Q4_1 GEMM is in every build
         kernels = load_kernels()
         if kernels is None or kernels.linear_bf16 is None or kernels.linear_int8 is None:
             pytest.skip("the CPU has no AVX512-BF16: no native bf16 / int8 GEMM here")

@@ -1,0 +1,209 @@
+/*
+ * Weight-only grouped quantization for the CPU, in llama.cpp's two block formats:
+ *     Q4_1: w = d * q + m, q a 4-bit code (0..15), d and m one pair per 32 weights along k;
+ *     Q8_0: w = d * q,     q an 8-bit code (-127..127), d one per 32 weights along k;
+ * and out[r, c] = sum_k x[r, k] w[c, k] + b[c], x in fp32 (not rounded).
+ *
+ * Why it exists: a single-stream decode step streams every weight once per token, so its time is
+ * the weight bytes over the memory bandwidth. Q4_1 with fp32 d and m is 0.75 bytes a weight
+ * against fp32's 4 (docs/model_runner.md, "Weight-only Q4_1"), and it needs no bf16 hardware.
+ *
+ * Arithmetic: every weight is dequantized to fp32 as fl(fl(d * q) + m) (Q8_0: fl(d * q)), two
+ * roundings, never one fused multiply-add: the order numpy's (and gguf-py's, and so transformers')
+ * dequantization rounds in. Then the output is gemm.c's fp32 GEMM over those weights, bit for bit:
+ * FMAs in k order from zero, plus the bias. So
+ *   - the mode is batch invariant like every GEMM here (a row's bits never depend on its batch);
+ *   - where a checkpoint's fp32 weights already lie on the grid (the embedded SmolLM2 is
+ *     dequantized from a Q4_1 GGUF whose head is Q8_0), re-quantizing loses nothing and this mode
+ *     is bitwise the fp32 mode, at a fifth of its weight bytes.
+ * One row (a single-stream decode) dequantizes each panel in registers (AVX2 + FMA, also the
+ * AVX-512 build's); more rows dequantize each panel once into a per-thread fp32 copy and run
+ * gemm.c's tiles over it (kvmesh_linear_f32_panel). Both give the same bits
+ * (tests/kernels/test_native_gemm_q4_1.py).
+ *
+ * Layout (model/packed.py, pack_q4_1 / pack_q8_0): ceil(n / PANEL) panels of PANEL output
+ * columns; a panel is ceil(k / 32) groups, each: d fp32 [PANEL], m fp32 [PANEL] (Q8_0: zero),
+ * then 32 rows of codes, one per k (the last group's rows past k are zero): Q4_1 24 bytes a row,
+ * byte b holding column b in its low nibble and column b + 24 in its high one; Q8_0 PANEL int8.
+ * Columns past n have d = m = 0 and zero codes.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <omp.h>
+
+#include "kernels.h"
+#include "pairs.h"
+#include "panel_prefetch.h"
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define Q_VECTOR 1
+#else
+#define Q_VECTOR 0
+#endif
+
+#define PANEL 48
+#define GROUP 32
+#define ROW_CHUNK 256
+
+/* Bytes of one row of codes and of one group (scales, mins, 32 rows of codes). */
+static inline int64_t code_row_bytes(int bits) { return bits == 4 ? PANEL / 2 : PANEL; }
+static inline int64_t group_bytes(int bits) { return 2 * PANEL * (int64_t)sizeof(float) + GROUP * code_row_bytes(bits); }
+
+/* fl(d * q) kept as its own rounding: the empty asm hides the product from GCC's contraction of
+ * a multiply and an add into one FMA (-std=gnu11 contracts across statements). */
+static inline float rounded_product(float d, float q)
+{
+    float p = d * q;
+#if defined(__x86_64__) || defined(__i386__)
+    __asm__("" : "+x"(p));
+#else
+    volatile float v = p;
+    p = v;
+#endif
+    return p;
+}
+
+/* Code of column c in row `row` of a group's codes. */
+static inline float code_at(const uint8_t *row, int64_t c, int bits)
+{
+    if (bits == 8) return (float)((const int8_t *)row)[c];
+    return (float)(c < PANEL / 2 ? row[c] & 0x0F : row[c - PANEL / 2] >> 4);
+}
+
+#if Q_VECTOR
+
+/* The 48 weights of one k row as 6 x 8 fp32 lanes, columns in order (w[j]: columns 8j..8j+7). */
+static inline __attribute__((always_inline)) void dequant_row(const uint8_t *row, const float *d, const float *mn,
+                                                              const int bits, __m256 w[6])
+{
+    if (bits == 4) {
+        const __m256i low = _mm256_set1_epi32(0x0F);
+        for (int h = 0; h < 3; h++) {
+            const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(row + 8 * h)));
+            __m256 lo = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v, low)), _mm256_loadu_ps(d + 8 * h));
+            __m256 hi = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4)), _mm256_loadu_ps(d + 24 + 8 * h));
+            __asm__("" : "+x"(lo), "+x"(hi));  /* two roundings, as rounded_product */
+            w[h] = _mm256_add_ps(lo, _mm256_loadu_ps(mn + 8 * h));
+            w[3 + h] = _mm256_add_ps(hi, _mm256_loadu_ps(mn + 24 + 8 * h));
+        }
+    } else {
+        for (int j = 0; j < 6; j++)
+            w[j] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(row + 8 * j)))),
+                                 _mm256_loadu_ps(d + 8 * j));
+    }
+}
+
+/* One row of x times one panel, dequantizing in registers: gemm.c's one-row arithmetic (six
+ * chains of FMAs in k order from zero, then the bias) on the same weights widen_panel writes. */
+static inline __attribute__((always_inline)) void row_panel(const float *x, int64_t k, const uint8_t *panel,
+                                                            const int bits, const float *bias, float *out,
+                                                            int64_t cols, PanelPrefetch *pf)
+{
+    const int64_t gb = group_bytes(bits), rb = code_row_bytes(bits);
+    __m256 c[6];
+    for (int j = 0; j < 6; j++) c[j] = _mm256_setzero_ps();
+    for (int64_t g = 0; g * GROUP < k; g++) {
+        const uint8_t *grp = panel + g * gb;
+        const float *d = (const float *)grp, *mn = d + PANEL;
+        const uint8_t *codes = grp + 2 * PANEL * sizeof(float);
+        const int64_t rows = k - g * GROUP < GROUP ? k - g * GROUP : GROUP;
+        for (int64_t kk = 0; kk < rows; kk++) {
+            panel_prefetch_step(pf);
+            __m256 w[6];
+            dequant_row(codes + kk * rb, d, mn, bits, w);
+            const __m256 a = _mm256_broadcast_ss(x + g * GROUP + kk);
+            for (int j = 0; j < 6; j++) c[j] = _mm256_fmadd_ps(a, w[j], c[j]);
+        }
+    }
+    float tmp[PANEL];
+    for (int j = 0; j < 6; j++) _mm256_storeu_ps(tmp + 8 * j, c[j]);
+    for (int64_t j = 0; j < cols; j++) out[j] = tmp[j] + (bias != NULL ? bias[j] : 0.0f);
+}
+
+#endif
+
+/* One panel's weights, dequantized into wf [k][PANEL] (gemm.c's panel layout): the rows of a
+ * chunk of more than one row then run gemm.c's tiles over it. */
+static void widen_panel(const uint8_t *panel, int64_t k, int bits, float *wf)
+{
+    const int64_t gb = group_bytes(bits), rb = code_row_bytes(bits);
+    for (int64_t g = 0; g * GROUP < k; g++) {
+        const uint8_t *grp = panel + g * gb;
+        const float *d = (const float *)grp, *mn = d + PANEL;
+        const uint8_t *codes = grp + 2 * PANEL * sizeof(float);
+        const int64_t rows = k - g * GROUP < GROUP ? k - g * GROUP : GROUP;
+        for (int64_t kk = 0; kk < rows; kk++) {
+            float *w = wf + (g * GROUP + kk) * PANEL;
+            const uint8_t *row = codes + kk * rb;
+#if Q_VECTOR
+            __m256 v[6];
+            if (bits == 4) dequant_row(row, d, mn, 4, v);
+            else dequant_row(row, d, mn, 8, v);
+            for (int j = 0; j < 6; j++) _mm256_storeu_ps(w + 8 * j, v[j]);
+#else
+            for (int64_t c = 0; c < PANEL; c++) {
+                const float p = rounded_product(d[c], code_at(row, c, bits));
+                w[c] = bits == 8 ? p : p + mn[c];
+            }
+#endif
+        }
+    }
+}
+
+/* out[m, n] (rows out_stride apart) = x[m, k] (rows x_stride apart) W^T + bias (NULL: none), W
+ * in `bits`-bit groups as laid out above. Returns 0, or -1 when a scratch panel cannot be had. */
+static int linear_grouped(const float *x, int64_t x_stride, int64_t m, int64_t k, const uint8_t *packed, int64_t n,
+                          const float *bias, float *out, int64_t out_stride, int bits)
+{
+    const int64_t panels = (n + PANEL - 1) / PANEL, panel_size = (k + GROUP - 1) / GROUP * group_bytes(bits);
+    int failed = 0;
+    for (int64_t r0 = 0; r0 < m && !failed; r0 += ROW_CHUNK) {
+        const int64_t rows = m - r0 < ROW_CHUNK ? m - r0 : ROW_CHUNK;
+        const int in_registers = Q_VECTOR && rows == 1;
+        int64_t claimed[MAX_PAIRS] = {0};
+        #pragma omp parallel if (panels > 1) reduction(|| : failed)
+        {
+            float *wf = in_registers ? NULL : malloc(sizeof(float) * (size_t)(k * PANEL) + 64);
+            failed = !in_registers && wf == NULL;
+            PairedRun run;
+            paired_run_init(&run, panels, claimed);
+            for (int64_t taken = 0; !failed; taken++) {
+                const int64_t p = paired_run_take(&run, taken);
+                if (p < 0) break;
+                const uint8_t *panel = packed + p * panel_size;
+                const int64_t cols = n - p * PANEL < PANEL ? n - p * PANEL : PANEL;
+                const float *bp = bias != NULL ? bias + p * PANEL : NULL;
+                float *o = out + r0 * out_stride + p * PANEL;
+#if Q_VECTOR
+                if (in_registers) {
+                    const int64_t next = paired_run_after(&run, p);
+                    PanelPrefetch pf = panel_prefetch(next >= 0 ? packed + next * panel_size : NULL, panel_size, k);
+                    if (bits == 4) row_panel(x + r0 * x_stride, k, panel, 4, bp, o, cols, &pf);
+                    else row_panel(x + r0 * x_stride, k, panel, 8, bp, o, cols, &pf);
+                    continue;
+                }
+#endif
+                widen_panel(panel, k, bits, wf);
+                kvmesh_linear_f32_panel(x + r0 * x_stride, x_stride, rows, k, wf, bp, o, out_stride, cols);
+            }
+            free(wf);
+        }
+    }
+    return failed ? -1 : 0;
+}
+
+int kvmesh_linear_q4_1(const float *x, int64_t x_stride, int64_t m, int64_t k, const void *packed, int64_t n,
+                       const float *bias, float *out, int64_t out_stride)
+{
+    return linear_grouped(x, x_stride, m, k, (const uint8_t *)packed, n, bias, out, out_stride, 4);
+}
+
+int kvmesh_linear_q8_0(const float *x, int64_t x_stride, int64_t m, int64_t k, const void *packed, int64_t n,
+                       const float *bias, float *out, int64_t out_stride)
+{
+    return linear_grouped(x, x_stride, m, k, (const uint8_t *)packed, n, bias, out, out_stride, 8);
+}
+
+/* Weights per (d, m) pair along k: the packing reads it (model/packed.py), so the two cannot disagree. */
+int64_t kvmesh_linear_q_group(void) { return GROUP; }
