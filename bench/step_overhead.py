@@ -52,6 +52,7 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--chunk", type=int, default=16, help="prefill tokens of the mixed step (0: none)")
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--quantization", default="none", help="RunnerConfig.quantization (e.g. q4_1)")
     p.add_argument("--rpc", action="store_true")
     p.add_argument("--json", default="")
     return p.parse_args()
@@ -174,7 +175,7 @@ def _build(model: str, batch: int, blocks_per_seq: int, max_len: int) -> ModelRu
     blocks = batch * blocks_per_seq + (NS.steps + 2) * -(-NS.chunk // BLOCK_SIZE) + 2
     return build_runner(RunnerConfig(model_dir=model, device="cpu", num_threads=1, block_size=BLOCK_SIZE,
                                      kv_cache_memory_bytes=blocks * per_block, max_model_len=max_len,
-                                     dtype=NS.dtype))  # fmt: skip
+                                     dtype=NS.dtype, quantization=NS.quantization))  # fmt: skip
 
 
 def _timed_steps(fn: Callable[[], float]) -> dict[str, float]:

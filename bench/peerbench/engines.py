@@ -1,8 +1,9 @@
 """The engines of one run (the rows of the table): what runs, in which venv, with which settings.
 
 kvmesh runs twice per transport: with explicit exact settings (``float32`` + the native ``cpu``
-kernels, the mode the parity tests pin and the identity reference) and with ``auto`` (whatever
-the runner picks on this machine; the row shows what it resolved). vLLM runs in fp32 and in its
+kernels + ``quantization=none``: dense fp32 weights, the bytes vLLM's fp32 reads, the mode the
+parity tests pin and the identity reference) and with ``auto`` (whatever the runner picks on this
+machine with nothing set, ``quantization`` included; the row shows what it resolved). vLLM runs in fp32 and in its
 own default dtype (the baseline of the ratios, as a user would run it). llama.cpp runs an F32 GGUF
 converted from the same HF folder (with f32 KV, so it is an fp32 row end to end) and the Q4_1 GGUF
 the model ships as (llama.cpp's defaults: f16 KV).
@@ -52,11 +53,12 @@ ENGINES = (
     EngineSpec("llamacpp-f32", "llama.cpp F32", "llamacpp", {"gguf": "f32", "kv_type": "f32"}),
     EngineSpec("llamacpp-q4_1", "llama.cpp Q4_1", "llamacpp", {"gguf": "q4_1", "kv_type": "f16"}),
     EngineSpec("kvmesh-suite-fp32", "kvmesh suite fp32+cpu", "kvmesh",
-               {"mode": "suite", "dtype": "float32", "attention_backend": "cpu"}, count_worker=False),
+               {"mode": "suite", "dtype": "float32", "attention_backend": "cpu", "quantization": "none"},
+               count_worker=False),
     EngineSpec("kvmesh-suite-auto", "kvmesh suite auto", "kvmesh",
                {"mode": "suite", "dtype": "auto", "attention_backend": "auto"}, count_worker=False),
     EngineSpec("kvmesh-inproc-fp32", "kvmesh in-process fp32+cpu", "kvmesh",
-               {"mode": "inprocess", "dtype": "float32", "attention_backend": "cpu"}),
+               {"mode": "inprocess", "dtype": "float32", "attention_backend": "cpu", "quantization": "none"}),
     EngineSpec("kvmesh-inproc-auto", "kvmesh in-process auto", "kvmesh",
                {"mode": "inprocess", "dtype": "auto", "attention_backend": "auto"}),
     EngineSpec("vllm-serve-fp32", "vllm serve fp32 (HTTP)", "openai", {"server": "vllm", "dtype": "float32"},
@@ -64,7 +66,8 @@ ENGINES = (
     EngineSpec("vllm-serve-default", "vllm serve default dtype (HTTP)", "openai", {"server": "vllm", "dtype": "auto"},
                count_worker=False),
     EngineSpec("kvmesh-http-fp32", "kvmesh gateway fp32+cpu (HTTP)", "openai",
-               {"server": "kvmesh", "dtype": "float32", "attention_backend": "cpu"}, count_worker=False),
+               {"server": "kvmesh", "dtype": "float32", "attention_backend": "cpu",
+                "quantization": "none"}, count_worker=False),
     EngineSpec("kvmesh-http-auto", "kvmesh gateway auto (HTTP)", "openai",
                {"server": "kvmesh", "dtype": "auto", "attention_backend": "auto"}, count_worker=False),
     EngineSpec("kvmesh-suite-int8", "kvmesh suite int8 weights", "kvmesh",

@@ -94,7 +94,7 @@ def runner_env(settings: dict[str, Any], threads: int) -> dict[str, str]:
     return {"KVMESH_RUNNER_DTYPE": settings["dtype"], "KVMESH_RUNNER_ATTENTION_BACKEND": settings["attention_backend"],
             "KVMESH_RUNNER_NUM_THREADS": str(threads),
             "KVMESH_RUNNER_KV_CACHE_MEMORY_BYTES": str(settings["kv_cache_memory_bytes"]),
-            "KVMESH_RUNNER_QUANTIZATION": settings.get("quantization", "none")}
+            "KVMESH_RUNNER_QUANTIZATION": settings.get("quantization", "auto")}
 
 
 class DrivenEngine:
@@ -147,7 +147,7 @@ class KvmeshEngine(DrivenEngine):
         engine = build_inprocess(
             RunnerConfig(model_dir=job["model_dir"], dtype=s["dtype"], attention_backend=s["attention_backend"],
                          num_threads=threads, kv_cache_memory_bytes=int(s["kv_cache_memory_bytes"]),
-                         quantization=s.get("quantization", "none")),
+                         quantization=s.get("quantization", "auto")),
             SchedulerConfig(), with_tokenizer=False)
         mi = engine.runner.model_info()
         self._resolved = {"dtype": mi.dtype, "backend": mi.attention_backend, "kv_cache_dtype": mi.kv_cache_dtype,

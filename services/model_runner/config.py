@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 # RunnerConfig.quantization's values (model/packed.py packs for each)
-QUANTIZATIONS = ("none", "int8", "fp16", "int8_weight_only", "q4_1")
+QUANTIZATIONS = ("auto", "none", "int8", "fp16", "int8_weight_only", "q4_1")
 WEIGHT_ONLY = ("int8_weight_only", "q4_1")  # packed once from fp32 weights for a native GEMM of their own
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "fp8_e4m3", "int4")
 
@@ -40,7 +40,10 @@ class RunnerConfig:
         device: ``auto``, ``cpu`` or ``cuda[:N]``.
         num_threads: torch intra-op threads on CPU; 0 keeps torch's default.
         warmup: run a dummy step at start.
-        quantization: ``none`` (default: fp32 as loaded), or, CPU + fp32 only, ``int8`` (int8
+        quantization: ``auto`` (default: ``q4_1`` where the runner computes in float32 on the native
+            kernels and every loaded weight already lies on its grid, checked at load — lossless
+            there, so bitwise float32 mode at a fifth of the weight bytes; ``none`` otherwise;
+            ``factory.select_quantization``), ``none`` (fp32 as loaded), or, CPU + fp32 only, ``int8`` (int8
             weights, dynamically quantized activations), ``fp16`` (fp16 weights, fp32 math) or
             ``int8_weight_only`` (int8 weights, one scale per output channel, on the native
             kernels' int8 GEMM: bf16 GEMM inputs, fp32 accumulation and everything else, batch
@@ -80,7 +83,7 @@ class RunnerConfig:
     device: str = "auto"
     num_threads: int = 0
     warmup: bool = True
-    quantization: str = "none"
+    quantization: str = "auto"
     pack_tied_head: bool = True
     batch_invariant: bool = False
     streaming_sinks: int = 0

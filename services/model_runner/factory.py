@@ -9,7 +9,7 @@ the model's shape, so each choice can be tested for any machine (docs/model_runn
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +20,8 @@ from services.model_runner.config import WEIGHT_ONLY, RunnerConfig
 from services.model_runner.kv_pool import KVPool, kv_dtype_for
 from services.model_runner.loader import load_model, parse_dtype
 from services.model_runner.model.config import ModelConfig
+from services.model_runner.model.transformer import CausalLM
+from services.model_runner.model.transforms import on_q4_1_grid
 from services.model_runner.native import HALF_RATE_BF16_DOTS_VENDOR, cpu_vendor, cpuinfo_field, load_kernels
 from services.model_runner.runner import ModelRunner
 from services.model_runner.streaming import check_streaming
@@ -87,7 +89,7 @@ def select_dtype(requested: str, device_type: str, flags: Iterable[str], quantiz
         return Choice("float32", "auto: quantization=q4_1 loads float32 weights and packs the projections as Q4_1 "
                                  "and the head as Q8_0 groups for the native GEMM, fp32 over the dequantized "
                                  "weights (fp32 everything else)")
-    if quantization != "none":
+    if quantization not in ("none", "auto"):
         return Choice("float32", f"auto: quantization={quantization} packs fp32 weights")
     have = sorted(set(flags) & set(BF16_FLAGS))
     if not have:
@@ -245,6 +247,8 @@ def build_runner(config: RunnerConfig, flags: Iterable[str] | None = None, vendo
     if config.quantization in WEIGHT_ONLY:
         _check_weight_only(config.quantization, device, cpu, backend_choice)
     model, mcfg = load_model(config.model_dir, dtype=dtype, device=device)
+    native_fp32 = dtype_choice.value == "float32" and backend_choice.value == "cpu" and device.type == "cpu"
+    quant_choice = select_quantization(config.quantization, native_fp32, lambda: _weights_on_q4_1_grid(model))
     if config.batch_invariant and (backend_choice.value != "cpu" or dtype != torch.float32
                                    or load_kernels() is None):
         raise ValueError(f"batch_invariant needs the native CPU kernels on float32 weights (fp32 or bf16 mode); "
@@ -256,7 +260,7 @@ def build_runner(config: RunnerConfig, flags: Iterable[str] | None = None, vendo
     log.info("dtype %s (%s); attention backend %s (%s); KV cache %s (%s)%s%s%s", dtype_choice.value,
              dtype_choice.reason, backend_choice.value, backend_reason, kv_choice.value, kv_choice.reason,
              "; batch invariant" if config.batch_invariant else "",
-             "" if config.quantization == "none" else f"; quantization {config.quantization}",
+             "" if quant_choice.value == "none" else f"; quantization {quant_choice.value} ({quant_choice.reason})",
              _bf16_gemm_note() if native_bf16 else "")
     planes, heads, dim = mcfg.kv_cache_geometry
     pool = KVPool(
@@ -268,9 +272,10 @@ def build_runner(config: RunnerConfig, flags: Iterable[str] | None = None, vendo
     core = ModelRunner(
         model, pool, make_backend(backend_choice.value, device, config.batch_invariant, mla=mla),
         model_id=config.model_id or Path(config.model_dir).name,
-        max_model_len=config.max_model_len or None, quantization=config.quantization,
+        max_model_len=config.max_model_len or None, quantization=quant_choice.value,
         pack_tied_head=config.pack_tied_head,
-        dtype_reason=dtype_choice.reason + (_bf16_gemm_note() if native_bf16 else ""),
+        dtype_reason=dtype_choice.reason + (_bf16_gemm_note() if native_bf16 else "") + (
+            f"; {quant_choice.reason}" if config.quantization == "auto" and quant_choice.value != "none" else ""),
         attention_backend_reason=backend_reason, gemm_dtype="bfloat16" if native_bf16 else "float32",
         streaming_sinks=config.streaming_sinks, streaming_window=config.streaming_window,
     )
@@ -279,6 +284,38 @@ def build_runner(config: RunnerConfig, flags: Iterable[str] | None = None, vendo
     if config.warmup:
         core.warmup()
     return core
+
+
+def select_quantization(requested: str, native_fp32: bool, on_grid: Callable[[], bool]) -> Choice:
+    """``quantization=auto``: ``q4_1`` where the runner computes in float32 on the native kernels
+    (``native_fp32``) and the loaded weights already lie on its grid (``on_grid``, asked only then:
+    it quantizes every weight once), ``none`` elsewhere.
+
+    On that grid the packing loses nothing: ``gemm_q4_1.c`` computes fp32 over the very same
+    numbers, so the outputs are bitwise float32 mode's from a fifth of the weight bytes (a
+    single-stream decode streams every weight once per token). A checkpoint dequantized from a
+    llama.cpp Q4_1 file is such a model (the embedded SmolLM2 is); as vLLM reads a GPTQ or AWQ
+    checkpoint's own format, the runner keeps the weights in the format they came in. A
+    checkpoint trained in fp32 / bf16 is not on the grid (checked exactly, weight by weight) and
+    keeps its fp32 weights: ``auto`` never changes an answer. bf16 mode keeps its own packing
+    (its bf16 GEMMs run at twice the fp32 rate where it is picked).
+    """
+    if requested != "auto":
+        return Choice(requested, "set explicitly")
+    if not native_fp32:
+        return Choice("none", "auto: the weights are packed as loaded (Q4_1 packing is for float32 on the native "
+                              "kernels)")
+    if not on_grid():
+        return Choice("none", "auto: the weights are not all on llama.cpp's Q4_1 / Q8_0 grid (packing them so "
+                              "would change the answer)")
+    return Choice("q4_1", "weights: every projection on llama.cpp's Q4_1 grid and the head on Q8_0's (checked at "
+                          "load), kept so (quantization auto: q4_1): fp32 arithmetic over the same numbers, bitwise "
+                          "float32 mode, a fifth of the weight bytes")
+
+
+def _weights_on_q4_1_grid(model: CausalLM) -> bool:
+    kernels = load_kernels()
+    return kernels is not None and on_q4_1_grid(model, kernels.q_group)
 
 
 def streaming_backend(config: RunnerConfig, mcfg: ModelConfig) -> Choice:
@@ -359,7 +396,8 @@ def _bf16_kernels(config: RunnerConfig, device: torch.device, flags: frozenset[s
     """Whether this runner can run bf16 mode on the native kernels: a CPU with bf16 hardware, the
     native backend allowed, no quantization, a head layout the decode kernel takes, and the bf16
     GEMM built (the kernels are built only when all the rest holds)."""
-    if device.type != "cpu" or config.quantization != "none" or config.attention_backend not in ("auto", "cpu"):
+    if device.type != "cpu" or config.quantization not in ("none", "auto") or config.attention_backend not in (
+            "auto", "cpu"):
         return False
     if mcfg.kv_layout == "mla":  # the native kernels do not run MLA
         return False

@@ -270,9 +270,12 @@ def quantize_q8_0(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch
 def dequantize_groups(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor, group: int) -> torch.Tensor:
     """The fp32 weights the grouped kernels compute on: ``fl(fl(d * q) + m)``, two roundings in
     that order (gguf-py's, hence transformers' GGUF loading), never one fused multiply-add."""
-    scale = d.repeat_interleave(group, dim=1)[:, : codes.shape[1]]
-    low = m.repeat_interleave(group, dim=1)[:, : codes.shape[1]]
-    return (codes.float() * scale) + low
+    out_features, in_features = codes.shape
+    q = codes.float()
+    if in_features % group:
+        q = F.pad(q, (0, d.shape[1] * group - in_features))
+    grouped = (q.view(out_features, -1, group) * d[..., None]) + m[..., None]
+    return grouped.view(out_features, -1)[:, :in_features]
 
 
 def pack_q_groups(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bits: int, width: int,

@@ -6,10 +6,12 @@ layers stay plain torch, and a backend is a function of the model, not a flag in
 
 from __future__ import annotations
 
+import torch
+
 from services.model_runner.config import QUANTIZATIONS
 from services.model_runner.model.layers import Linear
 from services.model_runner.model.native_layers import use_native_kernels
-from services.model_runner.model.packed import PackedWeight
+from services.model_runner.model.packed import PackedWeight, dequantize_groups, quantize_q4_1, quantize_q8_0
 from services.model_runner.model.transformer import CausalLM
 from services.model_runner.native import NativeKernels
 
@@ -96,3 +98,20 @@ def _head_mode(mode: str) -> str:
     """The head's packing under ``mode``: Q8_0 beside Q4_1 projections, as llama.cpp's Q4_1 files of
     small models store it (the logits are the most sensitive GEMM), else the projections' own."""
     return "native_q8_0" if mode == "native_q4_1" else mode
+
+
+def on_q4_1_grid(model: CausalLM, group: int) -> bool:
+    """Whether ``quantization=q4_1`` would hold this loaded fp32 model exactly: every projection's
+    weights are Q4_1 values and the head's (the embedding, when tied) Q8_0 values, bit for bit
+    (quantized and dequantized again, they come back unchanged). A checkpoint dequantized from a
+    llama.cpp Q4_1 file is; one trained in fp32 / bf16 is not, and fails on its first projection.
+    Cost: one quantization of every weight (the check stops at the first one off the grid)."""
+    head = model.lm_head.weight if model.lm_head is not None else model.model.embed_tokens.weight
+    weights = [m.weight for m in model.modules() if isinstance(m, Linear) and m is not model.lm_head]
+    if not weights or any(w.dtype != torch.float32 or w.device.type != "cpu" for w in (*weights, head)):
+        return False
+    with torch.no_grad():
+        for w in weights:
+            if not torch.equal(dequantize_groups(*quantize_q4_1(w, group), group), w):
+                return False
+        return bool(torch.equal(dequantize_groups(*quantize_q8_0(head, group), group), head))

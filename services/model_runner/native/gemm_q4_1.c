@@ -8,10 +8,12 @@
  * the weight bytes over the memory bandwidth. Q4_1 with fp32 d and m is 0.75 bytes a weight
  * against fp32's 4 (docs/model_runner.md, "Weight-only Q4_1"), and it needs no bf16 hardware.
  *
- * Arithmetic: every weight is dequantized to fp32 as fl(fl(d * q) + m) (Q8_0: fl(d * q)), two
- * roundings, never one fused multiply-add: the order numpy's (and gguf-py's, and so transformers')
- * dequantization rounds in. Then the output is gemm.c's fp32 GEMM over those weights, bit for bit:
- * FMAs in k order from zero, plus the bias. So
+ * Arithmetic: every weight is dequantized to fp32 as fl(fl(d * q) + m) (Q8_0: fl(d * q)), the
+ * value numpy's (and gguf-py's, and so transformers') dequantization gives. d and m are f16
+ * values (llama.cpp's files store them so; held here in fp32), so d * q has at most 11 + 8
+ * significant bits and is exact in fp32: fl(d * q) = d * q, and one FMA, fma(q, d, m), rounds
+ * once to the same value as the multiply and add. Then the output is gemm.c's fp32 GEMM over
+ * those weights, bit for bit: FMAs in k order from zero, plus the bias. So
  *   - the mode is batch invariant like every GEMM here (a row's bits never depend on its batch);
  *   - where a checkpoint's fp32 weights already lie on the grid (the embedded SmolLM2 is
  *     dequantized from a Q4_1 GGUF whose head is Q8_0), re-quantizing loses nothing and this mode
@@ -50,20 +52,6 @@
 static inline int64_t code_row_bytes(int bits) { return bits == 4 ? PANEL / 2 : PANEL; }
 static inline int64_t group_bytes(int bits) { return 2 * PANEL * (int64_t)sizeof(float) + GROUP * code_row_bytes(bits); }
 
-/* fl(d * q) kept as its own rounding: the empty asm hides the product from GCC's contraction of
- * a multiply and an add into one FMA (-std=gnu11 contracts across statements). */
-static inline float rounded_product(float d, float q)
-{
-    float p = d * q;
-#if defined(__x86_64__) || defined(__i386__)
-    __asm__("" : "+x"(p));
-#else
-    volatile float v = p;
-    p = v;
-#endif
-    return p;
-}
-
 /* Code of column c in row `row` of a group's codes. */
 static inline float code_at(const uint8_t *row, int64_t c, int bits)
 {
@@ -81,11 +69,10 @@ static inline __attribute__((always_inline)) void dequant_row(const uint8_t *row
         const __m256i low = _mm256_set1_epi32(0x0F);
         for (int h = 0; h < 3; h++) {
             const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(row + 8 * h)));
-            __m256 lo = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v, low)), _mm256_loadu_ps(d + 8 * h));
-            __m256 hi = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4)), _mm256_loadu_ps(d + 24 + 8 * h));
-            __asm__("" : "+x"(lo), "+x"(hi));  /* two roundings, as rounded_product */
-            w[h] = _mm256_add_ps(lo, _mm256_loadu_ps(mn + 8 * h));
-            w[3 + h] = _mm256_add_ps(hi, _mm256_loadu_ps(mn + 24 + 8 * h));
+            w[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v, low)), _mm256_loadu_ps(d + 8 * h),
+                                   _mm256_loadu_ps(mn + 8 * h));
+            w[3 + h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4)), _mm256_loadu_ps(d + 24 + 8 * h),
+                                       _mm256_loadu_ps(mn + 24 + 8 * h));
         }
     } else {
         for (int j = 0; j < 6; j++)
@@ -142,10 +129,7 @@ static void widen_panel(const uint8_t *panel, int64_t k, int bits, float *wf)
             else dequant_row(row, d, mn, 8, v);
             for (int j = 0; j < 6; j++) _mm256_storeu_ps(w + 8 * j, v[j]);
 #else
-            for (int64_t c = 0; c < PANEL; c++) {
-                const float p = rounded_product(d[c], code_at(row, c, bits));
-                w[c] = bits == 8 ? p : p + mn[c];
-            }
+            for (int64_t c = 0; c < PANEL; c++) w[c] = d[c] * code_at(row, c, bits) + mn[c];  /* exact product */
 #endif
         }
     }
@@ -178,7 +162,9 @@ static int linear_grouped(const float *x, int64_t x_stride, int64_t m, int64_t k
 #if Q_VECTOR
                 if (in_registers) {
                     const int64_t next = paired_run_after(&run, p);
-                    PanelPrefetch pf = panel_prefetch(next >= 0 ? packed + next * panel_size : NULL, panel_size, k);
+                    /* steps: k, or 2 k for Q4_1's two passes per group */
+                    PanelPrefetch pf = panel_prefetch(next >= 0 ? packed + next * panel_size : NULL, panel_size,
+                                                      k);
                     if (bits == 4) row_panel(x + r0 * x_stride, k, panel, 4, bp, o, cols, &pf);
                     else row_panel(x + r0 * x_stride, k, panel, 8, bp, o, cols, &pf);
                     continue;

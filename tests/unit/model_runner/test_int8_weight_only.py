@@ -36,7 +36,8 @@ needs_int8 = pytest.mark.skipif(not _int8_gemm_here(), reason="the CPU has no AV
 
 
 @pytest.mark.parametrize(("fields", "message"), [
-    ({"quantization": "int4"}, "quantization must be one of none, int8, fp16, int8_weight_only, q4_1, got 'int4'"),
+    ({"quantization": "int4"},
+     "quantization must be one of auto, none, int8, fp16, int8_weight_only, q4_1, got 'int4'"),
     ({"quantization": "int8_weight_only", "dtype": "bfloat16"}, "dtype must be auto or float32 (got 'bfloat16')"),
     ({"quantization": "int8_weight_only", "dtype": "float16"}, "dtype must be auto or float32 (got 'float16')"),
     ({"quantization": "int8_weight_only", "attention_backend": "torch"}, "attention_backend auto or cpu (got 'torch')"),

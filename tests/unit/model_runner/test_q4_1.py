@@ -17,10 +17,12 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from services.model_runner.config import RunnerConfig
-from services.model_runner.factory import build_runner
+from services.model_runner.factory import Choice, build_runner, select_quantization
+from services.model_runner.loader import load_model
 from services.model_runner.model.layers import Linear
 from services.model_runner.model.native_layers import NativeDecoderModel
 from services.model_runner.model.packed import dequantize_groups, quantize_q4_1, quantize_q8_0
+from services.model_runner.model.transforms import on_q4_1_grid
 from services.model_runner.native import load_kernels
 
 AVX2_ONLY = frozenset({"avx2", "fma"})  # no bf16 hardware: the mode needs none
@@ -32,7 +34,8 @@ pytestmark = pytest.mark.skipif(load_kernels() is None, reason="the native kerne
     ({"quantization": "q4_1", "dtype": "bfloat16"}, "quantization=q4_1 runs on the native CPU kernels from float32 "
                                                     "weights: dtype must be auto or float32 (got 'bfloat16')"),
     ({"quantization": "q4_1", "attention_backend": "torch"}, "attention_backend auto or cpu (got 'torch')"),
-    ({"quantization": "q4_2"}, "quantization must be one of none, int8, fp16, int8_weight_only, q4_1, got 'q4_2'"),
+    ({"quantization": "q4_2"},
+     "quantization must be one of auto, none, int8, fp16, int8_weight_only, q4_1, got 'q4_2'"),
 ])  # fmt: skip
 def test_config_refuses_what_q4_1_cannot_run(fields: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError) as err:
@@ -104,3 +107,66 @@ def test_on_any_weights_it_is_fp32_mode_over_the_dequantized_weights(
     assert torch.equal(got, snapped)
     assert not torch.equal(got, original)  # random weights lie on no grid: the quantization shows
     assert make_runner(folder, backend="cpu", quantization="q4_1").model.lm_head.packed.mode == "native_q8_0"
+
+
+def _never() -> bool:
+    raise AssertionError("the grid check must not run here")
+
+
+def test_select_quantization_auto_rule() -> None:
+    """``auto``: q4_1 only for float32 on the native kernels and a model on the grid (checked only
+    then: it costs a quantization of every weight); an explicit setting is kept as is."""
+    assert select_quantization("none", True, _never) == Choice("none", "set explicitly")
+    assert select_quantization("q4_1", False, _never) == Choice("q4_1", "set explicitly")
+    off = select_quantization("auto", False, _never)
+    assert off.value == "none" and "float32 on the native kernels" in off.reason
+    off_grid = select_quantization("auto", True, lambda: False)
+    assert off_grid == Choice("none", "auto: the weights are not all on llama.cpp's Q4_1 / Q8_0 grid (packing them "
+                                      "so would change the answer)")
+    on = select_quantization("auto", True, lambda: True)
+    assert on.value == "q4_1" and "bitwise float32 mode, a fifth of the weight bytes" in on.reason
+
+
+@pytest.mark.parametrize(("name", "tied"), [("llama", False), ("qwen2", True)])
+def test_on_q4_1_grid_is_exact(checkpoint: Any, tmp_path: Path, name: str, tied: bool) -> None:
+    """True for a checkpoint snapped onto the grid (head Q8_0: lm_head, or the embedding when
+    tied); False for the random original, and for a snapped one with a single weight moved by one ulp."""
+    snapped = _snapped(checkpoint(name), tmp_path / "snapped", tied=tied)
+    model, _ = load_model(snapped)
+    assert on_q4_1_grid(model, 32)
+    original, _ = load_model(checkpoint(name))
+    assert not on_q4_1_grid(original, 32)
+    weight = model.model.layers[-1].mlp.down_proj.weight
+    with torch.no_grad():
+        weight[3, 7] = torch.nextafter(weight[3, 7], torch.tensor(1e9))
+    assert not on_q4_1_grid(model, 32)
+
+
+def test_auto_keeps_weights_on_the_grid_as_q4_1_and_others_as_fp32(checkpoint: Any, all_logits: Any,
+                                                                     tmp_path: Path) -> None:
+    """The default config (quantization auto) on an AVX2-only machine class (auto dtype float32):
+    a checkpoint on the grid runs q4_1, says so, and is bitwise ``quantization=none``; the random
+    original stays fp32 panels."""
+    snapped = _snapped(checkpoint("qwen2"), tmp_path / "snapped", tied=True)
+    runners = {}
+    try:
+        for key, folder, quantization in (("auto", snapped, "auto"), ("none", snapped, "none"),
+                                          ("raw", checkpoint("qwen2"), "auto")):
+            config = RunnerConfig(model_dir=str(folder), block_size=4, kv_cache_memory_bytes=16 * 8192, warmup=False,
+                                  quantization=quantization)  # fmt: skip
+            runners[key] = build_runner(config, flags=AVX2_ONLY)
+        info = runners["auto"].model_info()
+        assert (info.dtype, info.attention_backend, info.kv_cache_dtype) == ("q4_1", "cpu", "float32")
+        assert info.dtype_reason.startswith("auto: the CPU has no AMX-BF16 or AVX512-BF16")
+        assert info.dtype_reason.endswith("; weights: every projection on llama.cpp's Q4_1 grid and the head on "
+                                          "Q8_0's (checked at load), kept so (quantization auto: q4_1): fp32 "
+                                          "arithmetic over the same numbers, bitwise float32 mode, a fifth of the "
+                                          "weight bytes")
+        assert runners["auto"].model.packed_head.mode == "native_q8_0"
+        assert (runners["none"].model_info().dtype, runners["raw"].model_info().dtype) == ("float32", "float32")
+        assert runners["raw"].model.model.layers[0].mlp.down_proj.packed.mode == "native"
+        prompt = list(range(3, 40))
+        assert torch.equal(all_logits(runners["auto"], prompt), all_logits(runners["none"], prompt))
+    finally:
+        for runner in runners.values():
+            runner.pool.close()
