@@ -51,14 +51,15 @@ from bench.peerbench.roofline import (  # noqa: E402
     roofline,
     table_lines,
 )
+from bench.peerbench.roofline import peak_dtype as roofline_peak_dtype  # noqa: E402
 from services.model_runner.config import RunnerConfig  # noqa: E402
 from services.model_runner.factory import build_runner  # noqa: E402
 from services.model_runner.kv_pool import bytes_per_block  # noqa: E402
 from services.model_runner.model.packed import PackedWeight, onednn_available  # noqa: E402
 from services.model_runner.native import load_kernels  # noqa: E402
 
-MODES = {"auto": {"dtype": "auto", "attention_backend": "auto"},
-         "fp32": {"dtype": "float32", "attention_backend": "cpu"}}
+MODES = {"auto": {"dtype": "auto", "attention_backend": "auto", "quantization": "auto"},
+         "fp32": {"dtype": "float32", "attention_backend": "cpu", "quantization": "none"}}  # dense fp32 weights
 PREFILL_GROUP = 4  # prompts per prefill step (4 x 128 = the scheduler's 512-token default budget)
 
 
@@ -134,7 +135,8 @@ def decode_step_times(model_dir: str, mode: str, threads: int, batch: int, input
     runner = build_runner(RunnerConfig(model_dir=model_dir, device="cpu", num_threads=threads, block_size=BLOCK_SIZE,
                                        kv_cache_memory_bytes=blocks * per_block, max_model_len=input_len + steps + 4,
                                        dtype=MODES[mode]["dtype"],
-                                       attention_backend=MODES[mode]["attention_backend"]))
+                                       attention_backend=MODES[mode]["attention_backend"],
+                                       quantization=MODES[mode]["quantization"]))
     info = runner.model_info()
     gen = torch.Generator().manual_seed(seed)
     seqs = [_Seq(f"r{i}", torch.randint(1000, shape.vocab_size, (input_len,), generator=gen).tolist())
@@ -179,7 +181,7 @@ def measure(ns: argparse.Namespace) -> dict[str, Any]:
             step = decode_step_times(ns.model, mode, t, ns.batch, ns.input_len, steps, ns.seed)
             torch.set_num_threads(t)  # NOTE: the runner set it too; keep the measurement's own
             cost = decode_step_cost(shape, ns.batch, step["mean_context"], step["weight_dtype"], step["kv_dtype"])
-            peak_dtype = "float32" if step["weight_dtype"] == "float32" else "bfloat16"
+            peak_dtype = roofline_peak_dtype(step["weight_dtype"])
             bw_best = max(bw["copy_gb_s"], bw["read_gb_s"])
             peak = max(rates[peak_dtype].values())
             roof = roofline(cost, bw_best, peak)

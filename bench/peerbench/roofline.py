@@ -99,12 +99,34 @@ def decode_step_cost(shape: DecoderShape, batch: int, context: float, weight_dty
     """The cost of one step in which ``batch`` sequences each decode one token attending ``context`` tokens."""
     if batch < 1 or context < 1:
         raise ValueError(f"batch and context must be >= 1, got {batch} and {context}")
-    wb = dtype_bytes(weight_dtype)
-    weight_bytes = (shape.linear_weights + shape.norm_weights) * wb
+    weight_bytes = _weight_bytes(shape, weight_dtype)
     per_token = gqa_kv_bytes_per_token(shape.num_layers, shape.num_kv_heads, shape.head_dim, dtype_bytes(kv_dtype))
     kv_bytes = round(batch * context * per_token)
     attn = round(4 * batch * context * shape.num_layers * shape.num_heads * shape.head_dim)
     return StepCost(weight_bytes, kv_bytes, 2 * batch * shape.linear_weights + attn)
+
+
+# Packed weight formats kvmesh reports as its dtype: bytes per weight of the layers' projections and
+# of the head (model/packed.py's layouts; scales and minimums are fp32 copies), norms stay fp32.
+PACKED_WEIGHT_BYTES = {"q4_1": (0.5 + 8 / 32, 1 + 8 / 32),  # Q4_1 projections, Q8_0 head (d, m per 32)
+                       "int8": (1.0, 1.0)}  # int8_weight_only (one fp32 scale per output channel: ~0)
+
+
+def _weight_bytes(shape: DecoderShape, weight_dtype: str) -> int:
+    """Bytes of every weight one decode step streams, in the format the runner holds them in."""
+    key = weight_dtype.strip().lower()
+    norms = shape.norm_weights * 4
+    if key in PACKED_WEIGHT_BYTES:
+        layers, head = PACKED_WEIGHT_BYTES[key]
+        projections = shape.num_layers * shape.layer_linear_weights
+        return round(projections * layers + (shape.linear_weights - projections) * head) + norms
+    return (shape.linear_weights + shape.norm_weights) * dtype_bytes(weight_dtype)
+
+
+def peak_dtype(weight_dtype: str) -> str:
+    """The GEMM peak that bounds a step in ``weight_dtype``: Q4_1 weights compute fp32 FMAs over the
+    dequantized values, int8 weights bf16 mode's arithmetic."""
+    return "float32" if weight_dtype in ("float32", "q4_1") else "bfloat16"
 
 
 def mean_decode_context(input_len: int, output_len: int) -> float:

@@ -10,6 +10,7 @@ from bench.peerbench.roofline import (
     dtype_bytes,
     gemm_rate_gflop_s,
     mean_decode_context,
+    peak_dtype,
     roofline,
     table_lines,
 )
@@ -46,6 +47,11 @@ def test_batch32_decode_step_cost_fp32_and_bf16() -> None:
     bf16 = decode_step_cost(SHAPE, 32, ctx, "bfloat16", "torch.bfloat16")
     assert (bf16.weight_bytes, bf16.kv_bytes, bf16.flops) == (269_030_016, 141_557_760, 9_031_385_088)
     assert decode_step_cost(SHAPE, 1, 1, "float32", "fp8_e4m3").kv_bytes == 2 * 30 * 3 * 64
+    # Q4_1 projections (0.75 bytes a weight with fp32 scale and minimum per 32), a Q8_0 head (1.25)
+    q4 = decode_step_cost(SHAPE, 32, ctx, "q4_1", "float32")
+    assert q4.weight_bytes == 30 * 3_538_944 * 3 // 4 + 49_152 * 576 * 5 // 4 + 35_136 * 4 == 115_156_224
+    assert (q4.kv_bytes, q4.flops) == (fp32.kv_bytes, fp32.flops)
+    assert (peak_dtype("q4_1"), peak_dtype("float32"), peak_dtype("int8")) == ("float32", "float32", "bfloat16")
 
 
 def test_roofline_takes_the_slower_side() -> None:
