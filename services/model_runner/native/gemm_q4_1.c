@@ -52,6 +52,21 @@
 static inline int64_t code_row_bytes(int bits) { return bits == 4 ? PANEL / 2 : PANEL; }
 static inline int64_t group_bytes(int bits) { return 2 * PANEL * (int64_t)sizeof(float) + GROUP * code_row_bytes(bits); }
 
+/* Group g of a panel: its scales, minimums, codes and k rows (the last group may be short). */
+typedef struct {
+    const float *d, *mn;
+    const uint8_t *codes;
+    int64_t rows;
+} Group;
+
+static inline Group group_at(const uint8_t *panel, int64_t g, int bits, int64_t k)
+{
+    const uint8_t *grp = panel + g * group_bytes(bits);
+    const Group gr = {(const float *)grp, (const float *)grp + PANEL, grp + 2 * PANEL * sizeof(float),
+                      k - g * GROUP < GROUP ? k - g * GROUP : GROUP};
+    return gr;
+}
+
 /* Code of column c in row `row` of a group's codes. */
 static inline float code_at(const uint8_t *row, int64_t c, int bits)
 {
@@ -87,14 +102,14 @@ static inline __attribute__((always_inline)) void row_panel(const float *x, int6
                                                             const int bits, const float *bias, float *out,
                                                             int64_t cols, PanelPrefetch *pf)
 {
-    const int64_t gb = group_bytes(bits), rb = code_row_bytes(bits);
+    const int64_t rb = code_row_bytes(bits);
     __m256 c[6];
     for (int j = 0; j < 6; j++) c[j] = _mm256_setzero_ps();
     for (int64_t g = 0; g * GROUP < k; g++) {
-        const uint8_t *grp = panel + g * gb;
-        const float *d = (const float *)grp, *mn = d + PANEL;
-        const uint8_t *codes = grp + 2 * PANEL * sizeof(float);
-        const int64_t rows = k - g * GROUP < GROUP ? k - g * GROUP : GROUP;
+        const Group gr = group_at(panel, g, bits, k);
+        const float *d = gr.d, *mn = gr.mn;
+        const uint8_t *codes = gr.codes;
+        const int64_t rows = gr.rows;
         for (int64_t kk = 0; kk < rows; kk++) {
             panel_prefetch_step(pf);
             __m256 w[6];
@@ -114,12 +129,12 @@ static inline __attribute__((always_inline)) void row_panel(const float *x, int6
  * chunk of more than one row then run gemm.c's tiles over it. */
 static void widen_panel(const uint8_t *panel, int64_t k, int bits, float *wf)
 {
-    const int64_t gb = group_bytes(bits), rb = code_row_bytes(bits);
+    const int64_t rb = code_row_bytes(bits);
     for (int64_t g = 0; g * GROUP < k; g++) {
-        const uint8_t *grp = panel + g * gb;
-        const float *d = (const float *)grp, *mn = d + PANEL;
-        const uint8_t *codes = grp + 2 * PANEL * sizeof(float);
-        const int64_t rows = k - g * GROUP < GROUP ? k - g * GROUP : GROUP;
+        const Group gr = group_at(panel, g, bits, k);
+        const float *d = gr.d, *mn = gr.mn;
+        const uint8_t *codes = gr.codes;
+        const int64_t rows = gr.rows;
         for (int64_t kk = 0; kk < rows; kk++) {
             float *w = wf + (g * GROUP + kk) * PANEL;
             const uint8_t *row = codes + kk * rb;
