@@ -13,7 +13,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import grpc
@@ -29,11 +29,15 @@ class ServiceStartError(RuntimeError):
 
 
 def wait_healthy(address: str, timeout: float, service: str = "", tls: TLSFiles | None = None,
-                 cancel: threading.Event | None = None) -> None:
+                 cancel: threading.Event | None = None, exited: Callable[[], bool] | None = None) -> None:
     """Polls ``grpc.health.v1`` at ``address`` until SERVING or ``timeout`` seconds pass.
 
+    Args:
+        exited: whether the process behind ``address`` has ended: then no answer can come, and
+            the wait stops at once rather than at ``timeout``.
+
     Raises:
-        ServiceStartError: ``cancel`` was set while waiting.
+        ServiceStartError: ``cancel`` was set, or ``exited()`` became true, while waiting.
     """
     deadline = time.monotonic() + timeout
     last: Exception | None = None
@@ -42,6 +46,8 @@ def wait_healthy(address: str, timeout: float, service: str = "", tls: TLSFiles 
         while time.monotonic() < deadline:
             if cancel is not None and cancel.is_set():
                 raise ServiceStartError(f"{address}: start-up cancelled")
+            if exited is not None and exited():
+                raise ServiceStartError(f"{address}: the process exited")
             try:
                 resp = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=1.0)
                 if resp.status == health_pb2.HealthCheckResponse.SERVING:
@@ -79,14 +85,17 @@ class HealthProbe:
         self._channel.close()
 
 
-def wait_http_healthy(address: str, timeout: float) -> None:
-    """Polls ``GET http://address/health`` until it answers 200 (the gateway speaks HTTP, not gRPC)."""
+def wait_http_healthy(address: str, timeout: float, exited: Callable[[], bool] | None = None) -> None:
+    """Polls ``GET http://address/health`` until it answers 200 (the gateway speaks HTTP, not gRPC);
+    ``exited`` as :func:`wait_healthy`'s."""
     import urllib.error
     import urllib.request
 
     deadline = time.monotonic() + timeout
     last: Exception | None = None
     while time.monotonic() < deadline:
+        if exited is not None and exited():
+            raise ServiceStartError(f"{address}: the process exited")
         try:
             with urllib.request.urlopen(f"http://{address}/health", timeout=1.0) as resp:
                 if resp.status == 200:
@@ -140,14 +149,25 @@ class ServiceProcess:
             [sys.executable, "-m", "services.cli", "serve", name],
             env=child_env, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
         )
+        # NOTE: a child that reported its port and then died (e.g. a later bind failed) used to
+        # leave the launcher polling a dead address until startup_timeout (300 s under `kvmesh up`).
+        def exited() -> bool:
+            return self.proc.poll() is not None
+
         try:
             self.port = self._wait_port(port_file, startup_timeout)
-            if name in HTTP_SERVICES:
-                wait_http_healthy(self.address, startup_timeout)
-            else:
-                # The child serves TLS when its environment names certificates: dial it the same way.
-                wait_healthy(self.address, startup_timeout,
-                             tls=from_env(TLSFiles, "KVMESH_TLS_", env=child_env), cancel=cancel)
+            try:
+                if name in HTTP_SERVICES:
+                    wait_http_healthy(self.address, startup_timeout, exited=exited)
+                else:
+                    # The child serves TLS when its environment names certificates: dial it the same way.
+                    wait_healthy(self.address, startup_timeout,
+                                 tls=from_env(TLSFiles, "KVMESH_TLS_", env=child_env), cancel=cancel, exited=exited)
+            except ServiceStartError:
+                if exited():
+                    raise ServiceStartError(
+                        f"{name} exited with {self.proc.returncode}:\n{self.log_tail()}") from None
+                raise
         except BaseException:
             self.stop(timeout=2.0)
             raise

@@ -19,6 +19,7 @@ Units follow Prometheus practice: seconds, tokens, blocks, bytes; ``*_perc`` is 
 
 from __future__ import annotations
 
+import errno
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import PurePath
@@ -28,6 +29,8 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.gc_collector import GCCollector
 from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
+
+from shared.errors import PortInUseError
 
 PREFIX = "kvmesh:"
 MODEL_LABEL = "model_name"
@@ -98,10 +101,18 @@ def start_metrics_server(port: int, registry: CollectorRegistry, addr: str = "0.
 
     Returns:
         The running server (``.server_port``, ``.shutdown()``), or None when disabled.
+
+    Raises:
+        PortInUseError: ``port`` is taken.
     """
     if port == 0:
         return None
     if not 0 < port < 65536:
         raise ValueError(f"metrics port out of range: {port}")
-    server, _thread = start_http_server(port, addr=addr, registry=registry)
+    try:
+        server, _thread = start_http_server(port, addr=addr, registry=registry)
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:  # one line at start, as a taken gRPC port gives
+            raise PortInUseError(f"metrics port {port} on {addr} is already in use") from None
+        raise
     return server

@@ -38,10 +38,12 @@ def main() -> int:
     binding = ManagerBinding(hub)
     servicer = KVCacheManagerServicer(binding, hub, max_subscribers=max(1, server_config.max_workers // 4),
                                       metrics=KVCacheMetrics(registry, mcfg.model_name))
+    # Metrics first, as every service: a taken metrics port then fails the start before the gRPC
+    # port is reported, so a launcher never waits on a server that is about to exit.
+    start_metrics_server(mcfg.port, registry, addr=mcfg.host)
     running = start_server(server_config, [
         ServiceRegistration(SERVICE.grpc, servicer, pb_grpc.add_KVCacheManagerServicer_to_server),
     ], interceptors=server_interceptors())
-    start_metrics_server(mcfg.port, registry, addr=mcfg.host)
     log.info("%s: instance %s up, waiting for a scheduler's Initialize", SERVICE.label, binding.instance_id)
     serve_forever(running, SERVICE.label, on_stop=servicer.close)
     return 0

@@ -52,8 +52,8 @@ def main() -> int:
                                                max_subscribers=config.max_subscribers),
             offload_store_pb2_grpc.add_OffloadStoreServicer_to_server,
         )
+        start_metrics_server(mcfg.port, registry, addr=mcfg.host)  # first: see kv_cache_manager/main.py
         running = start_server(server_config, [registration], interceptors=server_interceptors())
-        start_metrics_server(mcfg.port, registry, addr=mcfg.host)
         serve_forever(running, SERVICE.label)
     finally:
         core.hub.close()  # open event streams end cleanly

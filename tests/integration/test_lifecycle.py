@@ -223,3 +223,52 @@ def test_a_dead_runner_makes_the_scheduler_unready_until_it_is_restarted(suite: 
     _wait_for(lambda: suite.restarts["model-runner"] == restarts + 1, 90, "the runner restarted")
     assert suite.services["model-runner"].address == runner.address
     _wait_for(lambda: _health(address) == SERVING, 30, "SERVING again")
+
+
+def _listening_socket() -> tuple[Any, int]:
+    import socket
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen()
+    return sock, int(sock.getsockname()[1])
+
+
+@pytest.mark.parametrize("service", ["kv-cache-manager", "offload-store"])
+def test_a_taken_metrics_port_fails_the_start_in_one_line(service: str, tmp_path: Path) -> None:
+    """Found running the suite with KVMESH_METRICS_PORT on a port another process held: the
+    kv-cache-manager reported its gRPC port, then died on the metrics bind with a traceback, and
+    ``kvmesh up`` polled the dead address for its whole 300 s start-up timeout."""
+    sock, port = _listening_socket()
+    env = {"KVMESH_METRICS_PORT": str(port), "KVMESH_OFFLOAD_DATA_DIR": str(tmp_path / "data")}
+    try:
+        with pytest.raises(ServiceStartError) as info:
+            ServiceProcess(service, env=env, startup_timeout=60, log_dir=str(tmp_path))
+    finally:
+        sock.close()
+    message = str(info.value)
+    assert message.startswith(f"{service} exited with 1:")
+    assert f"kvmesh {service}: metrics port {port} on 127.0.0.1 is already in use" in message
+    assert "Traceback" not in message
+    assert not (tmp_path / f"{service}.port").exists()  # it failed before it reported a gRPC port
+
+
+def test_the_health_wait_stops_when_the_process_has_exited() -> None:
+    """A child that dies after reporting its port ends the launcher's wait at once: no answer can come."""
+    from shared.launcher import wait_healthy, wait_http_healthy
+
+    sock, port = _listening_socket()  # holds the port: nothing else answers there
+    try:
+        for wait in (lambda exited: wait_healthy(f"127.0.0.1:{port}", 600, exited=exited),
+                     lambda exited: wait_http_healthy(f"127.0.0.1:{port}", 600, exited=exited)):
+            calls: list[int] = []
+
+            def exited(calls: list[int] = calls) -> bool:
+                calls.append(1)
+                return len(calls) >= 3  # alive for two polls, then gone
+
+            with pytest.raises(ServiceStartError, match=f"127.0.0.1:{port}: the process exited"):
+                wait(exited)
+            assert len(calls) == 3
+    finally:
+        sock.close()
