@@ -165,8 +165,7 @@ class ServiceProcess:
                                  tls=from_env(TLSFiles, "KVMESH_TLS_", env=child_env), cancel=cancel, exited=exited)
             except ServiceStartError:
                 if exited():
-                    raise ServiceStartError(
-                        f"{name} exited with {self.proc.returncode}:\n{self.log_tail()}") from None
+                    raise self._exited_error() from None
                 raise
         except BaseException:
             self.stop(timeout=2.0)
@@ -182,13 +181,17 @@ class ServiceProcess:
         self._log.flush()
         return self.log_path.read_bytes()[-n:].decode(errors="replace")
 
+    def _exited_error(self) -> ServiceStartError:
+        """The error for a child that ended during start-up: its exit code and its log's tail."""
+        return ServiceStartError(f"{self.name} exited with {self.proc.returncode}:\n{self.log_tail()}")
+
     def _wait_port(self, port_file: Path, timeout: float) -> int:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self._cancel is not None and self._cancel.is_set():
                 raise ServiceStartError(f"{self.name}: start-up cancelled")
             if self.proc.poll() is not None:
-                raise ServiceStartError(f"{self.name} exited with {self.proc.returncode}:\n{self.log_tail()}")
+                raise self._exited_error()
             if port_file.exists():
                 return int(port_file.read_text())
             time.sleep(0.05)
