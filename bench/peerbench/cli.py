@@ -19,7 +19,7 @@ from pathlib import Path
 
 from bench.peerbench import engines as eng
 from bench.peerbench.gguf import f32_gguf, q4_1_gguf
-from bench.peerbench.orchestrate import RunConfig, cpu_flags, git_describe, load_result, run_engine
+from bench.peerbench.orchestrate import RunConfig, cpu_flags, git_describe, load_result, run_engine, run_rounds
 from bench.peerbench.render import render, replace_section
 from bench.peerbench.table import build_report, shown_flags, to_json
 from bench.peerbench.workloads import build_prompts, select
@@ -53,6 +53,9 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--out", default="bench/results/peers", help="writes OUT.json and OUT.md")
     p.add_argument("--no-roofline", action="store_true",
                    help="skip bench/roofline.py (run first, on the idle machine: bandwidth, GEMM peaks, decode step)")
+    p.add_argument("--interleave", action="store_true",
+                   help="run the repeats as rounds, every engine started afresh in each (a machine whose speed "
+                        "drifts over the run then slows every engine alike; one start-up per engine and round)")
     p.add_argument("--report-only", action="store_true",
                    help="run nothing: report the results an earlier run left in the work folder")
     p.add_argument("--write-docs", default="", help="replace the generated section of this markdown file")
@@ -126,13 +129,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     roofline_md = "" if ns.no_roofline else _roofline(ns, model_dir, work)
     if ns.report_only:
         results = {s.name: load_result(s, work) for s in specs}
+    elif ns.interleave:
+        results = run_rounds(specs, cfg, prompts)
     else:
         results = {s.name: run_engine(s, cfg, prompts) for s in specs}
     meta = {"command": command, "machine": vars(machine_info(load_start)), "cpu_flags": shown_flags(cpu_flags()),
             "cpu_vendor": cpu_vendor(),  # with the flags, what picks bf16 mode's arithmetic (native.bf16_in_fma)
             "threads": ns.threads, "repeats": repeats, "seed": ns.seed, "elapsed_s": time.perf_counter() - started,
             "git": git_describe(), "notes": list(ns.note), "model_dir": str(model_dir), "ggufs": ggufs,
-            "vllm_enforce_eager": cfg.vllm_enforce_eager}
+            "vllm_enforce_eager": cfg.vllm_enforce_eager, "interleave": bool(ns.interleave)}
     report = build_report(workloads, [s.name for s in specs], {s.name: s.label for s in specs}, results,
                           eng.reference(results), eng.BASELINE, eng.FP32_BASELINE, meta)
     text = render(report, eng.DEFAULT_KVMESH, eng.EXACT_KVMESH, eng.LLAMA, eng.HTTP_PAIRS, roofline_md,

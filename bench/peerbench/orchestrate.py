@@ -4,6 +4,14 @@ Each worker gets a job file (the prompts of every workload, its settings, the th
 writes a result file (``wire.serve_job``); its output goes to a log in the work folder, and its
 own progress lines are echoed. A worker that fails, times out or whose venv is missing becomes a
 row saying so; the run goes on with the next engine.
+
+Rounds (``--interleave``): repeat ``r`` of every workload runs as round ``r``, every engine started
+afresh in turn (``round_prompts``), and each engine's rounds are merged into one result
+(``merge_rounds``) as if its repeats had run in one process. Why: this machine's speed drifts over
+minutes (another tenant's load, the clock): a peer measured at 192 tok/s in one run made 149 a
+quarter of an hour later, so an engine whose repeats all ran in a slow stretch lost its ratio by
+as much as the target's margin. In rounds each engine's median spreads over the whole run's
+stretches alike; the price is one start-up per engine and round.
 """
 
 from __future__ import annotations
@@ -121,6 +129,55 @@ def run_engine(spec: EngineSpec, cfg: RunConfig, prompts: Sequence[WorkloadPromp
     result: dict[str, Any] = json.loads(result_path.read_text())
     result["wall_s"] = time.monotonic() - started
     return result
+
+
+def round_prompts(prompts: Sequence[WorkloadPrompts], r: int) -> list[WorkloadPrompts]:
+    """Round ``r`` of an interleaved run: every workload with its warm-up and only repeat ``r``."""
+    return [WorkloadPrompts(p.workload, p.warmup, (p.repeats[r],)) for p in prompts]
+
+
+def merge_rounds(rounds: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One engine's round results as one result: each workload's seconds and token ids in round
+    order, start-up and idle memory from the first round (the others' start-ups listed beside it),
+    the peaks the largest of any round, ``ok`` only when every round was. A failed round's error
+    is the result's error; the rounds that ran still show."""
+    if not rounds:
+        raise ValueError("no rounds to merge")
+    merged: dict[str, Any] = {k: v for k, v in rounds[0].items() if k not in ("workloads", "error", "traceback")}
+    merged["workloads"] = {}
+    for res in rounds:
+        for name, w in res.get("workloads", {}).items():
+            into = merged["workloads"].setdefault(name, {"seconds": [], "token_ids": []})
+            into["seconds"] += list(w["seconds"])
+            into["token_ids"] += list(w["token_ids"])
+    merged["ok"] = all(bool(res.get("ok")) for res in rounds)
+    failed = [(i, res) for i, res in enumerate(rounds) if not res.get("ok")]
+    if failed:
+        i, res = failed[0]
+        merged["error"] = f"round {i + 1}: {res.get('error', 'failed')}"
+    merged["rounds"] = len(rounds)
+    merged["startup_s_rounds"] = [res["startup_s"] for res in rounds if "startup_s" in res]
+    for key in ("rss_peak_mib", "pss_peak_mib", "peak_processes"):
+        values = [res[key] for res in rounds if res.get(key) is not None]
+        if values:
+            merged[key] = max(values)
+    merged["wall_s"] = sum(float(res.get("wall_s", 0.0)) for res in rounds)
+    return merged
+
+
+def run_rounds(specs: Sequence[EngineSpec], cfg: RunConfig, prompts: Sequence[WorkloadPrompts]) -> dict[str, Any]:
+    """Every engine in turn once per repeat (``--interleave``), then each engine's rounds merged;
+    the merged result also goes to the work folder, where ``--report-only`` reads it."""
+    repeats = len(prompts[0].repeats) if prompts else 0
+    per_engine: dict[str, list[dict[str, Any]]] = {s.name: [] for s in specs}
+    for r in range(repeats):
+        print(f"bench peers: round {r + 1}/{repeats}", file=sys.stderr, flush=True)
+        for spec in specs:
+            per_engine[spec.name].append(run_engine(spec, cfg, round_prompts(prompts, r)))
+    results = {name: merge_rounds(rounds) for name, rounds in per_engine.items()}
+    for name, result in results.items():
+        (cfg.work_dir / f"{name}.result.json").write_text(json.dumps(result))
+    return results
 
 
 def load_result(spec: EngineSpec, work_dir: Path) -> dict[str, Any]:

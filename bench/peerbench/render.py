@@ -32,7 +32,11 @@ def render(report: Report, default: str, exact: str, llama_engines: tuple[str, .
         "competed for the cores).",
         f"- {m.get('repeats', '?')} repeat(s) per figure (median, min - max), each repeat on its own seeded random "
         f"prompts (seed {m.get('seed', '?')}), the same for every engine; greedy, exactly O new tokens (EOS ignored), "
-        "token ids in, no chat template. Engines ran one after the other, each in its own process and venv.",
+        "token ids in, no chat template. " + (
+            "Engines ran in rounds: in each round every engine in turn, started afresh in its own process and venv, "
+            "ran one repeat of each workload (`--interleave`), so drift of the machine's speed over the run "
+            "reaches every engine alike." if m.get("interleave") else
+            "Engines ran one after the other, each in its own process and venv."),
         f"- Ratios are speeds against **{report.labels.get(report.baseline, report.baseline)}** "
         f"(÷ {report.baseline}) and **{report.labels.get(report.fp32_baseline, report.fp32_baseline)}** "
         f"(÷ {report.fp32_baseline}); identity counts sequences equal end to end to "
