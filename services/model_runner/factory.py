@@ -23,6 +23,7 @@ from services.model_runner.model.config import ModelConfig
 from services.model_runner.model.transformer import CausalLM
 from services.model_runner.model.transforms import on_q4_1_grid
 from services.model_runner.native import HALF_RATE_BF16_DOTS_VENDOR, cpu_vendor, cpuinfo_field, load_kernels
+from services.model_runner.pool_populate import populate_in_background
 from services.model_runner.runner import ModelRunner
 from services.model_runner.streaming import check_streaming
 from shared.errors import FailedPrecondition
@@ -269,6 +270,8 @@ def build_runner(config: RunnerConfig, flags: Iterable[str] | None = None, vendo
         block_size=config.block_size, memory_bytes=config.kv_cache_memory_bytes,
         dtype=kv_dtype_for(kv_choice.value, dtype), device=device, hadamard=config.kv_cache_hadamard,
     )
+    if pool.path is not None:  # a CPU pool: its sparse pages allocated now, beside the rest of start-up
+        populate_in_background(pool.tensor, f"KV pool {pool.path.name}")
     core = ModelRunner(
         model, pool, make_backend(backend_choice.value, device, config.batch_invariant, mla=mla),
         model_id=config.model_id or Path(config.model_dir).name,
