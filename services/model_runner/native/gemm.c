@@ -49,9 +49,23 @@
 #define ROW_TILE 6  /* AVX2: 6 rows x 16 columns = 12 ymm accumulators, 2 for the panel, 1 for x */
 #endif
 #define ROW_CHUNK 256
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+#define EVEN_TILES 1  /* AVX2: a chunk's rows split evenly over its tiles (see tile_passes_avx2) */
+#else
+#define EVEN_TILES 0  /* AVX-512 and plain C: full tiles, the rest in the last (they compute only its rows) */
+#endif
 #define PREFETCH_TILES 4  /* row tiles per chunk over which the next panel's prefetch is spread */
 
 int64_t kvmesh_linear_panel_width(void) { return PANEL; }
+
+/* The first row of tile t of a chunk of `rows` rows in `tiles` tiles (tile t's rows run to tile
+ * t + 1's first): with EVEN_TILES the sizes differ by at most one, larger first. */
+static inline int64_t tile_first_row(int64_t rows, int64_t tiles, int64_t t)
+{
+    if (!EVEN_TILES) return t * ROW_TILE < rows ? t * ROW_TILE : rows;
+    const int64_t base = rows / tiles, extra = rows % tiles;
+    return t * base + (t < extra ? t : extra);
+}
 
 #if defined(__AVX512F__)
 
@@ -97,19 +111,70 @@ static void tile_dispatch(const float *x, int64_t x_stride, int64_t k, const flo
 
 #elif defined(__AVX2__) && defined(__FMA__)
 
-/* One row tile (mr <= 6 rows) times one panel, AVX2 + FMA: the panel in three passes of 16
- * columns (one 64-byte line of each k row), each a 6 x 16 tile in 12 named ymm accumulators
- * (BLIS's AVX2 shape: each panel load feeds six FMAs; an array of accumulators was kept in
- * memory by the compiler, one store per FMA). A tile of fewer rows repeats its last row in the
- * missing ones and stores only its own; one row has its own loop (no repeated rows: a batch-1
- * decode streams the weight; all 48 columns in one pass). Either way the arithmetic per output is the AVX-512 tile's (FMA in
- * k order from zero, then the bias), so a row's result never depends on the rows beside it.
- * Without it an AVX2 CPU ran the portable loops below, whose 8 x 48 accumulators do not fit 16
- * registers (several times slower: docs/model_runner.md). */
+/* mr rows (2..6, a compile-time constant after inlining: each count its own code, the
+ * accumulators in registers) times one panel, in three passes of 16 columns (one 64-byte line
+ * of each k row): 2 x mr ymm accumulators, each panel load feeding mr FMAs (BLIS's AVX2 shape
+ * at 6 rows). A tile computes only its own rows, so the chunk's rows are split evenly over its
+ * tiles (32 rows: 6 6 5 5 5 5, not 6 6 6 6 6 2 with the 2-row tile paying for 6). */
+static inline __attribute__((always_inline)) void tile_passes_avx2(
+    const float *x, int64_t x_stride, int64_t k, const float *panel, const float *bias, float *out,
+    int64_t out_stride, const int mr, int64_t cols, PanelPrefetch *pf, const int prefetch)
+{
+    for (int h = 0; h < 3; h++) {
+        const int64_t left = cols - h * 16;
+        if (left <= 0) break;
+        const int64_t n = left < 16 ? left : 16;
+        const float *b = panel + h * 16;
+        /* Named accumulators, the rows past mr dead code once mr is a constant: an array of them
+         * was stored to the stack after every FMA (GCC 12 does not keep it in registers). */
+        __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
+        __m256 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
+        const float *x0 = x, *x1 = x + x_stride, *x2 = x + 2 * x_stride, *x3 = x + 3 * x_stride,
+                    *x4 = x + 4 * x_stride, *x5 = x + 5 * x_stride;
+        for (int64_t kk = 0; kk < k; kk++, b += PANEL) {
+            if (prefetch) panel_prefetch_step(pf);
+            const __m256 b0 = _mm256_loadu_ps(b), b1 = _mm256_loadu_ps(b + 8);
+            __m256 a = _mm256_broadcast_ss(x0 + kk);
+            c00 = _mm256_fmadd_ps(a, b0, c00); c01 = _mm256_fmadd_ps(a, b1, c01);
+            a = _mm256_broadcast_ss(x1 + kk);
+            c10 = _mm256_fmadd_ps(a, b0, c10); c11 = _mm256_fmadd_ps(a, b1, c11);
+            if (mr > 2) {
+                a = _mm256_broadcast_ss(x2 + kk);
+                c20 = _mm256_fmadd_ps(a, b0, c20); c21 = _mm256_fmadd_ps(a, b1, c21);
+            }
+            if (mr > 3) {
+                a = _mm256_broadcast_ss(x3 + kk);
+                c30 = _mm256_fmadd_ps(a, b0, c30); c31 = _mm256_fmadd_ps(a, b1, c31);
+            }
+            if (mr > 4) {
+                a = _mm256_broadcast_ss(x4 + kk);
+                c40 = _mm256_fmadd_ps(a, b0, c40); c41 = _mm256_fmadd_ps(a, b1, c41);
+            }
+            if (mr > 5) {
+                a = _mm256_broadcast_ss(x5 + kk);
+                c50 = _mm256_fmadd_ps(a, b0, c50); c51 = _mm256_fmadd_ps(a, b1, c51);
+            }
+        }
+        const __m256 acc[ROW_TILE][2] = {{c00, c01}, {c10, c11}, {c20, c21}, {c30, c31}, {c40, c41}, {c50, c51}};
+        float tmp[16];
+        for (int r = 0; r < mr; r++) {
+            _mm256_storeu_ps(tmp, acc[r][0]);
+            _mm256_storeu_ps(tmp + 8, acc[r][1]);
+            float *o = out + r * out_stride + h * 16;
+            for (int64_t j2 = 0; j2 < n; j2++) o[j2] = tmp[j2] + (bias != NULL ? bias[h * 16 + j2] : 0.0f);
+        }
+    }
+}
+
+/* One row tile (mr <= 6 rows) times one panel, AVX2 + FMA: tiles of 2-6 rows as above; one row
+ * has its own loop (a batch-1 decode streams the weight: all 48 columns in one pass). Either way
+ * the arithmetic per output is the AVX-512 tile's (FMA in k order from zero, then the bias), so a
+ * row's result never depends on the rows beside it or on the tile it falls in. Without these an
+ * AVX2 CPU ran the portable loops below, whose 8 x 48 accumulators do not fit 16 registers
+ * (several times slower: docs/model_runner.md). */
 static void tile_dispatch(const float *x, int64_t x_stride, int64_t k, const float *panel, const float *bias,
                           float *out, int64_t out_stride, int mr, int64_t cols, PanelPrefetch *pf)
 {
-    float tmp[ROW_TILE][PANEL];
     if (mr == 1) {
         /* One row: the whole panel in one pass, six chains of FMAs (two were latency-bound at a
          * third of the FMA rate) and the panel read front to back, as the hardware prefetcher
@@ -122,46 +187,19 @@ static void tile_dispatch(const float *x, int64_t x_stride, int64_t k, const flo
             const __m256 a = _mm256_broadcast_ss(x + kk);
             for (int j = 0; j < 6; j++) c[j] = _mm256_fmadd_ps(a, _mm256_loadu_ps(b + j * 8), c[j]);
         }
-        for (int j = 0; j < 6; j++) _mm256_storeu_ps(tmp[0] + j * 8, c[j]);
-        for (int64_t j2 = 0; j2 < cols; j2++) out[j2] = tmp[0][j2] + (bias != NULL ? bias[j2] : 0.0f);
+        float tmp[PANEL];
+        for (int j = 0; j < 6; j++) _mm256_storeu_ps(tmp + j * 8, c[j]);
+        for (int64_t j2 = 0; j2 < cols; j2++) out[j2] = tmp[j2] + (bias != NULL ? bias[j2] : 0.0f);
         return;
     }
-    for (int h = 0; h < 3; h++) {
-        const int64_t left = cols - h * 16;
-        if (left <= 0) break;
-        const int64_t n = left < 16 ? left : 16;
-        const float *b = panel + h * 16;
-        {
-            const float *x0 = x, *x1 = x + (mr > 1 ? 1 : mr - 1) * x_stride, *x2 = x + (mr > 2 ? 2 : mr - 1) * x_stride,
-                        *x3 = x + (mr > 3 ? 3 : mr - 1) * x_stride, *x4 = x + (mr > 4 ? 4 : mr - 1) * x_stride,
-                        *x5 = x + (mr > 5 ? 5 : mr - 1) * x_stride;
-            __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
-            __m256 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
-            for (int64_t kk = 0; kk < k; kk++, b += PANEL) {
-                const __m256 b0 = _mm256_loadu_ps(b), b1 = _mm256_loadu_ps(b + 8);
-                __m256 a = _mm256_broadcast_ss(x0 + kk);
-                c00 = _mm256_fmadd_ps(a, b0, c00); c01 = _mm256_fmadd_ps(a, b1, c01);
-                a = _mm256_broadcast_ss(x1 + kk);
-                c10 = _mm256_fmadd_ps(a, b0, c10); c11 = _mm256_fmadd_ps(a, b1, c11);
-                a = _mm256_broadcast_ss(x2 + kk);
-                c20 = _mm256_fmadd_ps(a, b0, c20); c21 = _mm256_fmadd_ps(a, b1, c21);
-                a = _mm256_broadcast_ss(x3 + kk);
-                c30 = _mm256_fmadd_ps(a, b0, c30); c31 = _mm256_fmadd_ps(a, b1, c31);
-                a = _mm256_broadcast_ss(x4 + kk);
-                c40 = _mm256_fmadd_ps(a, b0, c40); c41 = _mm256_fmadd_ps(a, b1, c41);
-                a = _mm256_broadcast_ss(x5 + kk);
-                c50 = _mm256_fmadd_ps(a, b0, c50); c51 = _mm256_fmadd_ps(a, b1, c51);
-            }
-            const __m256 acc[ROW_TILE][2] = {{c00, c01}, {c10, c11}, {c20, c21}, {c30, c31}, {c40, c41}, {c50, c51}};
-            for (int r = 0; r < mr; r++) {
-                _mm256_storeu_ps(tmp[r], acc[r][0]);
-                _mm256_storeu_ps(tmp[r] + 8, acc[r][1]);
-            }
-        }
-        for (int r = 0; r < mr; r++) {
-            float *o = out + r * out_stride + h * 16;
-            for (int64_t j2 = 0; j2 < n; j2++) o[j2] = tmp[r][j2] + (bias != NULL ? bias[h * 16 + j2] : 0.0f);
-        }
+#define PASSES_CASE(n) \
+    case n: \
+        if (pf != NULL) tile_passes_avx2(x, x_stride, k, panel, bias, out, out_stride, n, cols, pf, 1); \
+        else tile_passes_avx2(x, x_stride, k, panel, bias, out, out_stride, n, cols, NULL, 0); \
+        break;
+    switch (mr) {
+    PASSES_CASE(6) PASSES_CASE(5) PASSES_CASE(4) PASSES_CASE(3)
+    default: PASSES_CASE(2)
     }
 }
 
@@ -203,24 +241,26 @@ static void run_panels(const float *x, int64_t x_stride, int64_t r0, int64_t row
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
         /* The next panel's prefetch, spread over the k steps of the chunk's first (up to)
          * PREFETCH_TILES tiles: all of a decode-sized chunk's; the later tiles of a larger chunk
-         * find the panel in cache and skip the per-k bookkeeping. AVX2: only a one-row chunk (a
-         * single stream's weight stream); with it on the 6-row tiles too, a 512-row prefill chunk
-         * ran 1.18x slower on a Zen 3 (its L2 is 512 KB; docs/model_runner.md, "AVX2 machines"). */
+         * find the panel in cache and skip the per-k bookkeeping. AVX2: over the first tile only
+         * (its three column passes), whatever the rows: that tile reads the panel from memory
+         * while the next one streams in, and the tiles after it find both in L2 (spread over
+         * every tile of a 64-row chunk it cost 1.15-1.47x, the bookkeeping on tiles that did not
+         * need it; docs/model_runner.md, "AVX2 machines"). */
         const int64_t next = paired_run_after(run, p);
 #if defined(__AVX512F__)
-        const int64_t pf_tiles = tiles < PREFETCH_TILES ? tiles : PREFETCH_TILES;
+        const int64_t pf_tiles = tiles < PREFETCH_TILES ? tiles : PREFETCH_TILES, passes = 1;
 #else
-        const int64_t pf_tiles = rows == 1 ? 1 : 0;
+        const int64_t pf_tiles = 1, passes = rows == 1 ? 1 : 3;  /* k steps per tile: 3 column passes */
 #endif
-        const int64_t lines = panel_size * (int64_t)sizeof(float) / 64, steps = pf_tiles * k;
+        const int64_t lines = panel_size * (int64_t)sizeof(float) / 64, steps = pf_tiles * passes * k;
         PanelPrefetch pf = panel_prefetch(next >= 0 ? packed + next * panel_size : NULL, lines * 64, steps);
 #else
         const int64_t pf_tiles = 0;
         void *pf = NULL;
 #endif
         for (int64_t t = 0; t < tiles; t++) {
-            const int64_t row = r0 + t * ROW_TILE;
-            const int mr = (int)(r0 + rows - row < ROW_TILE ? r0 + rows - row : ROW_TILE);
+            const int64_t row = r0 + tile_first_row(rows, tiles, t);
+            const int mr = (int)(r0 + tile_first_row(rows, tiles, t + 1) - row);
             tile_dispatch(x + row * x_stride, x_stride, k, panel, bp, out + row * out_stride + p * PANEL, out_stride,
                           mr, cols, t < pf_tiles ? &pf : NULL);
         }
@@ -233,8 +273,10 @@ static void run_panels(const float *x, int64_t x_stride, int64_t r0, int64_t row
 void kvmesh_linear_f32_panel(const float *x, int64_t x_stride, int64_t rows, int64_t k, const float *panel,
                              const float *bias, float *out, int64_t out_stride, int64_t cols)
 {
-    for (int64_t row = 0; row < rows; row += ROW_TILE) {
-        const int mr = (int)(rows - row < ROW_TILE ? rows - row : ROW_TILE);
+    const int64_t tiles = (rows + ROW_TILE - 1) / ROW_TILE;
+    for (int64_t t = 0; t < tiles; t++) {
+        const int64_t row = tile_first_row(rows, tiles, t);
+        const int mr = (int)(tile_first_row(rows, tiles, t + 1) - row);
         tile_dispatch(x + row * x_stride, x_stride, k, panel, bias, out + row * out_stride, out_stride, mr, cols, NULL);
     }
 }
