@@ -117,8 +117,14 @@ static inline float hsum256(__m256 v) {
 static inline float softmax_row_f32(float *s, int64_t n, float max) {
     const __m256 m = _mm256_set1_ps(max);
     __m256 sum = _mm256_setzero_ps();
-    for (int64_t t = 0; t < n; t += 8) {
-        const __m256i live = lanes_below(n - t < 8 ? n - t : 8);
+    int64_t t = 0;
+    for (; t + 8 <= n; t += 8) {  /* whole groups unmasked (a vmaskmovps store is slow on AMD) */
+        const __m256 e = exp256_neg(_mm256_sub_ps(_mm256_loadu_ps(s + t), m));
+        _mm256_storeu_ps(s + t, e);
+        sum = _mm256_add_ps(sum, e);
+    }
+    if (t < n) {
+        const __m256i live = lanes_below(n - t);
         const __m256 e = exp256_neg(_mm256_sub_ps(_mm256_maskload_ps(s + t, live), m));
         _mm256_maskstore_ps(s + t, live, e);
         sum = _mm256_add_ps(sum, _mm256_and_ps(e, _mm256_castsi256_ps(live)));

@@ -299,124 +299,203 @@ static inline __attribute__((always_inline)) __m256 key_partial(const __m256 *qv
     return a;
 }
 
-/* One 16-dimension slice of the weighted V for G (<= 4, a compile-time constant once inlined) query
- * heads of one KV head over n keys of a block: acc[g][0 .. 15] += p[g][o] * v[o][0 .. 15], keys in
- * order. G a constant keeps the 2G accumulators in registers (with the group a runtime count they
- * lived on the stack, a load and a store per FMA: 40% of the kernel's time in a perf profile). a:
- * head g0's slice (heads head_dim apart), p: its numerators (heads n_keys apart), v: the first key's
- * slice (keys token_stride elements apart). */
+/* One slice of W x 8 dimensions (W = 2 or 4) of the weighted V for G (<= 4) query heads of one KV
+ * head over n keys of a block: acc[g][0 .. 8W) += p[g][o] * v[o][0 .. 8W), keys in order. G and W
+ * compile-time constants once inlined keep the G x W accumulators in registers (with the group a
+ * runtime count they lived on the stack, a load and a store per FMA: 40% of the kernel's time in a
+ * perf profile); W = 4 where G <= 3 gives 12 independent FMA chains instead of 6 (latency-bound at
+ * 4 cycles an FMA). a: head g0's slice (heads head_dim apart), p: its numerators (heads n_keys
+ * apart), v: the first key's slice (keys token_stride elements apart). */
 static inline __attribute__((always_inline)) void weighted_v_slice(
-    float *a, const float *p, const char *v, int64_t n, const int G, int64_t head_dim, int64_t n_keys,
-    int64_t token_stride, const int esz, Prefetcher *pf)
+    float *a, const float *p, const char *v, int64_t n, const int G, const int W, int64_t head_dim,
+    int64_t n_keys, int64_t token_stride, const int esz, Prefetcher *pf)
 {
-    __m256 c[4][2];
-    for (int g = 0; g < G; g++) {
-        c[g][0] = _mm256_loadu_ps(a + g * head_dim);
-        c[g][1] = _mm256_loadu_ps(a + g * head_dim + 8);
-    }
+    __m256 c[4][4];
+    for (int g = 0; g < G; g++)
+        for (int w = 0; w < W; w++) c[g][w] = _mm256_loadu_ps(a + g * head_dim + w * 8);
     for (int64_t o = 0; o < n; o++) {
         prefetch_step(pf);
         const char *vo = v + o * token_stride * esz;
-        const __m256 v0 = kv_load8(vo, esz), v1 = kv_load8(vo + 8 * esz, esz);
+        __m256 vv[4];
+        for (int w = 0; w < W; w++) vv[w] = kv_load8(vo + w * 8 * esz, esz);
         for (int g = 0; g < G; g++) {
-            const __m256 w = _mm256_broadcast_ss(p + g * n_keys + o);
-            c[g][0] = _mm256_fmadd_ps(w, v0, c[g][0]);
-            c[g][1] = _mm256_fmadd_ps(w, v1, c[g][1]);
+            const __m256 pw = _mm256_broadcast_ss(p + g * n_keys + o);
+            for (int w = 0; w < W; w++) c[g][w] = _mm256_fmadd_ps(pw, vv[w], c[g][w]);
         }
     }
-    for (int g = 0; g < G; g++) {
-        _mm256_storeu_ps(a + g * head_dim, c[g][0]);
-        _mm256_storeu_ps(a + g * head_dim + 8, c[g][1]);
+    for (int g = 0; g < G; g++)
+        for (int w = 0; w < W; w++) _mm256_storeu_ps(a + g * head_dim + w * 8, c[g][w]);
+}
+
+/* One row (a query token of a sequence) as attend_rows_avx2 walks it: the row's keys first .. len - 1
+ * and its scratch (scores [num_heads][n_keys], qbuf the scaled query, acc [num_heads][head_dim]). */
+typedef struct {
+    const float *q;
+    float *o, *scores, *qbuf, *acc;
+    int64_t first, len, n_keys;
+    float maxv[MAX_HEADS], inv_sum[MAX_HEADS];
+} AttRow;
+
+/* One row's scores for the keys of block b (kb: the block's K), 8 keys at a time per head. */
+static inline __attribute__((always_inline)) void row_scores_block(
+    AttRow *row, const char *kb, int64_t b, int64_t num_heads, int64_t group, const int nd16,
+    int64_t token_stride, int64_t block_size, Prefetcher *pf, const int esz)
+{
+    const int64_t first = row->first, len = row->len, n_keys = row->n_keys, head_dim = (int64_t)nd16 * 16;
+    const int64_t num_kv = num_heads / group;
+    BLOCK_KEYS(b);
+    for (int64_t c0 = lo; c0 < nblk; c0 += 8) {
+        const int n = (int)(nblk - c0 < 8 ? nblk - c0 : 8);
+        const __m256i live = lanes_below(n);
+        /* heads in order, walked per KV head (h / group in the loop was a 64-bit division per
+         * 8 keys and head) */
+        for (int64_t kvh = 0, h = 0; kvh < num_kv; kvh++)
+        for (int64_t g = 0; g < group; g++, h++) {
+            prefetch_step(pf);
+            const char *kh = kb + (c0 * token_stride + kvh * head_dim) * esz;
+            const int64_t kstep = token_stride * esz;
+            __m256 qv[MAX_HEAD_DIM / 8];
+            for (int j = 0; j < 2 * nd16; j++) qv[j] = _mm256_loadu_ps(row->qbuf + h * head_dim + j * 8);
+            const __m256 zero = _mm256_setzero_ps();
+#define PART(t) (t < n ? key_partial(qv, kh + (t) * kstep, nd16, esz) : zero)
+            const __m256 u0 = quad_sum(PART(0), PART(1), PART(2), PART(3));
+            const __m256 u1 = quad_sum(PART(4), PART(5), PART(6), PART(7));
+#undef PART
+            const __m256 sc = octet_sum(u0, u1);
+            /* a masked store only for a block's last keys (on AMD a vmaskmovps store costs ~10x a
+             * plain one: 8% of a prefill's attention in a perf profile) */
+            float *dst = row->scores + h * n_keys + t0 + c0 - first;
+            if (n == 8) _mm256_storeu_ps(dst, sc);
+            else _mm256_maskstore_ps(dst, live, sc);
+            /* the max over the live lanes (the others -3e38, below any score) */
+            __m256 mx = n == 8 ? sc : _mm256_blendv_ps(_mm256_set1_ps(-3.0e38f), sc, _mm256_castsi256_ps(live));
+            __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+            m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+            const float m = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+            if (m > row->maxv[h]) row->maxv[h] = m;
+        }
     }
 }
 
-/* attend_seq_avx512's fp32 arithmetic in 8 lanes (an fp32 pool, or a bf16 one widened exactly): a
- * whole sequence, every head, each block read from memory once with the next one prefetched.
- * Scores for 8 keys at a time per head (quad_sum / octet_sum; a key past the block's end a zero
- * partial), softmax_row_f32 (exp_math.h) per head, then the weighted V over keys in order, in
- * 16-dimension slices of up to 4 heads (weighted_v_slice) so the accumulators stay in registers. nd16 =
- * head_dim / 16. The order depends only on the row's query, keys and length: a prefill row (run as
- * the decode of its position) is bitwise its decode. Scratch as attend_seq_avx512's. */
-static inline __attribute__((always_inline)) void attend_seq_avx2(
-    const float *q_row, float *o_row, const char *k_cache, const char *v_cache, int64_t block_stride,
-    const int32_t *table, int64_t first, int64_t len, int64_t num_heads, int64_t group, const int nd16,
-    int64_t token_stride, int64_t block_size, float scale, float *scores, float *qbuf, float *acc,
-    const char *next_k, const int esz)
-{
-    const int64_t head_dim = (int64_t)nd16 * 16, num_kv = num_heads / group, n_keys = len - first;
-    const int64_t block_bytes = block_size * token_stride * (int64_t)esz;
-    const int64_t b0 = first / block_size, num_blocks = (len + block_size - 1) / block_size;
-    const __m256 vscale = _mm256_set1_ps(scale);
-    for (int64_t i = 0; i < num_heads * head_dim; i += 8)
-        _mm256_storeu_ps(qbuf + i, _mm256_mul_ps(_mm256_loadu_ps(q_row + i), vscale));
-    float maxv[MAX_HEADS];
-    for (int64_t h = 0; h < num_heads; h++) maxv[h] = -3.0e38f;
+/* 32 dimensions a weighted-V slice where the group has <= 3 heads (12 chains), else 16. */
+static inline int v_wide(int64_t group, int nd16) { return group <= 3 && nd16 % 2 == 0; }
 
-    /* 1. scores */
-    prefetch_block(BLOCK_AT(k_cache, b0), block_bytes);
-    for (int64_t b = b0; b < num_blocks; b++) {
-        BLOCK_KEYS(b);
-        const char *kb = BLOCK_AT(k_cache, b);
-        Prefetcher pf = prefetcher(b + 1 < num_blocks ? BLOCK_AT(k_cache, b + 1)
-                                   : BLOCK_AT(v_cache, b0),
-                                   block_bytes, ((nblk - lo + 7) / 8) * num_heads);
-        for (int64_t c0 = lo; c0 < nblk; c0 += 8) {
-            const int n = (int)(nblk - c0 < 8 ? nblk - c0 : 8);
-            const __m256i live = lanes_below(n);
-            for (int64_t h = 0; h < num_heads; h++) {
-                prefetch_step(&pf);
-                const char *kh = kb + (c0 * token_stride + (h / group) * head_dim) * esz;
-                const int64_t kstep = token_stride * esz;
-                __m256 qv[MAX_HEAD_DIM / 8];
-                for (int j = 0; j < 2 * nd16; j++) qv[j] = _mm256_loadu_ps(qbuf + h * head_dim + j * 8);
-                const __m256 zero = _mm256_setzero_ps();
-#define PART(t) (t < n ? key_partial(qv, kh + (t) * kstep, nd16, esz) : zero)
-                const __m256 u0 = quad_sum(PART(0), PART(1), PART(2), PART(3));
-                const __m256 u1 = quad_sum(PART(4), PART(5), PART(6), PART(7));
-#undef PART
-                const __m256 sc = octet_sum(u0, u1);
-                _mm256_maskstore_ps(scores + h * n_keys + t0 + c0 - first, live, sc);
-                /* the max over the live lanes (the others -3e38, below any score) */
-                __m256 mx = _mm256_blendv_ps(_mm256_set1_ps(-3.0e38f), sc, _mm256_castsi256_ps(live));
-                __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
-                m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-                const float m = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
-                if (m > maxv[h]) maxv[h] = m;
-            }
-        }
-    }
-    /* 2. softmax numerators, in place */
-    float inv_sum[MAX_HEADS];
-    for (int64_t h = 0; h < num_heads; h++) inv_sum[h] = softmax_row_f32(scores + h * n_keys, n_keys, maxv[h]);
-    /* 3. weighted V (keys in order), per block, KV head and 16-dimension slice */
-    for (int64_t i = 0; i < num_heads * head_dim; i += 8) _mm256_storeu_ps(acc + i, _mm256_setzero_ps());
-    for (int64_t b = b0; b < num_blocks; b++) {
-        BLOCK_KEYS(b);
-        const char *vb = BLOCK_AT(v_cache, b);
-        Prefetcher pf = prefetcher(b + 1 < num_blocks ? BLOCK_AT(v_cache, b + 1) : next_k,
-                                   block_bytes, num_kv * nd16 * (nblk - lo));
-        for (int64_t kvh = 0; kvh < num_kv; kvh++) {
-            float *ah = acc + kvh * group * head_dim;
-            const float *sk = scores + kvh * group * n_keys + (t0 + lo - first);  /* key t0 + lo */
-            for (int d16 = 0; d16 < nd16; d16++) {
-                const char *v = vb + (lo * token_stride + kvh * head_dim + d16 * 16) * esz;
-                for (int64_t g0 = 0; g0 < group; g0 += 4) {
-                    float *a = ah + g0 * head_dim + d16 * 16;
-                    const float *p = sk + g0 * n_keys;
+/* One row's weighted V over the keys of block b (vb: the block's V), keys in order, per KV head and
+ * 16-dimension slice, up to 4 heads at a time. */
+static inline __attribute__((always_inline)) void row_values_block(
+    AttRow *row, const char *vb, int64_t b, int64_t num_kv, int64_t group, const int nd16,
+    int64_t token_stride, int64_t block_size, Prefetcher *pf, const int esz)
+{
+    const int64_t first = row->first, len = row->len, n_keys = row->n_keys, head_dim = (int64_t)nd16 * 16;
+    BLOCK_KEYS(b);
+    for (int64_t kvh = 0; kvh < num_kv; kvh++) {
+        float *ah = row->acc + kvh * group * head_dim;
+        const float *sk = row->scores + kvh * group * n_keys + (t0 + lo - first);  /* key t0 + lo */
+        const int wide = v_wide(group, nd16);
+        for (int d16 = 0; d16 < nd16; d16 += wide ? 2 : 1) {
+            const char *v = vb + (lo * token_stride + kvh * head_dim + d16 * 16) * esz;
+            for (int64_t g0 = 0; g0 < group; g0 += 4) {
+                float *a = ah + g0 * head_dim + d16 * 16;
+                const float *p = sk + g0 * n_keys;
+#define WV(G, W) weighted_v_slice(a, p, v, nblk - lo, G, W, head_dim, n_keys, token_stride, esz, pf)
+                if (wide) {
+                    switch (group) {
+                    case 1: WV(1, 4); break;
+                    case 2: WV(2, 4); break;
+                    default: WV(3, 4);
+                    }
+                } else {
                     switch (group - g0 < 4 ? group - g0 : 4) {
-                    case 1: weighted_v_slice(a, p, v, nblk - lo, 1, head_dim, n_keys, token_stride, esz, &pf); break;
-                    case 2: weighted_v_slice(a, p, v, nblk - lo, 2, head_dim, n_keys, token_stride, esz, &pf); break;
-                    case 3: weighted_v_slice(a, p, v, nblk - lo, 3, head_dim, n_keys, token_stride, esz, &pf); break;
-                    default: weighted_v_slice(a, p, v, nblk - lo, 4, head_dim, n_keys, token_stride, esz, &pf);
+                    case 1: WV(1, 2); break;
+                    case 2: WV(2, 2); break;
+                    case 3: WV(3, 2); break;
+                    default: WV(4, 2);
                     }
                 }
+#undef WV
             }
         }
     }
-    for (int64_t h = 0; h < num_heads; h++) {
-        const __m256 inv = _mm256_set1_ps(inv_sum[h]);
-        for (int j = 0; j < 2 * nd16; j++)
-            _mm256_storeu_ps(o_row + h * head_dim + j * 8, _mm256_mul_ps(_mm256_loadu_ps(acc + h * head_dim + j * 8), inv));
+}
+
+/* attend_seq_avx512's fp32 arithmetic in 8 lanes (an fp32 pool, or a bf16 one widened exactly), for
+ * nrows rows of one sequence (one block table; a decode is one row, a prefill chunk run as decodes
+ * up to ATT_ROWS rows at once), every head, each block read from memory once with the next one
+ * prefetched. Per row: scores for 8 keys at a time per head (quad_sum / octet_sum; a key past the
+ * block's end a zero partial), softmax_row_f32 (exp_math.h) per head, then the weighted V over keys
+ * in order, in 16-dimension slices of up to 4 heads (weighted_v_slice) so the accumulators stay in
+ * registers. nd16 = head_dim / 16. The rows take turns block by block, so a block's K (then V) is
+ * read from memory once for all of them and from L1 by the rest (run one row at a time, each prefill
+ * row re-read its whole context from L3: 25 GB/s of attention on a Zen 4 core, docs/model_runner.md);
+ * a row's arithmetic and its order depend only on its query, keys and length, never on the rows
+ * beside it: a prefill row is bitwise its decode. */
+static inline __attribute__((always_inline)) void attend_rows_avx2(
+    AttRow *rows, int nrows, const char *k_cache, const char *v_cache, int64_t block_stride,
+    const int32_t *table, int64_t num_heads, int64_t group, const int nd16, int64_t token_stride,
+    int64_t block_size, float scale, const char *next_k, const int esz)
+{
+    const int64_t head_dim = (int64_t)nd16 * 16, num_kv = num_heads / group;
+    const int64_t block_bytes = block_size * token_stride * (int64_t)esz;
+    const __m256 vscale = _mm256_set1_ps(scale);
+    int64_t b_lo = INT64_MAX, b_hi = 0;
+    for (int r = 0; r < nrows; r++) {
+        AttRow *row = rows + r;
+        for (int64_t i = 0; i < num_heads * head_dim; i += 8)
+            _mm256_storeu_ps(row->qbuf + i, _mm256_mul_ps(_mm256_loadu_ps(row->q + i), vscale));
+        for (int64_t h = 0; h < num_heads; h++) row->maxv[h] = -3.0e38f;
+        row->n_keys = row->len - row->first;
+        const int64_t rb0 = row->first / block_size, rnb = (row->len + block_size - 1) / block_size;
+        if (rb0 < b_lo) b_lo = rb0;
+        if (rnb > b_hi) b_hi = rnb;
+    }
+#define ROW_IN(row, b) ((b) >= (row)->first / block_size && (b) * block_size < (row)->len)
+#define ROW_KEYS_IN(row, b) \
+    (((b) + 1) * block_size < (row)->len ? ((b) + 1) * block_size : (row)->len) \
+        - ((row)->first > (b) * block_size ? (row)->first : (b) * block_size)
+
+    /* 1. scores */
+    prefetch_block(BLOCK_AT(k_cache, b_lo), block_bytes);
+    for (int64_t b = b_lo; b < b_hi; b++) {
+        int64_t steps = 0;
+        for (int r = 0; r < nrows; r++)
+            if (ROW_IN(rows + r, b)) steps += ((ROW_KEYS_IN(rows + r, b) + 7) / 8) * num_heads;
+        if (steps == 0) continue;
+        const char *kb = BLOCK_AT(k_cache, b);
+        Prefetcher pf = prefetcher(b + 1 < b_hi ? BLOCK_AT(k_cache, b + 1) : BLOCK_AT(v_cache, b_lo), block_bytes, steps);
+        for (int r = 0; r < nrows; r++)
+            if (ROW_IN(rows + r, b))
+                row_scores_block(rows + r, kb, b, num_heads, group, nd16, token_stride, block_size, &pf, esz);
+    }
+    /* 2. softmax numerators, in place */
+    for (int r = 0; r < nrows; r++) {
+        AttRow *row = rows + r;
+        for (int64_t h = 0; h < num_heads; h++)
+            row->inv_sum[h] = softmax_row_f32(row->scores + h * row->n_keys, row->n_keys, row->maxv[h]);
+        for (int64_t i = 0; i < num_heads * head_dim; i += 8) _mm256_storeu_ps(row->acc + i, _mm256_setzero_ps());
+    }
+    /* 3. weighted V (keys in order), per block, row, KV head and 16- or 32-dimension slice */
+    const int64_t v_slices = v_wide(group, nd16) ? nd16 / 2 : nd16;
+    for (int64_t b = b_lo; b < b_hi; b++) {
+        int64_t steps = 0;
+        for (int r = 0; r < nrows; r++)
+            if (ROW_IN(rows + r, b)) steps += num_kv * v_slices * ROW_KEYS_IN(rows + r, b);
+        if (steps == 0) continue;
+        const char *vb = BLOCK_AT(v_cache, b);
+        Prefetcher pf = prefetcher(b + 1 < b_hi ? BLOCK_AT(v_cache, b + 1) : next_k, block_bytes, steps);
+        for (int r = 0; r < nrows; r++)
+            if (ROW_IN(rows + r, b))
+                row_values_block(rows + r, vb, b, num_kv, group, nd16, token_stride, block_size, &pf, esz);
+    }
+#undef ROW_IN
+#undef ROW_KEYS_IN
+    for (int r = 0; r < nrows; r++) {
+        AttRow *row = rows + r;
+        for (int64_t h = 0; h < num_heads; h++) {
+            const __m256 inv = _mm256_set1_ps(row->inv_sum[h]);
+            for (int j = 0; j < 2 * nd16; j++)
+                _mm256_storeu_ps(row->o + h * head_dim + j * 8,
+                                 _mm256_mul_ps(_mm256_loadu_ps(row->acc + h * head_dim + j * 8), inv));
+        }
     }
 }
 #endif
@@ -498,6 +577,87 @@ static inline int64_t first_key(int64_t len, int64_t window) {
  * in elements; esz: the cache element's bytes (4 fp32, 2 bf16). */
 /* The decode attention over a pool of esz-byte elements (4: fp32, 2: bf16, in bf16 dot products or
  * widened exactly on load as kv_elem.h's kv_bf16_dots says); the typed entry points below and decode_stack.c call it. */
+#if KVM_AVX2
+#define ATT_ROWS 4  /* rows of one sequence (table_stride 0: a prefill chunk) attended together */
+
+/* kvmesh_paged_decode_elem on the AVX2 path: work items are sequences, or with one block table
+ * for all rows (table_stride 0: prefill_attention.c's rows of one prompt) runs of ATT_ROWS
+ * consecutive rows, which attend_rows_avx2 walks block by block together; items split over
+ * threads as pairs.h describes, each thread prefetching its next item's first K block. */
+static int paged_decode_avx2(
+    const float *q, int64_t q_row_stride, const char *k_cache, const char *v_cache, int64_t block_stride,
+    const int32_t *tables, int64_t table_stride, const int32_t *seq_lens, const int32_t *rows, int64_t num_seqs,
+    float *out, int64_t out_row_stride, int64_t num_heads, int64_t group, int64_t head_dim, int64_t token_stride,
+    int64_t block_size, int64_t max_seq_len, float scale, int64_t window, int esz)
+{
+    const int64_t per_item = table_stride == 0 ? ATT_ROWS : 1, items = (num_seqs + per_item - 1) / per_item;
+    int64_t claimed[MAX_PAIRS] = {0};
+    int failed = 0;
+    #pragma omp parallel
+    {
+        const size_t heads = (size_t)num_heads, dim = (size_t)head_dim;
+        /* per row: scores (+16: masked stores never write past len, but keep a lane group spare),
+         * the scaled query, the accumulators */
+        const size_t score_floats = heads * (size_t)(max_seq_len > 0 ? max_seq_len : 1) + 16;
+        float *buf = (float *)malloc(sizeof(float) * (size_t)per_item * (score_floats + 2 * heads * dim));
+        AttRow *att = (AttRow *)malloc(sizeof(AttRow) * (size_t)per_item);
+        if (buf == NULL || att == NULL) {
+            #pragma omp atomic write
+            failed = 1;
+        }
+        PairedRun run;
+        paired_run_init(&run, items, claimed);
+        for (int64_t taken = 0;; taken++) {
+            const int64_t it = paired_run_take(&run, taken);
+            if (it < 0) break;
+            if (buf == NULL || att == NULL) continue;
+            const int64_t ni = paired_run_after(&run, it), ns = ni >= 0 ? ni * per_item : -1;
+            const char *next_k = ns >= 0 && seq_lens[ns] > 0
+                ? k_cache + (int64_t)tables[ns * table_stride + first_key(seq_lens[ns], window) / block_size]
+                      * block_stride * esz
+                : NULL;
+            const int64_t s0 = it * per_item, s1 = s0 + per_item < num_seqs ? s0 + per_item : num_seqs;
+            int nrows = 0;
+            for (int64_t s = s0; s < s1; s++) {
+                const int64_t len = seq_lens[s];
+                float *os = out + (int64_t)rows[s] * out_row_stride;
+                if (len <= 0) {
+                    for (int64_t i = 0; i < num_heads * head_dim; i++) os[i] = 0.0f;
+                    continue;
+                }
+                AttRow *row = att + nrows;
+                float *mine = buf + (size_t)nrows * (score_floats + 2 * heads * dim);
+                row->q = q + (int64_t)rows[s] * q_row_stride;
+                row->o = os;
+                row->scores = mine;
+                row->qbuf = mine + score_floats;
+                row->acc = mine + score_floats + heads * dim;
+                row->first = first_key(len, window);
+                row->len = len;
+                nrows++;
+            }
+            if (nrows == 0) continue;
+            const int32_t *table = tables + s0 * table_stride;
+#define ATTEND(nd, esz) attend_rows_avx2(att, nrows, k_cache, v_cache, block_stride, table, num_heads, group, nd, \
+                                         token_stride, block_size, scale, next_k, esz)
+            if (esz == 4) {
+                if (head_dim == 64) ATTEND(4, 4);
+                else if (head_dim == 128) ATTEND(8, 4);
+                else ATTEND((int)(head_dim / 16), 4);
+            } else {
+                if (head_dim == 64) ATTEND(4, 2);
+                else if (head_dim == 128) ATTEND(8, 2);
+                else ATTEND((int)(head_dim / 16), 2);
+            }
+#undef ATTEND
+        }
+        free(buf);
+        free(att);
+    }
+    return failed ? -2 : 0;
+}
+#endif
+
 int kvmesh_paged_decode_elem(
     const float *q, int64_t q_row_stride,
     const char *k_cache, const char *v_cache, int64_t block_stride,
@@ -512,7 +672,13 @@ int kvmesh_paged_decode_elem(
     if (group > MAX_GROUP || head_dim > MAX_HEAD_DIM) return -1;
     const int64_t token_stride = num_kv_heads * head_dim;
     int failed = 0;
-#if defined(__AVX512F__) || KVM_AVX2
+#if KVM_AVX2
+    if (head_dim % 16 == 0 && num_heads <= MAX_HEADS)
+        return paged_decode_avx2(q, q_row_stride, k_cache, v_cache, block_stride, tables, table_stride, seq_lens, rows,
+                                 num_seqs, out, out_row_stride, num_heads, group, head_dim, token_stride, block_size,
+                                 max_seq_len, scale, window, esz);
+#endif
+#if defined(__AVX512F__)
     if (head_dim % 16 == 0 && num_heads <= MAX_HEADS) {
         const int dots = kv_bf16_dots(esz, num_heads, head_dim, block_size);
         int64_t claimed[MAX_PAIRS] = {0};
@@ -567,20 +733,6 @@ int kvmesh_paged_decode_elem(
                     if (head_dim == 64) ATTEND(4, 2, 0);
                     else if (head_dim == 128) ATTEND(8, 2, 0);
                     else ATTEND((int)(head_dim / 16), 2, 0);
-                }
-#undef ATTEND
-#else
-#define ATTEND(nd, esz) attend_seq_avx2(qs, os, k_cache, v_cache, block_stride, table, first, len, num_heads, \
-                                        group, nd, token_stride, block_size, scale, scores, qbuf, acc, next_k, esz)
-                (void)dots;
-                if (esz == 4) {
-                    if (head_dim == 64) ATTEND(4, 4);
-                    else if (head_dim == 128) ATTEND(8, 4);
-                    else ATTEND((int)(head_dim / 16), 4);
-                } else {
-                    if (head_dim == 64) ATTEND(4, 2);
-                    else if (head_dim == 128) ATTEND(8, 2);
-                    else ATTEND((int)(head_dim / 16), 2);
                 }
 #undef ATTEND
 #endif
