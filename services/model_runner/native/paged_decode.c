@@ -27,9 +27,10 @@
  * pool, not two.
  *
  * Paths: AVX-512 for head_dim a multiple of 16 (specialised for 64 and 128); on a CPU without
- * AVX-512 but with AVX2 + FMA the same structure in 8 lanes (attend_seq_avx2); portable C loops
+ * AVX-512 but with AVX2 + FMA the same structure in 8 lanes (attend_rows_avx2); portable C loops
  * (per sequence and KV head) otherwise. prefill_attention.c runs each prefill row as a decode of
- * its position through this kernel wherever its own tiles do not run (the AVX2 build included).
+ * its position through this kernel wherever its own tiles do not run (the AVX2 build included:
+ * there a chunk's rows, which share one block table, are attended four at a time).
  *
  * Numerics: a bf16 cache is attended in bf16 dot products where kv_elem.h's kv_bf16_dots says so
  * (attend_seq_avx512 with dots; AVX512-BF16 builds); otherwise it is widened exactly to fp32 as it is
