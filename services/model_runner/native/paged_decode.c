@@ -334,6 +334,7 @@ typedef struct {
     const float *q;
     float *o, *scores, *qbuf, *acc;
     int64_t first, len, n_keys;
+    int64_t b0, nb;  /* the row's blocks: b0 .. nb - 1 */
     float maxv[MAX_HEADS], inv_sum[MAX_HEADS];
 } AttRow;
 
@@ -445,11 +446,12 @@ static inline __attribute__((always_inline)) void attend_rows_avx2(
             _mm256_storeu_ps(row->qbuf + i, _mm256_mul_ps(_mm256_loadu_ps(row->q + i), vscale));
         for (int64_t h = 0; h < num_heads; h++) row->maxv[h] = -3.0e38f;
         row->n_keys = row->len - row->first;
-        const int64_t rb0 = row->first / block_size, rnb = (row->len + block_size - 1) / block_size;
-        if (rb0 < b_lo) b_lo = rb0;
-        if (rnb > b_hi) b_hi = rnb;
+        row->b0 = row->first / block_size;
+        row->nb = (row->len + block_size - 1) / block_size;
+        if (row->b0 < b_lo) b_lo = row->b0;
+        if (row->nb > b_hi) b_hi = row->nb;
     }
-#define ROW_IN(row, b) ((b) >= (row)->first / block_size && (b) * block_size < (row)->len)
+#define ROW_IN(row, b) ((b) >= (row)->b0 && (b) < (row)->nb)
 #define ROW_KEYS_IN(row, b) \
     (((b) + 1) * block_size < (row)->len ? ((b) + 1) * block_size : (row)->len) \
         - ((row)->first > (b) * block_size ? (row)->first : (b) * block_size)
