@@ -425,11 +425,10 @@ static inline __attribute__((always_inline)) void row_values_block(
  * up to ATT_ROWS rows at once), every head, each block read from memory once with the next one
  * prefetched. Per row: scores for 8 keys at a time per head (quad_sum / octet_sum; a key past the
  * block's end a zero partial), softmax_row_f32 (exp_math.h) per head, then the weighted V over keys
- * in order, in 16-dimension slices of up to 4 heads (weighted_v_slice) so the accumulators stay in
- * registers. nd16 = head_dim / 16. The rows take turns block by block, so a block's K (then V) is
- * read from memory once for all of them and from L1 by the rest (run one row at a time, each prefill
- * row re-read its whole context from L3: 25 GB/s of attention on a Zen 4 core, docs/model_runner.md);
- * a row's arithmetic and its order depend only on its query, keys and length, never on the rows
+ * in order, in 16- or 32-dimension slices of up to 4 heads (weighted_v_slice, v_wide) so the
+ * accumulators stay in registers. nd16 = head_dim / 16. The rows take turns block by block, so a
+ * block's K (then V) is read from memory once for all of them and from L1 by the rest (one row at a
+ * time re-read the whole context per row; the measurement: docs/model_runner.md); a row's arithmetic and its order depend only on its query, keys and length, never on the rows
  * beside it: a prefill row is bitwise its decode. */
 static inline __attribute__((always_inline)) void attend_rows_avx2(
     AttRow *rows, int nrows, const char *k_cache, const char *v_cache, int64_t block_stride,
@@ -575,6 +574,15 @@ static inline int64_t first_key(int64_t len, int64_t window) {
     return window > 0 && len > window ? len - window : 0;
 }
 
+/* The K block holding sequence s's first attended key (NULL for s < 0 or an empty sequence): what a
+ * thread prefetches for the sequence it takes next. */
+static inline const char *first_k_block(const char *k_cache, const int32_t *tables, int64_t table_stride,
+                                        const int32_t *seq_lens, int64_t s, int64_t window, int64_t block_size,
+                                        int64_t block_stride, int esz) {
+    if (s < 0 || seq_lens[s] <= 0) return NULL;
+    return k_cache + (int64_t)tables[s * table_stride + first_key(seq_lens[s], window) / block_size] * block_stride * esz;
+}
+
 /* Returns 0, -1 for an unsupported shape (too many query heads per KV head, head_dim > 256),
  * -2 when a thread could not allocate its score buffer. window: 0 = full attention; block_stride
  * in elements; esz: the cache element's bytes (4 fp32, 2 bf16). */
@@ -615,10 +623,8 @@ static int paged_decode_avx2(
             if (it < 0) break;
             if (buf == NULL || att == NULL) continue;
             const int64_t ni = paired_run_after(&run, it), ns = ni >= 0 ? ni * per_item : -1;
-            const char *next_k = ns >= 0 && seq_lens[ns] > 0
-                ? k_cache + (int64_t)tables[ns * table_stride + first_key(seq_lens[ns], window) / block_size]
-                      * block_stride * esz
-                : NULL;
+            const char *next_k = first_k_block(k_cache, tables, table_stride, seq_lens, ns, window, block_size,
+                                               block_stride, esz);
             const int64_t s0 = it * per_item, s1 = s0 + per_item < num_seqs ? s0 + per_item : num_seqs;
             int nrows = 0;
             for (int64_t s = s0; s < s1; s++) {
@@ -707,10 +713,8 @@ int kvmesh_paged_decode_elem(
                 if (s < 0) break;
                 if (scores == NULL || qbuf == NULL || acc == NULL || (dots && pbuf == NULL)) continue;
                 const int64_t ns = paired_run_after(&run, s);
-                const char *next_k = ns >= 0 && seq_lens[ns] > 0
-                    ? k_cache + (int64_t)tables[ns * table_stride + first_key(seq_lens[ns], window) / block_size]
-                          * block_stride * esz
-                    : NULL;
+                const char *next_k = first_k_block(k_cache, tables, table_stride, seq_lens, ns, window, block_size,
+                                                   block_stride, esz);
                 const int64_t len = seq_lens[s];
                 const float *qs = q + (int64_t)rows[s] * q_row_stride;
                 float *os = out + (int64_t)rows[s] * out_row_stride;
