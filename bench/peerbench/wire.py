@@ -102,15 +102,19 @@ class TreeMemory:
         return self.pss_kib / 1024
 
 
-def tree_memory(root: int, include_root: bool = True, proc: str = "/proc") -> TreeMemory:
+def tree_memory(root: int, include_root: bool = True, proc: str = "/proc", pss: bool = True) -> TreeMemory:
     """The memory of ``root``'s process tree; without ``root`` itself when ``include_root`` is false
-    (a worker that only drives a server it started counts the server's processes, not its own)."""
+    (a worker that only drives a server it started counts the server's processes, not its own).
+
+    ``pss=False`` skips PSS (reported as 0): ``smaps_rollup`` walks every page table of the process
+    under its mmap lock, tens of milliseconds for a GiB-sized engine, where ``VmRSS`` is a counter.
+    """
     pids = [p for p in tree_pids(root, proc) if os.path.exists(f"{proc}/{p}/status")]  # NOTE: gone ones don't count
     if not include_root:
         pids = [p for p in pids if p != root]
     rss = sum(_status_kib(p, "VmRSS:", proc) for p in pids)
-    pss = sum(_status_kib(p, "Pss:", proc, "smaps_rollup") for p in pids)
-    return TreeMemory(len(pids), rss, pss)
+    pss_kib = sum(_status_kib(p, "Pss:", proc, "smaps_rollup") for p in pids) if pss else 0
+    return TreeMemory(len(pids), rss, pss_kib)
 
 
 def tree_rss_mib(root: int) -> float:
@@ -119,14 +123,20 @@ def tree_rss_mib(root: int) -> float:
 
 
 class RssSampler:
-    """The peak of :func:`tree_memory` of this process's tree, sampled every ``interval`` seconds.
+    """The peak of :func:`tree_memory` of this process's tree: RSS sampled every ``interval``
+    seconds, PSS every ``pss_interval``.
 
-    ``include_self``: whether this process counts (false for a worker whose engine is a server in
-    child processes: its own client and driver are not the engine's memory).
+    PSS is sampled more sparsely because reading it disturbs the engine being measured: each read
+    walks the page tables of every engine process while holding its mmap lock (an engine that
+    frees a large tensor waits for it), and at 4 reads a second it took 10% of a 2-core machine's
+    CPU samples in a batch-32 run (docs/benchmarks.md, "Session 30"). ``include_self``: whether
+    this process counts (false for a worker whose engine is a server in child processes: its own
+    client and driver are not the engine's memory).
     """
 
-    def __init__(self, interval: float = 0.25, include_self: bool = True) -> None:
+    def __init__(self, interval: float = 0.25, include_self: bool = True, pss_interval: float = 2.0) -> None:
         self.interval = interval
+        self.pss_interval = pss_interval
         self.include_self = include_self
         self.peak = 0.0
         self.peak_pss = 0.0
@@ -139,11 +149,15 @@ class RssSampler:
         return tree_memory(os.getpid(), self.include_self)
 
     def _loop(self) -> None:
+        last_pss = -float("inf")
         while not self._stop.is_set():
-            m = self.now()
+            with_pss = time.monotonic() - last_pss >= self.pss_interval
+            m = tree_memory(os.getpid(), self.include_self, pss=with_pss)
+            if with_pss:
+                last_pss = time.monotonic()
+                self.peak_pss = max(self.peak_pss, m.pss_mib)
             if m.rss_mib > self.peak:
                 self.peak, self.peak_processes = m.rss_mib, m.processes
-            self.peak_pss = max(self.peak_pss, m.pss_mib)
             self._stop.wait(self.interval)
 
     def start(self) -> RssSampler:

