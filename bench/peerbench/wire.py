@@ -144,17 +144,18 @@ class RssSampler:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
 
-    def now(self) -> TreeMemory:
-        """The tree's memory at this moment."""
-        return tree_memory(os.getpid(), self.include_self)
+    def now(self, pss: bool = True) -> TreeMemory:
+        """The tree's memory at this moment, PSS included only when ``pss`` (see :func:`tree_memory`)."""
+        return tree_memory(os.getpid(), self.include_self, pss=pss)
 
     def _loop(self) -> None:
         last_pss = -float("inf")
         while not self._stop.is_set():
-            with_pss = time.monotonic() - last_pss >= self.pss_interval
-            m = tree_memory(os.getpid(), self.include_self, pss=with_pss)
+            started = time.monotonic()
+            with_pss = started - last_pss >= self.pss_interval
+            m = self.now(pss=with_pss)
             if with_pss:
-                last_pss = time.monotonic()
+                last_pss = started
                 self.peak_pss = max(self.peak_pss, m.pss_mib)
             if m.rss_mib > self.peak:
                 self.peak, self.peak_processes = m.rss_mib, m.processes

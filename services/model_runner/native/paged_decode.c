@@ -428,8 +428,9 @@ static inline __attribute__((always_inline)) void row_values_block(
  * in order, in 16- or 32-dimension slices of up to 4 heads (weighted_v_slice, v_wide) so the
  * accumulators stay in registers. nd16 = head_dim / 16. The rows take turns block by block, so a
  * block's K (then V) is read from memory once for all of them and from L1 by the rest (one row at a
- * time re-read the whole context per row; the measurement: docs/model_runner.md); a row's arithmetic and its order depend only on its query, keys and length, never on the rows
- * beside it: a prefill row is bitwise its decode. */
+ * time re-read the whole context per row; the measurement: docs/model_runner.md); a row's
+ * arithmetic and its order depend only on its query, keys and length, never on the rows beside
+ * it: a prefill row is bitwise its decode. */
 static inline __attribute__((always_inline)) void attend_rows_avx2(
     AttRow *rows, int nrows, const char *k_cache, const char *v_cache, int64_t block_stride,
     const int32_t *table, int64_t num_heads, int64_t group, const int nd16, int64_t token_stride,
