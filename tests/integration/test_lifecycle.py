@@ -42,6 +42,7 @@ ENV = {
     "KVMESH_GRACE_SECONDS": "3",
     "KVMESH_SCHED_DEPENDENCY_CHECK_SECONDS": "0.5",
 }
+STREAM_DEADLINE = 240.0  # well past any wait below, under pytest-timeout's 300 s
 
 
 def _up_cmd(model_dir: Path, port: int, log_dir: Path) -> list[str]:
@@ -62,6 +63,12 @@ def _health(address: str, service: str = "", channel: grpc.Channel | None = None
     finally:
         if own:
             channel.close()
+
+
+def _log_tail(suite: Suite) -> str:
+    """The scheduler's last log lines, for an assertion's message: a failure on a CI host is
+    diagnosed from them."""
+    return "scheduler log:\n" + "\n".join(suite.services["scheduler"].log_tail(6_000).splitlines()[-30:])
 
 
 def _wait_for(predicate: Any, timeout: float, what: str) -> float:
@@ -159,7 +166,9 @@ def test_sigterm_drains_the_scheduler_and_frees_everything(suite: Suite) -> None
         prompt = [5 + i, *range(10, 30)]
         try:
             with KVMeshClient(address) as client:
-                for chunk in client.generate(prompt, 480, timeout=60, ignore_eos=True):
+                # NOTE: a deadline far past the drain: the test is about the order of events, and on a
+                # loaded CI host the first step and the signal can each take many seconds.
+                for chunk in client.generate(prompt, 480, timeout=STREAM_DEADLINE, ignore_eos=True):
                     first_chunk[i].set()
                     if chunk.HasField("final"):
                         outcomes[i] = (chunk.final.finish_reason, chunk.final.stop_reason)
@@ -190,8 +199,9 @@ def test_sigterm_drains_the_scheduler_and_frees_everything(suite: Suite) -> None
         assert not t.is_alive(), "a client hangs"
     # Every stream ended with a final chunk: finished in the grace period, or ended by the drain.
     shutdown = (scheduler_pb2.FINISH_REASON_ABORT, "server shutting down")
-    assert sorted(outcomes) == list(range(8)), outcomes
-    assert all(o in (shutdown, (scheduler_pb2.FINISH_REASON_LENGTH, "")) for o in outcomes.values()), outcomes
+    assert sorted(outcomes) == list(range(8)), (outcomes, _log_tail(suite))
+    assert all(o in (shutdown, (scheduler_pb2.FINISH_REASON_LENGTH, "")) for o in outcomes.values()), (
+        outcomes, _log_tail(suite))
     assert shutdown in outcomes.values()
     stats = _kv_stats(suite)
     assert stats.num_requests == 0 and stats.num_free_blocks == stats.num_blocks
@@ -209,13 +219,14 @@ def test_a_dead_runner_makes_the_scheduler_unready_until_it_is_restarted(suite: 
     restarts = suite.restarts["model-runner"]
     # A stream in flight when the runner dies: a clean status, the details in the scheduler's log.
     with KVMeshClient(address) as client:
-        stream = client.generate(list(range(10, 30)), 400, timeout=60, ignore_eos=True, request_id="victim-1")
+        stream = client.generate(list(range(10, 30)), 400, timeout=STREAM_DEADLINE, ignore_eos=True,
+                                 request_id="victim-1")
         next(stream)
         runner.proc.kill()
         with pytest.raises(grpc.RpcError) as info:
             list(stream)
     assert (info.value.code(), info.value.details()) == (
-        grpc.StatusCode.UNAVAILABLE, "model-runner unavailable; request victim-1 failed, retry")
+        grpc.StatusCode.UNAVAILABLE, "model-runner unavailable; request victim-1 failed, retry"), _log_tail(suite)
     (line,) = [ln for ln in suite.services["scheduler"].log_tail(50_000).splitlines() if "victim-1" in ln]
     assert "model-runner step" in line and "failed for requests ['victim-1']" in line
     assert "StatusCode.UNAVAILABLE" in line  # the exception itself, on one line
