@@ -82,7 +82,9 @@ _P, _I = ctypes.c_void_p, ctypes.c_int64
 
 
 def _compile(sources: Sequence[Path], out: Path) -> ctypes.CDLL:
-    flags = [f for f in native.CFLAGS if f != "-Wall"]
+    # NOTE: the vendor's flags as the loader adds them (a macro the base does not know is ignored)
+    vendor = native.KV_PREFETCH_L2_CFLAGS if native.kv_prefetch_into_l2(native.cpu_vendor()) else ()
+    flags = [f for f in (*native.CFLAGS, *vendor) if f != "-Wall"]
     subprocess.run(["cc", *flags, "-o", str(out), *map(str, sources), "-lm"], check=True)
     lib = ctypes.CDLL(str(out))
     lib.kvmesh_linear_bf16.argtypes = [_P, _I, _I, _I, _P, _I, _P, _P, _I]
@@ -93,6 +95,7 @@ def _compile(sources: Sequence[Path], out: Path) -> ctypes.CDLL:
     lib.kvmesh_prefill_attention_bf16.argtypes = lib.kvmesh_prefill_attention_f32.argtypes
     lib.kvmesh_paged_decode_bf16.argtypes = [_P, _I, _P, _P, _I, _P, _I, _P, _P, _I, _P, _I, _I, _I, _I, _I, _I,
                                              ctypes.c_float, _I]  # fmt: skip
+    lib.kvmesh_paged_decode_f32.argtypes = lib.kvmesh_paged_decode_bf16.argtypes
     return lib
 
 
@@ -266,6 +269,41 @@ def bf16_attention(libs: dict[str, ctypes.CDLL], repeats: int) -> None:
                 outs)  # fmt: skip
 
 
+def decode_attention(libs: dict[str, ctypes.CDLL], contexts: Sequence[int], repeats: int) -> None:
+    """The decode kernel as a batch-32 step runs it, over an fp32 pool and a bf16 one (bf16 mode's):
+    30 layers, each its own pool (so a pass streams every K/V byte from memory, as a step does: 283
+    MB at context 192 in fp32), each sequence's blocks scattered over its layer's pool."""
+    heads, kv_heads, dim, block, batch, layers = 9, 3, 64, 16, 32, 30
+    for dtype, fn in ((torch.float32, "kvmesh_paged_decode_f32"), (torch.bfloat16, "kvmesh_paged_decode_bf16")):
+        for ctx in contexts:
+            gen = torch.Generator().manual_seed(ctx)
+            per = (ctx + block - 1) // block
+            blocks = batch * per + 1
+            pools = [[torch.randn(blocks, block, kv_heads, dim, generator=gen).to(dtype) for _ in range(2)]
+                     for _ in range(layers)]  # fmt: skip
+            tables = [(torch.randperm(blocks - 1, generator=gen)[: batch * per] + 1).to(torch.int32)
+                      .view(batch, per).contiguous() for _ in range(layers)]  # fmt: skip
+            lens, rows = torch.full((batch,), ctx, dtype=torch.int32), torch.arange(batch, dtype=torch.int32)
+            q = torch.randn(batch, heads * dim, generator=gen)
+            outs = {name: torch.empty(layers, batch, heads * dim) for name in libs}
+
+            def step(lib: ctypes.CDLL, out: torch.Tensor, pools: list[list[torch.Tensor]] = pools,
+                     tables: list[torch.Tensor] = tables, fn: str = fn, ctx: int = ctx, per: int = per,
+                     lens: torch.Tensor = lens, rows: torch.Tensor = rows, q: torch.Tensor = q) -> None:
+                for layer, ((k_cache, v_cache), table) in enumerate(zip(pools, tables, strict=True)):
+                    getattr(lib, fn)(
+                        q.data_ptr(), heads * dim, k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0),
+                        table.data_ptr(), per, lens.data_ptr(), rows.data_ptr(), batch, out[layer].data_ptr(),
+                        heads * dim, heads, kv_heads, dim, block, ctx, dim**-0.5, 0)  # fmt: skip
+
+            med = race({name: (step, (lib, outs[name])) for name, lib in libs.items()}, repeats)
+            gbytes = layers * batch * ctx * kv_heads * dim * dtype.itemsize * 2 / 1e9
+            print(f"decode attention, {str(dtype)[6:]} pool, batch {batch} at context {ctx}, {layers} layers "
+                  f"({gbytes * 1e3:.0f} MB of K/V): base {med['base'] * 1e3:.2f} ms ({gbytes / med['base']:.1f} GB/s), "
+                  f"new {med['new'] * 1e3:.2f} ms ({gbytes / med['new']:.1f}), "
+                  f"new/base {med['new'] / med['base']:.3f}, bitwise {torch.equal(outs['base'], outs['new'])}")
+
+
 def _report(what: str, med: dict[str, float], flops: float, outs: dict[str, torch.Tensor]) -> None:
     diff = float((outs["base"] - outs["new"]).abs().max())
     print(f"{what}: base {med['base'] * 1e3:.2f} ms ({flops / med['base'] / 1e9:.0f} GFLOP/s), "
@@ -296,7 +334,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--step-rows", type=int, nargs="*", default=[],
                         help="also a whole step's fp32 GEMMs, weights streamed, at these row counts")  # fmt: skip
     parser.add_argument("--parts", default="peaks,gemms,attention",
-                        help="which of peaks,gemms,attention,bf16-attention to run")
+                        help="which of peaks,gemms,attention,bf16-attention,decode-attention to run")
+    parser.add_argument("--contexts", type=int, nargs="*", default=[192, 512],
+                        help="decode-attention: the batch's context lengths")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory(prefix="kvmesh-kernel-ab-") as tmp:
@@ -312,6 +352,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             attention(libs, args.repeats)
         if "bf16-attention" in parts:
             bf16_attention(libs, args.repeats)
+        if "decode-attention" in parts:
+            decode_attention(libs, args.contexts, args.repeats)
     return 0
 
 

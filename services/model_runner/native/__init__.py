@@ -96,6 +96,11 @@ BF16_FMA_CFLAGS = (*NO_AMX_CFLAGS, "-DKVMESH_BF16_FMA")  # bf16 mode's arithmeti
 # twice their fp32 rate.
 HALF_RATE_BF16_DOTS_VENDOR = "GenuineIntel"
 BF16_SETTINGS = ("auto", "fma", "dots")  # KVMESH_NATIVE_BF16
+# The vendor whose decode attention prefetches the next K/V block into L2 rather than L1
+# (paged_decode.c's KV_PREFETCH_HINT): a Zen 4's batch-32 decode attention took 0.60x the time
+# (docs/model_runner.md, "Decode attention's prefetch on AMD"). A hint: the bits are the same.
+L2_KV_PREFETCH_VENDOR = "AuthenticAMD"
+KV_PREFETCH_L2_CFLAGS = ("-DKVMESH_KV_PREFETCH_L2",)
 _I64 = ctypes.c_int64
 _PTR = ctypes.c_void_p
 _F32 = ctypes.c_float
@@ -163,6 +168,12 @@ def bf16_in_fma(flags: frozenset[str], vendor: str, setting: str = "auto") -> bo
     if setting != "auto":
         return setting == "fma"
     return vendor == HALF_RATE_BF16_DOTS_VENDOR and "amx_bf16" not in flags
+
+
+def kv_prefetch_into_l2(vendor: str) -> bool:
+    """Whether decode attention prefetches the next K/V block into L2 on a CPU of ``vendor`` (the
+    ``KV_PREFETCH_L2_CFLAGS`` build): a rule on the vendor, as :func:`bf16_in_fma`."""
+    return vendor == L2_KV_PREFETCH_VENDOR
 
 
 def _compiler() -> str | None:
@@ -234,6 +245,7 @@ class NativeKernels:
     # kvmesh_bf16_dots_for(num_heads, head_dim, block_size): whether a bf16 pool of that shape is attended
     # in bf16 dot products (kv_elem.h's kv_bf16_dots, the one owner of the rule)
     bf16_dots_for: Any = None
+    kv_prefetch_l2: bool = False  # kvmesh_kv_prefetch_l2(): decode attention prefetches K/V into L2, not L1
     # the attention kernels over a bf16 pool (same arguments; the caches uint16): always built, the
     # defaults only keep hand-made NativeKernels valid
     paged_decode_bf16: Any = None  # kvmesh_paged_decode_bf16
@@ -256,7 +268,7 @@ def _bind(lib: ctypes.CDLL, name: str, restype: Any, argtypes: list[Any]) -> Any
 
 @functools.cache
 def load_kernels(portable: bool = False, no_amx: bool = False, plain: bool = False,
-                 bf16_fma: bool | None = None) -> NativeKernels | None:
+                 bf16_fma: bool | None = None, kv_prefetch_l2: bool | None = None) -> NativeKernels | None:
     """The built kernels, or None when they cannot be built here (logged once).
 
     Args:
@@ -266,6 +278,8 @@ def load_kernels(portable: bool = False, no_amx: bool = False, plain: bool = Fal
         bf16_fma: whether bf16 mode runs fp32 FMAs over widened bf16 weights and KV
             (``gemm_bf16.c``'s third kernel) or ``vdpbf16ps``; None: :func:`bf16_in_fma` on this
             machine and ``KVMESH_NATIVE_BF16`` (True / False: that variant, for tests).
+        kv_prefetch_l2: whether decode attention prefetches K/V blocks into L2
+            (``KV_PREFETCH_L2_CFLAGS``); None: on ``L2_KV_PREFETCH_VENDOR``'s CPUs.
     """
     if bf16_fma is None:
         bf16_fma = not (portable or plain or no_amx) and bf16_in_fma(
@@ -274,6 +288,8 @@ def load_kernels(portable: bool = False, no_amx: bool = False, plain: bool = Fal
     # kernels' object and both share one thread pool.
     flags = (*(PORTABLE_CFLAGS if portable else ()), *(PLAIN_CFLAGS if plain else ()),
              *(NO_AMX_CFLAGS if no_amx else ()), *(BF16_FMA_CFLAGS if bf16_fma else ()))
+    if kv_prefetch_l2 if kv_prefetch_l2 is not None else kv_prefetch_into_l2(cpu_vendor()):
+        flags = (*flags, *KV_PREFETCH_L2_CFLAGS)
     try:
         lib = ctypes.CDLL(str(build(extra_cflags=flags)))
     except (OSError, RuntimeError) as exc:
@@ -371,4 +387,5 @@ def load_kernels(portable: bool = False, no_amx: bool = False, plain: bool = Fal
         linear_bf16_amx=bf16 and bool(_bind(lib, "kvmesh_linear_bf16_amx", _I64, [])()),
         linear_bf16_fma=bf16 and bool(_bind(lib, "kvmesh_linear_bf16_fma", _I64, [])()),
         bf16_dots_for=_bind(lib, "kvmesh_bf16_dots_for", _I64, [_I64, _I64, _I64]),
+        kv_prefetch_l2=bool(_bind(lib, "kvmesh_kv_prefetch_l2", _I64, [])()),
     )  # fmt: skip

@@ -76,10 +76,21 @@ static inline void prefetch_block(const char *base, int64_t bytes) {
     for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
 }
 
+/* Where the spread prefetch puts the next block's lines. On AMD (KVMESH_KV_PREFETCH_L2, set by the
+ * loader from the vendor) L2: on a Zen 4 a step's decode attention took 0.60x the time with T1 than
+ * with T0, whose fills into L1 evicted the lines the current block was using (and cost even with
+ * the K/V in cache); Zen 3 fills L1 whatever the hint. Elsewhere L1, as measured first (an early
+ * run found L2 no better). docs/model_runner.md, "Decode attention's prefetch on AMD". */
+#if defined(KVMESH_KV_PREFETCH_L2)
+#define KV_PREFETCH_HINT _MM_HINT_T1
+#else
+#define KV_PREFETCH_HINT _MM_HINT_T0
+#endif
+
 static inline void prefetch_step(Prefetcher *p) {
     if (p->next == NULL) return;
     for (int64_t i = 0; i < p->per && p->line < p->lines; i++, p->line++)
-        _mm_prefetch(p->next + p->line * 64, _MM_HINT_T0);
+        _mm_prefetch(p->next + p->line * 64, KV_PREFETCH_HINT);
 }
 
 /* The block walk both attention paths make over a sequence's keys first .. len - 1, in the
@@ -784,6 +795,14 @@ int kvmesh_paged_decode_elem(
 }
 
 /* kernels.h */
+int64_t kvmesh_kv_prefetch_l2(void) {
+#if defined(KVMESH_KV_PREFETCH_L2)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 int64_t kvmesh_bf16_dots_for(int64_t num_heads, int64_t head_dim, int64_t block_size) {
     return kv_bf16_dots(2, num_heads, head_dim, block_size);
 }
