@@ -29,6 +29,7 @@ from grpc_reflection.v1alpha import reflection
 
 from shared.config import MAX_MESSAGE_BYTES, ServerConfig
 from shared.errors import PortInUseError
+from shared.gc_heap import freeze_startup_heap
 from shared.interceptors import ErrorMappingInterceptor, Gate
 from shared.peer_auth import PeerIdentityInterceptor
 from shared.tls import TLSFiles, server_credentials
@@ -258,6 +259,8 @@ def serve_forever(running: RunningServer, label: str, on_stop: Callable[[], None
 
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGINT, _on_signal)
+    frozen = freeze_startup_heap()  # start-up is over: full collections skip its heap from here on
+    log.info("%s: %d start-up objects frozen out of the garbage collector's full passes", label, frozen)
     print(f"kvmesh {label} listening on port {running.port}", flush=True)
     done.wait()
     if on_stop is not None:

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -154,6 +155,15 @@ def _kv_stats(suite: Suite) -> kv_cache_manager_pb2.KVCacheStats:
     stub.CheckIntegrity(kv_cache_manager_pb2.CheckIntegrityRequest(), timeout=5)
     stats: kv_cache_manager_pb2.KVCacheStats = stub.GetStats(kv_cache_manager_pb2.GetStatsRequest(), timeout=5)
     return stats
+
+
+def test_every_service_froze_its_start_up_heap(suite: Suite) -> None:
+    """``serve_forever`` froze each service's start-up heap (``shared/gc_heap.py``) before serving:
+    the log says how many objects its collector's full passes no longer walk."""
+    for name, service in suite.services.items():
+        counts = [int(m.group(1)) for m in re.finditer(r"(\d+) start-up objects frozen", service.log_tail(200_000))]
+        assert len(counts) == 1, (name, counts)
+        assert counts[0] > 10_000, (name, counts)  # the modules alone are tens of thousands of objects
 
 
 def test_sigterm_drains_the_scheduler_and_frees_everything(suite: Suite) -> None:
