@@ -17,7 +17,7 @@ bf16 in registers, the same accumulation; skipped likewise) and ``quantization=q
 weights dequantized to fp32 for gemm.c's arithmetic; every machine), each against its own cold run.
 The tiny model's head_dim is 16, which reads a bf16 pool widened into fp32 attention; mode
 ``bf16-hd32`` runs bf16 mode on a head_dim-32 twin, whose bf16 pool is attended in bf16 dot
-products where the build has them (kv_elem.h's kv_bf16_dots; tests/kernels/test_bf16_attention.py).
+products where the build has them (kv_elem.h's kv_bf16_dots; tests/kernel_tests/test_bf16_attention.py).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ the runner's logits against a torch model of the same quantized math.
 The end-to-end guarantees (prefix hits, chunked prefill, preemption and batch composition give
 bitwise the cold run's tokens and logprobs) are in tests/integration/test_default_mode.py, which
 runs every scenario in this mode too; the decode stack's bitwise equality with the per-layer
-path is in test_native_stack.py; the kernel itself in tests/kernels/test_native_gemm_int8.py.
+path is in test_native_stack.py; the kernel itself in tests/kernel_tests/test_native_gemm_int8.py.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ logits against fp32 mode on the dequantized weights (bitwise: the mode is fp32 m
 The end-to-end guarantees (prefix hits, chunked prefill, preemption and batch composition give
 bitwise the cold run's tokens and logprobs) are in tests/integration/test_default_mode.py, which
 runs every scenario in this mode too; the decode stack's bitwise equality with the per-layer
-path is in test_native_stack.py; the kernel itself in tests/kernels/test_native_gemm_q4_1.py.
+path is in test_native_stack.py; the kernel itself in tests/kernel_tests/test_native_gemm_q4_1.py.
 """
 
 from __future__ import annotations
