@@ -82,9 +82,8 @@ _P, _I = ctypes.c_void_p, ctypes.c_int64
 
 
 def _compile(sources: Sequence[Path], out: Path) -> ctypes.CDLL:
-    # NOTE: the vendor's flags as the loader adds them (a macro the base does not know is ignored)
-    vendor = native.KV_PREFETCH_L2_CFLAGS if native.kv_prefetch_into_l2(native.cpu_vendor()) else ()
-    flags = [f for f in (*native.CFLAGS, *vendor) if f != "-Wall"]
+    # NOTE: the prefetch target as the loader picks it here (a macro the base does not know is ignored)
+    flags = [f for f in (*native.CFLAGS, *native.kv_prefetch_cflags()) if f != "-Wall"]
     subprocess.run(["cc", *flags, "-o", str(out), *map(str, sources), "-lm"], check=True)
     lib = ctypes.CDLL(str(out))
     lib.kvmesh_linear_bf16.argtypes = [_P, _I, _I, _I, _P, _I, _P, _P, _I]
@@ -269,6 +268,12 @@ def bf16_attention(libs: dict[str, ctypes.CDLL], repeats: int) -> None:
                 outs)  # fmt: skip
 
 
+def _each(calls: Sequence[Call]) -> None:
+    """Runs ``fn(*args)`` for each pair, in order: one timed turn of several kernel calls."""
+    for fn, args in calls:
+        fn(*args)
+
+
 def decode_attention(libs: dict[str, ctypes.CDLL], contexts: Sequence[int], repeats: int) -> None:
     """The decode kernel as a batch-32 step runs it, over an fp32 pool and a bf16 one (bf16 mode's):
     30 layers, each its own pool (so a pass streams every K/V byte from memory, as a step does: 283
@@ -286,17 +291,16 @@ def decode_attention(libs: dict[str, ctypes.CDLL], contexts: Sequence[int], repe
             lens, rows = torch.full((batch,), ctx, dtype=torch.int32), torch.arange(batch, dtype=torch.int32)
             q = torch.randn(batch, heads * dim, generator=gen)
             outs = {name: torch.empty(layers, batch, heads * dim) for name in libs}
-
-            def step(lib: ctypes.CDLL, out: torch.Tensor, pools: list[list[torch.Tensor]] = pools,
-                     tables: list[torch.Tensor] = tables, fn: str = fn, ctx: int = ctx, per: int = per,
-                     lens: torch.Tensor = lens, rows: torch.Tensor = rows, q: torch.Tensor = q) -> None:
-                for layer, ((k_cache, v_cache), table) in enumerate(zip(pools, tables, strict=True)):
-                    getattr(lib, fn)(
-                        q.data_ptr(), heads * dim, k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0),
-                        table.data_ptr(), per, lens.data_ptr(), rows.data_ptr(), batch, out[layer].data_ptr(),
-                        heads * dim, heads, kv_heads, dim, block, ctx, dim**-0.5, 0)  # fmt: skip
-
-            med = race({name: (step, (lib, outs[name])) for name, lib in libs.items()}, repeats)
+            calls: dict[str, Call] = {}
+            for name, lib in libs.items():
+                kernel, out = getattr(lib, fn), outs[name]
+                layer_calls = [(kernel, (
+                    q.data_ptr(), heads * dim, k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0),
+                    table.data_ptr(), per, lens.data_ptr(), rows.data_ptr(), batch, out[layer].data_ptr(),
+                    heads * dim, heads, kv_heads, dim, block, ctx, dim**-0.5, 0))
+                    for layer, ((k_cache, v_cache), table) in enumerate(zip(pools, tables, strict=True))]  # fmt: skip
+                calls[name] = (_each, (layer_calls,))
+            med = race(calls, repeats)
             gbytes = layers * batch * ctx * kv_heads * dim * dtype.itemsize * 2 / 1e9
             print(f"decode attention, {str(dtype)[6:]} pool, batch {batch} at context {ctx}, {layers} layers "
                   f"({gbytes * 1e3:.0f} MB of K/V): base {med['base'] * 1e3:.2f} ms ({gbytes / med['base']:.1f} GB/s), "

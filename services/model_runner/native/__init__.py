@@ -97,8 +97,8 @@ BF16_FMA_CFLAGS = (*NO_AMX_CFLAGS, "-DKVMESH_BF16_FMA")  # bf16 mode's arithmeti
 HALF_RATE_BF16_DOTS_VENDOR = "GenuineIntel"
 BF16_SETTINGS = ("auto", "fma", "dots")  # KVMESH_NATIVE_BF16
 # The vendor whose decode attention prefetches the next K/V block into L2 rather than L1
-# (paged_decode.c's KV_PREFETCH_HINT): a Zen 4's batch-32 decode attention took 0.60x the time
-# (docs/model_runner.md, "Decode attention's prefetch on AMD"). A hint: the bits are the same.
+# (paged_decode.c's KV_PREFETCH_HINT; the measurements: docs/model_runner.md, "Decode attention's
+# prefetch on AMD"). A hint: the bits are the same.
 L2_KV_PREFETCH_VENDOR = "AuthenticAMD"
 KV_PREFETCH_L2_CFLAGS = ("-DKVMESH_KV_PREFETCH_L2",)
 _I64 = ctypes.c_int64
@@ -174,6 +174,14 @@ def kv_prefetch_into_l2(vendor: str) -> bool:
     """Whether decode attention prefetches the next K/V block into L2 on a CPU of ``vendor`` (the
     ``KV_PREFETCH_L2_CFLAGS`` build): a rule on the vendor, as :func:`bf16_in_fma`."""
     return vendor == L2_KV_PREFETCH_VENDOR
+
+
+def kv_prefetch_cflags(into_l2: bool | None = None) -> tuple[str, ...]:
+    """The compiler flags for decode attention's prefetch target: the one place the loader and
+    ``bench/kernel_ab.py`` get them. ``into_l2`` None: :func:`kv_prefetch_into_l2` on this CPU."""
+    if into_l2 is None:
+        into_l2 = kv_prefetch_into_l2(cpu_vendor())
+    return KV_PREFETCH_L2_CFLAGS if into_l2 else ()
 
 
 def _compiler() -> str | None:
@@ -287,9 +295,8 @@ def load_kernels(portable: bool = False, no_amx: bool = False, plain: bool = Fal
     # NOTE: torch is imported at the top of this module, so its libgomp is loaded before the
     # kernels' object and both share one thread pool.
     flags = (*(PORTABLE_CFLAGS if portable else ()), *(PLAIN_CFLAGS if plain else ()),
-             *(NO_AMX_CFLAGS if no_amx else ()), *(BF16_FMA_CFLAGS if bf16_fma else ()))
-    if kv_prefetch_l2 if kv_prefetch_l2 is not None else kv_prefetch_into_l2(cpu_vendor()):
-        flags = (*flags, *KV_PREFETCH_L2_CFLAGS)
+             *(NO_AMX_CFLAGS if no_amx else ()), *(BF16_FMA_CFLAGS if bf16_fma else ()),
+             *kv_prefetch_cflags(kv_prefetch_l2))
     try:
         lib = ctypes.CDLL(str(build(extra_cflags=flags)))
     except (OSError, RuntimeError) as exc:

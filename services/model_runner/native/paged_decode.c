@@ -77,10 +77,10 @@ static inline void prefetch_block(const char *base, int64_t bytes) {
 }
 
 /* Where the spread prefetch puts the next block's lines. On AMD (KVMESH_KV_PREFETCH_L2, set by the
- * loader from the vendor) L2: on a Zen 4 a step's decode attention took 0.60x the time with T1 than
- * with T0, whose fills into L1 evicted the lines the current block was using (and cost even with
- * the K/V in cache); Zen 3 fills L1 whatever the hint. Elsewhere L1, as measured first (an early
- * run found L2 no better). docs/model_runner.md, "Decode attention's prefetch on AMD". */
+ * loader from the vendor) L2: on a Zen 4, fills into L1 evicted the lines the current block was
+ * being read from, and cost even with the K/V in cache; Zen 3 fills L1 whatever the hint.
+ * Elsewhere L1, as measured first (an early run found L2 no better). The figures:
+ * docs/model_runner.md, "Decode attention's prefetch on AMD". */
 #if defined(KVMESH_KV_PREFETCH_L2)
 #define KV_PREFETCH_HINT _MM_HINT_T1
 #else
