@@ -18,10 +18,10 @@
  * each k step one broadcast of x per row and three panel loads for 24 FMAs (AVX2 + FMA: 6 x 16
  * tiles, three per panel; plain C elsewhere). Rows come in chunks
  * of ROW_CHUNK, so a prefill's x chunk stays in L2 while the panels stream past it. The software
- * prefetch of the next panel runs during a chunk's first PREFETCH_TILES row tiles (all of a
- * decode-sized chunk's): without it a larger chunk's first tile read each panel at the memory's
- * pace (the row tiles after it reuse the panel from cache, where the prefetch's per-k bookkeeping
- * would only cost them).
+ * prefetch of the next panel runs during a chunk's first PREFETCH_TILES row tiles (AVX2:
+ * PACED_TILES; all of a decode-sized chunk's): without it a larger chunk's first tile read each
+ * panel at the memory's pace (the row tiles after it reuse the panel from cache, where the
+ * prefetch's per-k bookkeeping would only cost them).
  *
  * Numerics: each output is sum_k x[k] * w[k] in k order with FMA, plus the bias: IEEE fp32 in
  * another order than oneDNN's (results differ in the last bits, as any two GEMMs do).
@@ -55,6 +55,7 @@
 #define EVEN_TILES 0  /* AVX-512 and plain C: full tiles, the rest in the last (they compute only its rows) */
 #endif
 #define PREFETCH_TILES 4  /* row tiles per chunk over which the next panel's prefetch is spread */
+#define PACED_TILES 6     /* AVX2: row tiles per chunk over which that prefetch is paced */
 
 int64_t kvmesh_linear_panel_width(void) { return PANEL; }
 
@@ -118,7 +119,7 @@ static void tile_dispatch(const float *x, int64_t x_stride, int64_t k, const flo
  * tiles (32 rows: 6 6 5 5 5 5, not 6 6 6 6 6 2 with the 2-row tile paying for 6). */
 static inline __attribute__((always_inline)) void tile_passes_avx2(
     const float *x, int64_t x_stride, int64_t k, const float *panel, const float *bias, float *out,
-    int64_t out_stride, const int mr, int64_t cols, PanelPrefetch *pf, const int prefetch)
+    int64_t out_stride, const int mr, int64_t cols, PacedPrefetch *pf, const int prefetch)
 {
     for (int h = 0; h < 3; h++) {
         const int64_t left = cols - h * 16;
@@ -131,8 +132,11 @@ static inline __attribute__((always_inline)) void tile_passes_avx2(
         __m256 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
         const float *x0 = x, *x1 = x + x_stride, *x2 = x + 2 * x_stride, *x3 = x + 3 * x_stride,
                     *x4 = x + 4 * x_stride, *x5 = x + 5 * x_stride;
+        const char *pf_line = prefetch ? pf->line : NULL;
+        int64_t pf_countdown = prefetch ? pf->countdown : 0;
+        const int64_t pf_every = prefetch ? pf->every : 0;
         for (int64_t kk = 0; kk < k; kk++, b += PANEL) {
-            if (prefetch) panel_prefetch_step(pf);
+            if (prefetch) paced_prefetch_step(&pf_line, &pf_countdown, pf_every);
             const __m256 b0 = _mm256_loadu_ps(b), b1 = _mm256_loadu_ps(b + 8);
             __m256 a = _mm256_broadcast_ss(x0 + kk);
             c00 = _mm256_fmadd_ps(a, b0, c00); c01 = _mm256_fmadd_ps(a, b1, c01);
@@ -155,6 +159,10 @@ static inline __attribute__((always_inline)) void tile_passes_avx2(
                 c50 = _mm256_fmadd_ps(a, b0, c50); c51 = _mm256_fmadd_ps(a, b1, c51);
             }
         }
+        if (prefetch) {
+            pf->line = pf_line;
+            pf->countdown = pf_countdown;
+        }
         const __m256 acc[ROW_TILE][2] = {{c00, c01}, {c10, c11}, {c20, c21}, {c30, c31}, {c40, c41}, {c50, c51}};
         float tmp[16];
         for (int r = 0; r < mr; r++) {
@@ -173,17 +181,24 @@ static inline __attribute__((always_inline)) void tile_passes_avx2(
  * AVX2 CPU ran the portable loops below, whose 8 x 48 accumulators do not fit 16 registers
  * (several times slower: docs/model_runner.md). */
 static void tile_dispatch(const float *x, int64_t x_stride, int64_t k, const float *panel, const float *bias,
-                          float *out, int64_t out_stride, int mr, int64_t cols, PanelPrefetch *pf)
+                          float *out, int64_t out_stride, int mr, int64_t cols, PacedPrefetch *pf)
 {
     if (mr == 1) {
         /* One row: the whole panel in one pass, six chains of FMAs (two were latency-bound at a
          * third of the FMA rate) and the panel read front to back, as the hardware prefetcher
-         * likes a weight streamed from memory; the next panel prefetched per k step. */
+         * likes a weight streamed from memory; each k step prefetches the same k row of the next
+         * panel (its three lines), which needs no count. */
         __m256 c[6];
         for (int j = 0; j < 6; j++) c[j] = _mm256_setzero_ps();
         const float *b = panel;
+        const char *next = pf != NULL ? pf->line : NULL;
         for (int64_t kk = 0; kk < k; kk++, b += PANEL) {
-            if (pf != NULL) panel_prefetch_step(pf);
+            if (next != NULL) {
+                const char *row = next + kk * PANEL * (int64_t)sizeof(float);
+                _mm_prefetch(row, _MM_HINT_T1);
+                _mm_prefetch(row + 64, _MM_HINT_T1);
+                _mm_prefetch(row + 128, _MM_HINT_T1);
+            }
             const __m256 a = _mm256_broadcast_ss(x + kk);
             for (int j = 0; j < 6; j++) c[j] = _mm256_fmadd_ps(a, _mm256_loadu_ps(b + j * 8), c[j]);
         }
@@ -241,19 +256,22 @@ static void run_panels(const float *x, int64_t x_stride, int64_t r0, int64_t row
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
         /* The next panel's prefetch, spread over the k steps of the chunk's first (up to)
          * PREFETCH_TILES tiles: all of a decode-sized chunk's; the later tiles of a larger chunk
-         * find the panel in cache and skip the per-k bookkeeping. AVX2: over the first tile only
-         * (its three column passes), whatever the rows: that tile reads the panel from memory
-         * while the next one streams in, and the tiles after it find both in L2 (spread over
-         * every tile of a 64-row chunk it cost 1.15-1.47x, the bookkeeping on tiles that did not
-         * need it; docs/model_runner.md, "AVX2 machines"). */
+         * find the panel in cache and skip the per-k bookkeeping. AVX2: paced (one line every few
+         * k steps, counters in registers) over the first PACED_TILES tiles' three column passes,
+         * all of a decode chunk's. A line per k step over the first tile alone asked for about
+         * twice the memory's pace there and left the memory idle during the other tiles
+         * (docs/model_runner.md, "AVX2 machines, third round"). One row: see tile_dispatch. */
         const int64_t next = paired_run_after(run, p);
+        const int64_t bytes = panel_size * (int64_t)sizeof(float);
+        const float *next_panel = next >= 0 ? packed + next * panel_size : NULL;
 #if defined(__AVX512F__)
-        const int64_t pf_tiles = tiles < PREFETCH_TILES ? tiles : PREFETCH_TILES, passes = 1;
+        const int64_t pf_tiles = tiles < PREFETCH_TILES ? tiles : PREFETCH_TILES;
+        PanelPrefetch pf = panel_prefetch(next_panel, bytes, pf_tiles * k);
 #else
-        const int64_t pf_tiles = 1, passes = rows == 1 ? 1 : 3;  /* k steps per tile: 3 column passes */
+        /* k steps over which the stream is paced: the first PACED_TILES tiles' 3 column passes each */
+        const int64_t pf_tiles = tiles < PACED_TILES ? tiles : PACED_TILES;
+        PacedPrefetch pf = paced_prefetch(next_panel, bytes, pf_tiles * 3 * k);
 #endif
-        const int64_t lines = panel_size * (int64_t)sizeof(float) / 64, steps = pf_tiles * passes * k;
-        PanelPrefetch pf = panel_prefetch(next >= 0 ? packed + next * panel_size : NULL, lines * 64, steps);
 #else
         const int64_t pf_tiles = 0;
         void *pf = NULL;

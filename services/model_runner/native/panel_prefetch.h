@@ -29,5 +29,32 @@ static inline void panel_prefetch_step(PanelPrefetch *p) {
         _mm_prefetch(p->next + p->line * 64, _MM_HINT_T1);
 }
 
+/* The same stream paced: one line every `every` calls of paced_prefetch_step, so a panel's lines
+ * spread evenly over all of `steps` (AVX2 gemm.c: a decode chunk's every row tile, where a line
+ * per k step over the first tile alone asked for twice the memory's pace and left it idle during
+ * the other tiles). The hot loop keeps `line` and `countdown` in registers and writes them back
+ * once per pass; `every` rounds up, so the stream never runs past the panel. */
+typedef struct {
+    const char *line;  /* the next line to prefetch */
+    int64_t countdown, every;
+} PacedPrefetch;
+
+static inline PacedPrefetch paced_prefetch(const void *next, int64_t bytes, int64_t steps) {
+    const int64_t lines = bytes / 64;
+    const int64_t every = next == NULL || lines == 0 ? INT64_MAX : steps > lines ? (steps + lines - 1) / lines : 1;
+    PacedPrefetch p = {(const char *)next, every, every};
+    return p;
+}
+
+/* One call of the paced stream, on the caller's register copies of `line` and `countdown`. */
+static inline __attribute__((always_inline)) void paced_prefetch_step(const char **line, int64_t *countdown,
+                                                                      int64_t every) {
+    if (--*countdown == 0) {
+        _mm_prefetch(*line, _MM_HINT_T1);
+        *line += 64;
+        *countdown = every;
+    }
+}
+
 #endif
 #endif
