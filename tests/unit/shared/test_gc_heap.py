@@ -32,7 +32,10 @@ def test_garbage_is_collected_first_and_the_live_heap_frozen(thawed: None) -> No
     assert gc.get_freeze_count() == 0
     frozen = freeze_startup_heap()
     assert dropped() is None  # freed, not frozen
-    assert frozen == gc.get_freeze_count() > 1_000  # the test process's modules and objects
+    # the test process's modules and objects; a frozen object can still be freed by its reference
+    # count (another thread of the test session may drop one meanwhile), none is added without a
+    # freeze: the count only falls from what the call returned (a fresh clone's run saw 2 fewer)
+    assert 1_000 < gc.get_freeze_count() <= frozen
     assert not any(o is kept for o in gc.get_objects())  # the passes no longer visit it
     # what is allocated after the freeze is tracked and collected as before
     later = weakref.ref(_Node())
