@@ -33,7 +33,7 @@ static inline void panel_prefetch_step(PanelPrefetch *p) {
  * spread evenly over all of `steps` (AVX2 gemm.c: a decode chunk's every row tile, where a line
  * per k step over the first tile alone asked for twice the memory's pace and left it idle during
  * the other tiles). The hot loop keeps `line` and `countdown` in registers and writes them back
- * once per pass; `every` rounds up, so the stream never runs past the panel. */
+ * once per pass; `every` rounds up (at least 1), so the stream never runs past the panel. */
 typedef struct {
     const char *line;  /* the next line to prefetch */
     int64_t countdown, every;
@@ -41,7 +41,7 @@ typedef struct {
 
 static inline PacedPrefetch paced_prefetch(const void *next, int64_t bytes, int64_t steps) {
     const int64_t lines = bytes / 64;
-    const int64_t every = next == NULL || lines == 0 ? INT64_MAX : steps > lines ? (steps + lines - 1) / lines : 1;
+    const int64_t every = next == NULL || lines == 0 || steps <= 0 ? INT64_MAX : (steps + lines - 1) / lines;
     PacedPrefetch p = {(const char *)next, every, every};
     return p;
 }
