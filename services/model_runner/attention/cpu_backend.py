@@ -154,8 +154,9 @@ class CpuAttentionBackend(TorchAttentionBackend):
         v_cache: torch.Tensor, out: torch.Tensor, softmax_scale: float, k_scale: float, v_scale: float,
     ) -> None:
         """The multi-row chunks through ``prefill_attention.c`` (causal, in place on the paged
-        cache; where its tiles do not take the shape, as on a CPU without AVX-512, each row as the
-        decode of its position); a shape the decode kernel refuses too through SDPA."""
+        cache; where its tiles do not take the shape, as on a CPU without AVX2 or with an odd head
+        size, each row as the decode of its position); a shape the decode kernel refuses too through
+        SDPA."""
         num_heads, head_dim = query.shape[1], query.shape[2]
         attend = kernels.prefill_attention_bf16 if k_cache.dtype == torch.bfloat16 else kernels.prefill_attention
         rest: list[Chunk] = []

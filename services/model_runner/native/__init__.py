@@ -9,7 +9,8 @@ What is here, and why torch alone was not enough (measurements in docs/model_run
   to nearest even on write), as ``prefill_attention.c`` and ``decode_stack.c``;
 * ``prefill_attention.c`` — causal attention of a prefill chunk over the paged cache as small
   register-blocked GEMMs (torch's SDPA over a chunk ran at a fraction of the FMA rate), each row's
-  numbers independent of how its prompt was chunked;
+  numbers independent of how its prompt was chunked (``prefill_attention_avx2.c``: the same in 8
+  lanes for a CPU with AVX2 but no AVX-512);
 * ``layer_ops.c`` — fused residual-add + RMSNorm, rotary embedding and SwiGLU: at decode batch
   sizes torch runs each as several tiny ops with an OpenMP fork each;
 * ``gemm.c`` — fp32 linear layers on weights packed into column panels, with the next panel
@@ -41,7 +42,8 @@ What is here, and why torch alone was not enough (measurements in docs/model_run
   ``attention/int4.py``) and paged attention reading the packed rows in place (decodes and prefill
   rows alike, each row as the decode of its position);
 * ``exp_math.h`` — the exponential they use; ``kernels.h`` — the entry points' declarations;
-  ``gemm_bf16.h`` — what the two bf16 GEMM files share; ``pairs.h`` — how the GEMM and decode
+  ``gemm_bf16.h`` — what the two bf16 GEMM files share; ``prefill_tiles.h`` — what the two tiled
+  prefill attention kernels share; ``pairs.h`` — how the GEMM and decode
   attention split work over threads; ``panel_prefetch.h`` — the GEMMs' prefetch of the next
   weight panel.
 

@@ -28,9 +28,10 @@
  * position is computed as a prefill row or as a decode. So chunked prefill, prefix-cache hits and
  * preemption's recompute give a cold run's bits (tests/kernels/test_native_prefill_attention.py).
  *
- * Shapes the tiled kernel does not take (head_dim not a multiple of 16 or > 256, more than
- * KV_MAX_HEADS query heads, a build without AVX-512) run each row as the decode of its position
- * (prefill_as_decodes), so the rule above holds on every CPU. Returns 0; -1 for a shape the decode
+ * A build without AVX-512 but with AVX2 + FMA runs the same tiles in 8 lanes, in that path's
+ * decode order (prefill_attention_avx2.c). Shapes neither takes (head_dim not a multiple of 16 or
+ * > 256, more than KV_MAX_HEADS query heads, a build without AVX2) run each row as the decode of
+ * its position (prefill_as_decodes), so the rule above holds on every CPU. Returns 0; -1 for a shape the decode
  * kernel refuses too (the caller keeps SDPA); -2 when a buffer could not be allocated.
  */
 #include <stdint.h>
@@ -41,10 +42,9 @@
 #include "exp_math.h"
 #include "kernels.h"
 #include "kv_elem.h"
+#include "prefill_tiles.h"
 
-#define RT 8             /* rows (query token, head) per work item: 8 score accumulators */
-#define RH 4             /* of which scored together (4 x 4 partials + the halves in registers) */
-#define PF_MAX_DIM 256
+#define RH 4             /* rows of a work item scored together (4 x 4 partials + the halves in registers) */
 
 #if defined(__AVX512F__)
 /* Scores of RH rows (scaled queries qs, RH x head_dim) for the 16 keys of one transposed tile kb
@@ -75,31 +75,6 @@ static inline __attribute__((always_inline)) void score_rows(const float *kb, co
             else if (c == 1) a[r] = _mm512_add_ps(half[r], q);  /* Q0 + Q1 */
             else a[r] = _mm512_add_ps(a[r], _mm512_add_ps(half[r], q));  /* + (Q2 + Q3) */
         }
-    }
-}
-
-/* A work item's RT rows (query token, head) of one KV head: each row's keys are local lo .. len - 1
- * (local index = key - kbase, the first gathered key); padding rows repeat the last real row. */
-typedef struct {
-    int64_t len[RT], lo[RT], tok[RT], head[RT];
-    int64_t max_len, min_len, min_lo, max_lo;
-} TileRows;
-
-static inline void tile_rows(TileRows *t, int64_t group, int64_t kvh, int64_t ctx0, int64_t kbase, int64_t window,
-                             int64_t row0, int64_t rows_total)
-{
-    t->max_len = 0, t->min_len = INT64_MAX, t->min_lo = INT64_MAX, t->max_lo = 0;
-    for (int r = 0; r < RT; r++) {
-        const int64_t row = row0 + r < rows_total ? row0 + r : rows_total - 1;
-        t->tok[r] = row / group;
-        t->head[r] = kvh * group + row % group;
-        const int64_t pos = ctx0 + t->tok[r];
-        t->len[r] = pos + 1 - kbase;
-        t->lo[r] = (window > 0 && pos + 1 > window ? pos + 1 - window : 0) - kbase;
-        if (t->len[r] > t->max_len) t->max_len = t->len[r];
-        if (t->len[r] < t->min_len) t->min_len = t->len[r];
-        if (t->lo[r] < t->min_lo) t->min_lo = t->lo[r];
-        if (t->lo[r] > t->max_lo) t->max_lo = t->lo[r];
     }
 }
 
@@ -400,8 +375,8 @@ static int prefill_attention_bf16dots(
 #endif
 #endif
 
-/* A chunk the tiled kernel below does not take (no AVX-512 in the build, head_dim not a multiple
- * of 16, more query heads than the decode kernel's AVX-512 path takes): every row as the decode of
+/* A chunk the tiled kernels do not take (neither AVX-512 nor AVX2 in the build, head_dim not a
+ * multiple of 16, more query heads than the decode kernel's vector paths take): every row as the decode of
  * its position, paged_decode.c's kernel with one block table for all rows (table stride 0) and
  * row i seeing seq_len - num_q + 1 + i keys. Bitwise what decoding the prompt token by token gives,
  * by construction; SDPA here instead made a prefix hit, a chunked prompt or a preemption's
@@ -442,7 +417,8 @@ static int prefill_attention(
 {
     if (num_kv_heads <= 0 || num_heads % num_kv_heads) return -1;
     if (num_q <= 0 || seq_len < num_q) return num_q <= 0 ? 0 : -1;
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || KVM_AVX2
+    /* the shapes the decode kernel's vector path takes, whose order the tiles reproduce */
     const int tiled = head_dim % 16 == 0 && head_dim <= PF_MAX_DIM && num_heads <= KV_MAX_HEADS;
 #else
     const int tiled = 0;
@@ -450,6 +426,10 @@ static int prefill_attention(
     if (!tiled)
         return prefill_as_decodes(q, q_row_stride, k_cache, v_cache, block_stride, table, num_q, seq_len, out,
                                   out_row_stride, num_heads, num_kv_heads, head_dim, block_size, scale, window, esz);
+#if KVM_AVX2
+    return kvm_prefill_tiled_avx2(q, q_row_stride, k_cache, v_cache, block_stride, table, num_q, seq_len, out,
+                                  out_row_stride, num_heads, num_kv_heads, head_dim, block_size, scale, window, esz);
+#endif
 #if defined(__AVX512F__)
 #if KV_BF16_DOTS_BUILT
     if (kv_bf16_dots(esz, num_heads, head_dim, block_size))
@@ -457,35 +437,15 @@ static int prefill_attention(
                                           block_stride, table, num_q, seq_len, out, out_row_stride, num_heads,
                                           num_kv_heads, head_dim, block_size, scale, window);
 #endif
-    const int64_t group = num_heads / num_kv_heads, token_stride = num_kv_heads * head_dim;
+    const int64_t group = num_heads / num_kv_heads;
     /* the first query's first key: nothing before it is gathered (window 0 = full attention) */
     const int64_t ctx0 = seq_len - num_q, kstart = window > 0 && ctx0 + 1 > window ? ctx0 + 1 - window : 0;
-    const int64_t n_keys = seq_len - kstart, tiles = (n_keys + 15) / 16, padded = tiles * 16;
+    const int64_t padded = (seq_len - kstart + 15) / 16 * 16;
     /* per KV head: K transposed in 16-key tiles [tiles][D][16], V contiguous [seq_len][D] */
-    float *kt = (float *)calloc((size_t)(num_kv_heads * padded * head_dim), sizeof(float));
-    float *vc = (float *)malloc(sizeof(float) * (size_t)(num_kv_heads * padded * head_dim));
-    if (kt == NULL || vc == NULL) {
-        free(kt);
-        free(vc);
+    float *kt = NULL, *vc = NULL;
+    if (prefill_gather(k_cache, v_cache, block_stride, table, kstart, seq_len, num_kv_heads, head_dim, block_size,
+                       esz, 16, padded, &kt, &vc) != 0)
         return -2;
-    }
-    for (int64_t t = kstart; t < seq_len; t++) {
-        const int64_t off = (int64_t)table[t / block_size] * block_stride + (t % block_size) * token_stride;
-        const int64_t u = t - kstart;  /* local index */
-        for (int64_t h = 0; h < num_kv_heads; h++) {
-            const int64_t e = off + h * head_dim;  /* the row's first element */
-            float *kd = kt + h * padded * head_dim + (u / 16) * head_dim * 16 + (u % 16);
-            float *vd = vc + (h * padded + u) * head_dim;
-            if (esz == 4) {
-                const float *ks = (const float *)k_cache + e;
-                for (int64_t d = 0; d < head_dim; d++) kd[d * 16] = ks[d];
-                memcpy(vd, (const float *)v_cache + e, sizeof(float) * (size_t)head_dim);
-            } else {
-                for (int64_t d = 0; d < head_dim; d++) kd[d * 16] = kv_load1(k_cache, e + d, esz);
-                for (int64_t d = 0; d < head_dim; d++) vd[d] = kv_load1(v_cache, e + d, esz);
-            }
-        }
-    }
     const int64_t rows = num_q * group, per_head = (rows + RT - 1) / RT, items = num_kv_heads * per_head;
     const int64_t sc_stride = padded;
     int failed = 0;
