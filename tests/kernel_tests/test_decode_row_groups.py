@@ -1,8 +1,9 @@
-"""``native/paged_decode.c``'s rows of one block table (``table_stride`` 0), as prefill chunks run on
-a CPU without AVX-512: the AVX2 path walks up to four such rows block by block together. Whatever
-the rows beside it (other lengths, empty rows, a row whose keys start blocks later), each row's
-output must be bitwise the same row decoded alone; pinned on every build (the AVX-512 and plain
-builds take the rows one at a time, so there the test pins the same contract from the other side).
+"""``native/paged_decode.c``'s rows of one block table (``table_stride`` 0), as
+``prefill_attention.c`` passes a chunk whose shape its tiles do not take (``prefill_as_decodes``).
+Whatever the rows beside it (other lengths, empty rows, a row whose keys start blocks later), each
+row's output must be bitwise the same row decoded alone, and the same as with a table per row;
+pinned on every build. (Session 29 to 32 the AVX2 path walked four such rows block by block
+together; since the AVX2 prefill tiles, every path takes them one at a time.)
 """
 
 from __future__ import annotations

@@ -27,10 +27,10 @@
  * pool, not two.
  *
  * Paths: AVX-512 for head_dim a multiple of 16 (specialised for 64 and 128); on a CPU without
- * AVX-512 but with AVX2 + FMA the same structure in 8 lanes (attend_rows_avx2); portable C loops
- * (per sequence and KV head) otherwise. prefill_attention.c runs each prefill row as a decode of
- * its position through this kernel wherever its own tiles do not run (the AVX2 build included:
- * there a chunk's rows, which share one block table, are attended four at a time).
+ * AVX-512 but with AVX2 + FMA the same structure in 8 lanes (attend_row_avx2); portable C loops
+ * (per sequence and KV head) otherwise. prefill_attention.c's tiles (prefill_attention_avx2.c on
+ * AVX2) compute a prefill row in the order of the path here that the same build takes, and where
+ * they do not run it attends each row as a decode of its position through this kernel.
  *
  * Numerics: a bf16 cache is attended in bf16 dot products where kv_elem.h's kv_bf16_dots says so
  * (attend_seq_avx512 with dots; AVX512-BF16 builds); otherwise it is widened exactly to fp32 as it is
@@ -339,7 +339,7 @@ static inline __attribute__((always_inline)) void weighted_v_slice(
         for (int w = 0; w < W; w++) _mm256_storeu_ps(a + g * head_dim + w * 8, c[g][w]);
 }
 
-/* One row (a query token of a sequence) as attend_rows_avx2 walks it: the row's keys first .. len - 1
+/* One row (a query token of a sequence) as attend_row_avx2 walks it: the row's keys first .. len - 1
  * and its scratch (scores [num_heads][n_keys], qbuf the scaled query, acc [num_heads][head_dim]). */
 typedef struct {
     const float *q;
@@ -431,85 +431,56 @@ static inline __attribute__((always_inline)) void row_values_block(
     }
 }
 
-/* attend_seq_avx512's fp32 arithmetic in 8 lanes (an fp32 pool, or a bf16 one widened exactly), for
- * nrows rows of one sequence (one block table; a decode is one row, a prefill chunk run as decodes
- * up to ATT_ROWS rows at once), every head, each block read from memory once with the next one
- * prefetched. Per row: scores for 8 keys at a time per head (quad_sum / octet_sum; a key past the
+/* attend_seq_avx512's fp32 arithmetic in 8 lanes (an fp32 pool, or a bf16 one widened exactly) for
+ * one row (a query token of a sequence), every head, each block read from memory once with the
+ * next one prefetched: scores for 8 keys at a time per head (quad_sum / octet_sum; a key past the
  * block's end a zero partial), softmax_row_f32 (exp_math.h) per head, then the weighted V over keys
  * in order, in 16- or 32-dimension slices of up to 4 heads (weighted_v_slice, v_wide) so the
- * accumulators stay in registers. nd16 = head_dim / 16. The rows take turns block by block, so a
- * block's K (then V) is read from memory once for all of them and from L1 by the rest (one row at a
- * time re-read the whole context per row; the measurement: docs/model_runner.md); a row's
- * arithmetic and its order depend only on its query, keys and length, never on the rows beside
- * it: a prefill row is bitwise its decode. */
-static inline __attribute__((always_inline)) void attend_rows_avx2(
-    AttRow *rows, int nrows, const char *k_cache, const char *v_cache, int64_t block_stride,
-    const int32_t *table, int64_t num_heads, int64_t group, const int nd16, int64_t token_stride,
-    int64_t block_size, float scale, const char *next_k, const int esz)
+ * accumulators stay in registers. nd16 = head_dim / 16. prefill_attention_avx2.c computes a
+ * prefill row in this very order, so a prefill row is bitwise its decode. */
+static inline __attribute__((always_inline)) void attend_row_avx2(
+    AttRow *row, const char *k_cache, const char *v_cache, int64_t block_stride, const int32_t *table,
+    int64_t num_heads, int64_t group, const int nd16, int64_t token_stride, int64_t block_size, float scale,
+    const char *next_k, const int esz)
 {
     const int64_t head_dim = (int64_t)nd16 * 16, num_kv = num_heads / group;
     const int64_t block_bytes = block_size * token_stride * (int64_t)esz;
     const __m256 vscale = _mm256_set1_ps(scale);
-    int64_t b_lo = INT64_MAX, b_hi = 0;
-    for (int r = 0; r < nrows; r++) {
-        AttRow *row = rows + r;
-        for (int64_t i = 0; i < num_heads * head_dim; i += 8)
-            _mm256_storeu_ps(row->qbuf + i, _mm256_mul_ps(_mm256_loadu_ps(row->q + i), vscale));
-        for (int64_t h = 0; h < num_heads; h++) row->maxv[h] = -3.0e38f;
-        row->n_keys = row->len - row->first;
-        row->b0 = row->first / block_size;
-        row->nb = (row->len + block_size - 1) / block_size;
-        if (row->b0 < b_lo) b_lo = row->b0;
-        if (row->nb > b_hi) b_hi = row->nb;
-    }
-#define ROW_IN(row, b) ((b) >= (row)->b0 && (b) < (row)->nb)
-#define ROW_KEYS_IN(row, b) \
-    (((b) + 1) * block_size < (row)->len ? ((b) + 1) * block_size : (row)->len) \
-        - ((row)->first > (b) * block_size ? (row)->first : (b) * block_size)
+    for (int64_t i = 0; i < num_heads * head_dim; i += 8)
+        _mm256_storeu_ps(row->qbuf + i, _mm256_mul_ps(_mm256_loadu_ps(row->q + i), vscale));
+    for (int64_t h = 0; h < num_heads; h++) row->maxv[h] = -3.0e38f;
+    row->n_keys = row->len - row->first;
+    row->b0 = row->first / block_size;
+    row->nb = (row->len + block_size - 1) / block_size;
+    const int64_t b_lo = row->b0, b_hi = row->nb;
+#define ROW_KEYS_IN(b) \
+    (((b) + 1) * block_size < row->len ? ((b) + 1) * block_size : row->len) \
+        - (row->first > (b) * block_size ? row->first : (b) * block_size)
 
     /* 1. scores */
     prefetch_block(BLOCK_AT(k_cache, b_lo), block_bytes);
     for (int64_t b = b_lo; b < b_hi; b++) {
-        int64_t steps = 0;
-        for (int r = 0; r < nrows; r++)
-            if (ROW_IN(rows + r, b)) steps += ((ROW_KEYS_IN(rows + r, b) + 7) / 8) * num_heads;
-        if (steps == 0) continue;
-        const char *kb = BLOCK_AT(k_cache, b);
+        const int64_t steps = ((ROW_KEYS_IN(b) + 7) / 8) * num_heads;
         Prefetcher pf = prefetcher(b + 1 < b_hi ? BLOCK_AT(k_cache, b + 1) : BLOCK_AT(v_cache, b_lo), block_bytes, steps);
-        for (int r = 0; r < nrows; r++)
-            if (ROW_IN(rows + r, b))
-                row_scores_block(rows + r, kb, b, num_heads, group, nd16, token_stride, block_size, &pf, esz);
+        row_scores_block(row, BLOCK_AT(k_cache, b), b, num_heads, group, nd16, token_stride, block_size, &pf, esz);
     }
     /* 2. softmax numerators, in place */
-    for (int r = 0; r < nrows; r++) {
-        AttRow *row = rows + r;
-        for (int64_t h = 0; h < num_heads; h++)
-            row->inv_sum[h] = softmax_row_f32(row->scores + h * row->n_keys, row->n_keys, row->maxv[h]);
-        for (int64_t i = 0; i < num_heads * head_dim; i += 8) _mm256_storeu_ps(row->acc + i, _mm256_setzero_ps());
-    }
-    /* 3. weighted V (keys in order), per block, row, KV head and 16- or 32-dimension slice */
+    for (int64_t h = 0; h < num_heads; h++)
+        row->inv_sum[h] = softmax_row_f32(row->scores + h * row->n_keys, row->n_keys, row->maxv[h]);
+    for (int64_t i = 0; i < num_heads * head_dim; i += 8) _mm256_storeu_ps(row->acc + i, _mm256_setzero_ps());
+    /* 3. weighted V (keys in order), per block, KV head and 16- or 32-dimension slice */
     const int64_t v_slices = v_wide(group, nd16) ? nd16 / 2 : nd16;
     for (int64_t b = b_lo; b < b_hi; b++) {
-        int64_t steps = 0;
-        for (int r = 0; r < nrows; r++)
-            if (ROW_IN(rows + r, b)) steps += num_kv * v_slices * ROW_KEYS_IN(rows + r, b);
-        if (steps == 0) continue;
-        const char *vb = BLOCK_AT(v_cache, b);
+        const int64_t steps = num_kv * v_slices * ROW_KEYS_IN(b);
         Prefetcher pf = prefetcher(b + 1 < b_hi ? BLOCK_AT(v_cache, b + 1) : next_k, block_bytes, steps);
-        for (int r = 0; r < nrows; r++)
-            if (ROW_IN(rows + r, b))
-                row_values_block(rows + r, vb, b, num_kv, group, nd16, token_stride, block_size, &pf, esz);
+        row_values_block(row, BLOCK_AT(v_cache, b), b, num_kv, group, nd16, token_stride, block_size, &pf, esz);
     }
-#undef ROW_IN
 #undef ROW_KEYS_IN
-    for (int r = 0; r < nrows; r++) {
-        AttRow *row = rows + r;
-        for (int64_t h = 0; h < num_heads; h++) {
-            const __m256 inv = _mm256_set1_ps(row->inv_sum[h]);
-            for (int j = 0; j < 2 * nd16; j++)
-                _mm256_storeu_ps(row->o + h * head_dim + j * 8,
-                                 _mm256_mul_ps(_mm256_loadu_ps(row->acc + h * head_dim + j * 8), inv));
-        }
+    for (int64_t h = 0; h < num_heads; h++) {
+        const __m256 inv = _mm256_set1_ps(row->inv_sum[h]);
+        for (int j = 0; j < 2 * nd16; j++)
+            _mm256_storeu_ps(row->o + h * head_dim + j * 8,
+                             _mm256_mul_ps(_mm256_loadu_ps(row->acc + h * head_dim + j * 8), inv));
     }
 }
 #endif
@@ -601,66 +572,53 @@ static inline const char *first_k_block(const char *k_cache, const int32_t *tabl
 /* The decode attention over a pool of esz-byte elements (4: fp32, 2: bf16, in bf16 dot products or
  * widened exactly on load as kv_elem.h's kv_bf16_dots says); the typed entry points below and decode_stack.c call it. */
 #if KVM_AVX2
-#define ATT_ROWS 4  /* rows of one sequence (table_stride 0: a prefill chunk) attended together */
-
-/* kvmesh_paged_decode_elem on the AVX2 path: work items are sequences, or with one block table
- * for all rows (table_stride 0: prefill_attention.c's rows of one prompt) runs of ATT_ROWS
- * consecutive rows, which attend_rows_avx2 walks block by block together; items split over
- * threads as pairs.h describes, each thread prefetching its next item's first K block. */
+/* kvmesh_paged_decode_elem on the AVX2 path: work items are sequences (rows), split over threads
+ * as pairs.h describes, each thread prefetching its next row's first K block. */
 static int paged_decode_avx2(
     const float *q, int64_t q_row_stride, const char *k_cache, const char *v_cache, int64_t block_stride,
     const int32_t *tables, int64_t table_stride, const int32_t *seq_lens, const int32_t *rows, int64_t num_seqs,
     float *out, int64_t out_row_stride, int64_t num_heads, int64_t group, int64_t head_dim, int64_t token_stride,
     int64_t block_size, int64_t max_seq_len, float scale, int64_t window, int esz)
 {
-    const int64_t per_item = table_stride == 0 ? ATT_ROWS : 1, items = (num_seqs + per_item - 1) / per_item;
     int64_t claimed[MAX_PAIRS] = {0};
     int failed = 0;
     #pragma omp parallel
     {
         const size_t heads = (size_t)num_heads, dim = (size_t)head_dim;
-        /* per row: scores (+16: masked stores never write past len, but keep a lane group spare),
-         * the scaled query, the accumulators */
+        /* scores (+16: masked stores never write past len, but keep a lane group spare), the scaled
+         * query, the accumulators */
         const size_t score_floats = heads * (size_t)(max_seq_len > 0 ? max_seq_len : 1) + 16;
-        float *buf = (float *)malloc(sizeof(float) * (size_t)per_item * (score_floats + 2 * heads * dim));
-        AttRow *att = (AttRow *)malloc(sizeof(AttRow) * (size_t)per_item);
-        if (buf == NULL || att == NULL) {
+        float *buf = (float *)malloc(sizeof(float) * (score_floats + 2 * heads * dim));
+        if (buf == NULL) {
             #pragma omp atomic write
             failed = 1;
         }
+        AttRow row;
         PairedRun run;
-        paired_run_init(&run, items, claimed);
+        paired_run_init(&run, num_seqs, claimed);
         for (int64_t taken = 0;; taken++) {
-            const int64_t it = paired_run_take(&run, taken);
-            if (it < 0) break;
-            if (buf == NULL || att == NULL) continue;
-            const int64_t ni = paired_run_after(&run, it), ns = ni >= 0 ? ni * per_item : -1;
+            const int64_t s = paired_run_take(&run, taken);
+            if (s < 0) break;
+            if (buf == NULL) continue;
+            const int64_t ns = paired_run_after(&run, s);
             const char *next_k = first_k_block(k_cache, tables, table_stride, seq_lens, ns, window, block_size,
                                                block_stride, esz);
-            const int64_t s0 = it * per_item, s1 = s0 + per_item < num_seqs ? s0 + per_item : num_seqs;
-            int nrows = 0;
-            for (int64_t s = s0; s < s1; s++) {
-                const int64_t len = seq_lens[s];
-                float *os = out + (int64_t)rows[s] * out_row_stride;
-                if (len <= 0) {
-                    for (int64_t i = 0; i < num_heads * head_dim; i++) os[i] = 0.0f;
-                    continue;
-                }
-                AttRow *row = att + nrows;
-                float *mine = buf + (size_t)nrows * (score_floats + 2 * heads * dim);
-                row->q = q + (int64_t)rows[s] * q_row_stride;
-                row->o = os;
-                row->scores = mine;
-                row->qbuf = mine + score_floats;
-                row->acc = mine + score_floats + heads * dim;
-                row->first = first_key(len, window);
-                row->len = len;
-                nrows++;
+            const int64_t len = seq_lens[s];
+            float *os = out + (int64_t)rows[s] * out_row_stride;
+            if (len <= 0) {
+                for (int64_t i = 0; i < num_heads * head_dim; i++) os[i] = 0.0f;
+                continue;
             }
-            if (nrows == 0) continue;
-            const int32_t *table = tables + s0 * table_stride;
-#define ATTEND(nd, esz) attend_rows_avx2(att, nrows, k_cache, v_cache, block_stride, table, num_heads, group, nd, \
-                                         token_stride, block_size, scale, next_k, esz)
+            row.q = q + (int64_t)rows[s] * q_row_stride;
+            row.o = os;
+            row.scores = buf;
+            row.qbuf = buf + score_floats;
+            row.acc = buf + score_floats + heads * dim;
+            row.first = first_key(len, window);
+            row.len = len;
+            const int32_t *table = tables + s * table_stride;
+#define ATTEND(nd, esz) attend_row_avx2(&row, k_cache, v_cache, block_stride, table, num_heads, group, nd, \
+                                        token_stride, block_size, scale, next_k, esz)
             if (esz == 4) {
                 if (head_dim == 64) ATTEND(4, 4);
                 else if (head_dim == 128) ATTEND(8, 4);
@@ -673,7 +631,6 @@ static int paged_decode_avx2(
 #undef ATTEND
         }
         free(buf);
-        free(att);
     }
     return failed ? -2 : 0;
 }
