@@ -383,12 +383,16 @@ def _bf16_gemm_note() -> str:
 
 
 def _bf16_attention_note(kv_dtype: str, backend: str, mcfg: ModelConfig, block_size: int) -> str:
-    """How the native kernels attend a bf16 pool in this process: in bf16 dot products where the
-    build has AVX512-BF16 and the shape allows (``native/kv_elem.h``'s ``kv_bf16_dots``), else in
-    fp32 over the widened values. Both give a prefill row the decode's bits; their bits differ."""
+    """How the native kernels attend a bf16 pool in this process: on AMX tiles where the bf16 GEMMs
+    run on AMX (``native/kv_elem.h``'s ``kv_amx``), else in bf16 dot products where the build has
+    AVX512-BF16 and the shape allows (``kv_bf16_dots``), else in fp32 over the widened values. Each
+    gives a prefill row the decode's bits; their bits differ."""
     if kv_dtype != "bfloat16" or backend != "cpu":
         return ""
     kernels = load_kernels()
+    if kernels is not None and kernels.kv_amx_for is not None and kernels.kv_amx_for(
+            mcfg.num_heads, mcfg.head_dim, block_size):
+        return "; a bf16 pool attended on AMX tiles (TDPBF16PS, fp32 sums)"
     if kernels is not None and kernels.bf16_dots_for is not None and kernels.bf16_dots_for(
             mcfg.num_heads, mcfg.head_dim, block_size):
         return "; a bf16 pool attended in bf16 dot products (vdpbf16ps, fp32 sums)"

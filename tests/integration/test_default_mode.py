@@ -169,8 +169,10 @@ def cold(model_dir: Path, mode: dict[str, Any]) -> Iterator[tuple[Outputs, Any]]
         # bf16 dot products take head_dim 32 (the hd32 twin), not 16; BLOCK (4) is even, 4 heads
         head_dim = c["hidden_size"] // c["num_attention_heads"]
         dots = kernels is not None and kernels.attention_bf16_dots and head_dim % 32 == 0
+        amx = dots and kernels is not None and bool(kernels.kv_amx_for(c["num_attention_heads"], head_dim, BLOCK))
         assert counters[2].attention_backend_reason.endswith(
-            "; a bf16 pool attended in bf16 dot products (vdpbf16ps, fp32 sums)" if dots
+            "; a bf16 pool attended on AMX tiles (TDPBF16PS, fp32 sums)" if amx
+            else "; a bf16 pool attended in bf16 dot products (vdpbf16ps, fp32 sums)" if dots
             else "; a bf16 pool attended in fp32 (K/V widened)")
     yield out, counters
 

@@ -30,8 +30,9 @@ from services.model_runner.native import load_kernels
 from .test_paged_attention import Batch, make_batch
 
 # The build whose bf16 mode runs dot products (on an Intel CPU without AMX the default build runs
-# bf16 mode in fp32 FMAs instead, native.bf16_in_fma, and never takes them).
-DOTS = load_kernels(bf16_fma=False)
+# bf16 mode in fp32 FMAs instead, native.bf16_in_fma, and never takes them; on an AMX CPU the default
+# build attends on AMX tiles, test_amx_attention.py).
+DOTS = load_kernels(bf16_fma=False, no_amx=True)
 pytestmark = pytest.mark.skipif(
     DOTS is None or not DOTS.attention_bf16_dots,
     reason="bf16 attention needs a build with AVX512-BF16 (this CPU or compiler has none)",

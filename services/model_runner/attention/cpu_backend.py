@@ -48,7 +48,10 @@ class NativeDecodePlan:
     tables: torch.Tensor  # [n, W]
     max_len: int
     chunks: list[Chunk]
-    chunk_tables: tuple[torch.Tensor, ...] = ()  # [nb] int32 block ids of each chunk, for the prefill kernel
+    # [W] int32: each chunk's sequence's whole block table row, for the prefill kernel. NOTE: not the
+    # chunk's own block_ids, which start at its window's first block: the kernels see absolute key
+    # positions, since the AMX tiles (attention_amx.c) group keys by them, as a decode does.
+    chunk_tables: tuple[torch.Tensor, ...] = ()
     window: int = 0  # the group's sliding window as the kernels take it, 0 = full attention
 
 
@@ -162,10 +165,11 @@ class CpuAttentionBackend(TorchAttentionBackend):
         rest: list[Chunk] = []
         for chunk, table in zip(plan.chunks, plan.chunk_tables, strict=True):
             num_q = chunk.end - chunk.start
+            seq_len = chunk.seq_len + chunk.first_block * k_cache.shape[1]  # absolute, as the table
             status = attend(
                 query.data_ptr() + chunk.start * query.stride(0) * query.element_size(), query.stride(0),
                 k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0),
-                table.data_ptr(), num_q, chunk.seq_len,
+                table.data_ptr(), num_q, seq_len,
                 out.data_ptr() + chunk.start * out.stride(0) * out.element_size(), out.stride(0),
                 num_heads, k_cache.shape[2], head_dim, k_cache.shape[1], softmax_scale, plan.window,
             )  # fmt: skip
@@ -220,6 +224,7 @@ def _native_plan(meta: AttentionMetadata, block_size: int, per_row: bool) -> Nat
         seqs = [i for i in range(len(seq_lens)) if starts[i + 1] - starts[i] == 1]
         rows, lens = [starts[i] for i in seqs], [seq_lens[i] for i in seqs]
         chunks = make_chunks(meta, starts, seq_lens, block_size)
+    multi = {starts[i]: i for i in range(len(seq_lens)) if starts[i + 1] - starts[i] > 1}  # a chunk's sequence
     if seqs != list(range(len(seq_lens))):
         tables = tables[torch.tensor(seqs, dtype=torch.long)]
     return NativeDecodePlan(
@@ -228,7 +233,7 @@ def _native_plan(meta: AttentionMetadata, block_size: int, per_row: bool) -> Nat
         tables=tables.contiguous(),
         max_len=max(lens, default=0),
         chunks=chunks,
-        chunk_tables=tuple(c.block_ids[0].to(torch.int32).contiguous() for c in chunks),
+        chunk_tables=tuple(meta.block_tables[multi[c.start]].to(torch.int32).contiguous() for c in chunks),
         window=meta.window or 0,
     )
 

@@ -11,6 +11,9 @@ What is here, and why torch alone was not enough (measurements in docs/model_run
   register-blocked GEMMs (torch's SDPA over a chunk ran at a fraction of the FMA rate), each row's
   numbers independent of how its prompt was chunked (``prefill_attention_avx2.c``: the same in 8
   lanes for a CPU with AVX2 but no AVX-512);
+* ``attention_amx.c`` — both attention kernels over a bf16 pool on AMX tiles, in one order, where
+  the process runs its bf16 GEMMs on AMX (``kv_elem.h``'s ``kv_amx``): an Intel core issues
+  ``vdpbf16ps`` at half its fp32 FMA rate, and long prefills spent half their time in attention;
 * ``layer_ops.c`` — fused residual-add + RMSNorm, rotary embedding and SwiGLU: at decode batch
   sizes torch runs each as several tiny ops with an OpenMP fork each;
 * ``gemm.c`` — fp32 linear layers on weights packed into column panels, with the next panel
@@ -255,6 +258,9 @@ class NativeKernels:
     # kvmesh_bf16_dots_for(num_heads, head_dim, block_size): whether a bf16 pool of that shape is attended
     # in bf16 dot products (kv_elem.h's kv_bf16_dots, the one owner of the rule)
     bf16_dots_for: Any = None
+    # kvmesh_kv_amx_for(num_heads, head_dim, block_size): whether a bf16 pool of that shape is attended on
+    # AMX tiles instead (kv_elem.h's kv_amx: where the bf16 GEMMs run on AMX; attention_amx.c)
+    kv_amx_for: Any = None
     kv_prefetch_l2: bool = False  # kvmesh_kv_prefetch_l2(): decode attention prefetches K/V into L2, not L1
     # the attention kernels over a bf16 pool (same arguments; the caches uint16): always built, the
     # defaults only keep hand-made NativeKernels valid
@@ -396,5 +402,6 @@ def load_kernels(portable: bool = False, no_amx: bool = False, plain: bool = Fal
         linear_bf16_amx=bf16 and bool(_bind(lib, "kvmesh_linear_bf16_amx", _I64, [])()),
         linear_bf16_fma=bf16 and bool(_bind(lib, "kvmesh_linear_bf16_fma", _I64, [])()),
         bf16_dots_for=_bind(lib, "kvmesh_bf16_dots_for", _I64, [_I64, _I64, _I64]),
+        kv_amx_for=_bind(lib, "kvmesh_kv_amx_for", _I64, [_I64, _I64, _I64]),
         kv_prefetch_l2=bool(_bind(lib, "kvmesh_kv_prefetch_l2", _I64, [])()),
     )  # fmt: skip

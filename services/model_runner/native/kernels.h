@@ -68,6 +68,8 @@ int64_t kvmesh_linear_q_group(void);
 /* 1 where kv_elem.h's kv_bf16_dots holds for a bf16 pool of this shape: the runner's log and
  * GetModelInfo say which arithmetic its attention runs from this, the one owner of the rule. */
 int64_t kvmesh_bf16_dots_for(int64_t num_heads, int64_t head_dim, int64_t block_size);
+/* 1 where kv_elem.h's kv_amx holds for a bf16 pool of this shape (attention on AMX tiles, attention_amx.c) */
+int64_t kvmesh_kv_amx_for(int64_t num_heads, int64_t head_dim, int64_t block_size);
 /* 1 where decode attention prefetches the next K/V block into L2 (KVMESH_KV_PREFETCH_L2), else 0 (L1) */
 int64_t kvmesh_kv_prefetch_l2(void);
 

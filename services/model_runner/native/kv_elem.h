@@ -69,6 +69,24 @@ static inline int kv_bf16_dots(int esz, int64_t num_heads, int64_t head_dim, int
            && num_heads <= KV_MAX_HEADS && !kvmesh_linear_bf16_fma();
 }
 
+/*
+ * AMX tiles in attention over a bf16 pool (attention_amx.c): where the process runs its bf16 GEMMs
+ * on AMX (gemm_amx.c's choice when the object loads, KVMESH_NATIVE_AMX), a shape kv_bf16_dots takes
+ * is attended with TDPBF16PS instead, by the decode and the prefill kernel alike, in the order
+ * attention_amx.c states: on an Intel core vdpbf16ps issues at half its fp32 FMA rate, a tile
+ * product does 16 x 16 x 32 of them per instruction. One predicate, so the two kernels never
+ * disagree about which arithmetic a row gets.
+ */
+#if KV_BF16_DOTS_BUILT && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define KV_AMX_BUILT 1
+#else
+#define KV_AMX_BUILT 0
+#endif
+
+static inline int kv_amx(int esz, int64_t num_heads, int64_t head_dim, int64_t block_size) {
+    return KV_AMX_BUILT && kv_bf16_dots(esz, num_heads, head_dim, block_size) && kvmesh_linear_bf16_amx();
+}
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 /* 16 bf16 values as fp32 (exact: each the top half of its fp32). */

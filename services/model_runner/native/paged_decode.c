@@ -47,7 +47,9 @@
 
 #include "exp_math.h"
 #include "kernels.h"
+#include "attention_amx.h"
 #include "kv_elem.h"
+#include "kv_prefetch.h"
 #include "pairs.h"
 
 #define MAX_GROUP 16
@@ -56,42 +58,6 @@
 
 #if defined(__AVX512F__) || KVM_AVX2
 #include <immintrin.h>
-
-/* Spreads the prefetch of one block's cache lines over `steps` units of work on the block before
- * it: `prefetch_step` issues the next share each time it is called. */
-typedef struct {
-    const char *next;  /* the block to prefetch, or NULL */
-    int64_t line, lines, per;
-} Prefetcher;
-
-static inline Prefetcher prefetcher(const char *next, int64_t bytes, int64_t steps) {
-    const int64_t lines = bytes / 64;
-    Prefetcher p = {(const char *)next, 0, lines, (lines + steps - 1) / steps};
-    return p;
-}
-
-/* The first block of a pass has nothing before it to hide behind: all its lines at once. */
-static inline void prefetch_block(const char *base, int64_t bytes) {
-    const char *p = base;
-    for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
-}
-
-/* Where the spread prefetch puts the next block's lines. On AMD (KVMESH_KV_PREFETCH_L2, set by the
- * loader from the vendor) L2: on a Zen 4, fills into L1 evicted the lines the current block was
- * being read from, and cost even with the K/V in cache; Zen 3 fills L1 whatever the hint.
- * Elsewhere L1, as measured first (an early run found L2 no better). The figures:
- * docs/model_runner.md, "Decode attention's prefetch on AMD". */
-#if defined(KVMESH_KV_PREFETCH_L2)
-#define KV_PREFETCH_HINT _MM_HINT_T1
-#else
-#define KV_PREFETCH_HINT _MM_HINT_T0
-#endif
-
-static inline void prefetch_step(Prefetcher *p) {
-    if (p->next == NULL) return;
-    for (int64_t i = 0; i < p->per && p->line < p->lines; i++, p->line++)
-        _mm_prefetch(p->next + p->line * 64, KV_PREFETCH_HINT);
-}
 
 /* The block walk both attention paths make over a sequence's keys first .. len - 1, in the
  * caller's names (table, block_stride, esz, first, len, block_size): block b's base in a pool half,
@@ -656,6 +622,12 @@ int kvmesh_paged_decode_elem(
                                  num_seqs, out, out_row_stride, num_heads, group, head_dim, token_stride, block_size,
                                  max_seq_len, scale, window, esz);
 #endif
+#if KV_AMX_BUILT
+    if (kv_amx(esz, num_heads, head_dim, block_size))  /* attention_amx.c: the prefill kernel's tiles too */
+        return kvm_decode_amx(q, q_row_stride, (const uint16_t *)k_cache, (const uint16_t *)v_cache, block_stride,
+                              tables, table_stride, seq_lens, rows, num_seqs, out, out_row_stride, num_heads,
+                              num_kv_heads, head_dim, block_size, max_seq_len, scale, window);
+#endif
 #if defined(__AVX512F__)
     if (head_dim % 16 == 0 && num_heads <= MAX_HEADS) {
         const int dots = kv_bf16_dots(esz, num_heads, head_dim, block_size);
@@ -762,6 +734,10 @@ int64_t kvmesh_kv_prefetch_l2(void) {
 
 int64_t kvmesh_bf16_dots_for(int64_t num_heads, int64_t head_dim, int64_t block_size) {
     return kv_bf16_dots(2, num_heads, head_dim, block_size);
+}
+
+int64_t kvmesh_kv_amx_for(int64_t num_heads, int64_t head_dim, int64_t block_size) {
+    return kv_amx(2, num_heads, head_dim, block_size);
 }
 
 int kvmesh_paged_decode_f32(

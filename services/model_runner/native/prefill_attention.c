@@ -39,6 +39,7 @@
 #include <string.h>
 #include <omp.h>
 
+#include "attention_amx.h"
 #include "exp_math.h"
 #include "kernels.h"
 #include "kv_elem.h"
@@ -431,6 +432,12 @@ static int prefill_attention(
                                   out_row_stride, num_heads, num_kv_heads, head_dim, block_size, scale, window, esz);
 #endif
 #if defined(__AVX512F__)
+#if KV_AMX_BUILT
+    if (kv_amx(esz, num_heads, head_dim, block_size))  /* attention_amx.c: the decode kernel's tiles too */
+        return kvm_prefill_amx(q, q_row_stride, (const uint16_t *)k_cache, (const uint16_t *)v_cache, block_stride,
+                               table, num_q, seq_len, out, out_row_stride, num_heads, num_kv_heads, head_dim,
+                               block_size, scale, window);
+#endif
 #if KV_BF16_DOTS_BUILT
     if (kv_bf16_dots(esz, num_heads, head_dim, block_size))
         return prefill_attention_bf16dots(q, q_row_stride, (const uint16_t *)k_cache, (const uint16_t *)v_cache,
