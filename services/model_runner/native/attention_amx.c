@@ -100,8 +100,8 @@ typedef struct {
 /* Per-thread scratch. */
 typedef struct {
     uint32_t *qt;   /* [B][MAX_DIM / 32][16 pairs][16 rows]: B items' query tiles (a decode: its KV heads) */
-    float *c;       /* [16][16] a stored C tile */
-    uint16_t *kt;   /* [16][head_dim] a K tile that spans blocks */
+    float *c;       /* [2][16][16] stored C tiles */
+    uint16_t *kt;   /* [2][16][head_dim] K tiles that span blocks */
     uint16_t *qb;   /* [16][head_dim] the rounded queries */
     float *s;       /* [R][s_stride] scores, key t_lo * 16 first (R: 16, or a decode's query heads) */
     uint16_t *p;    /* [16][p_stride] numerators, key w_lo * 32 first */
@@ -244,36 +244,29 @@ static void queries_to_tiles(const Rows *rw, int64_t hd, float scale, uint16_t *
     }
 }
 
-/* Step 2 for score tile t: each row's scores of keys 16t .. 16t + 15 into its row of s (key t_lo * 16
- * first). kt, c: scratch. */
-static void score_tile(const Pool *pool, const Rows *rw, int64_t t, int64_t t_lo, const uint32_t *qt, uint16_t *kt,
-                       float *c, float *s, int64_t s_stride)
+/* Tile t's 16 K rows of one KV head as an A operand: in place where they lie in one block, else
+ * copied into kt (a key outside the item's keys zero). */
+static inline const uint16_t *k_tile(const Pool *pool, const Rows *rw, int64_t t, uint16_t *kt, int64_t *stride)
 {
     const int64_t hd = pool->head_dim;
-    const uint16_t *a;
-    int64_t a_stride;
-    if (pool->block_size % AT == 0) {  /* the tile's 16 rows lie in one block */
-        a = pool_row(pool, pool->k, t * AT);
-        a_stride = pool->token_stride * 2;
-    } else {
-        for (int i = 0; i < AT; i++) {
-            const int64_t key = t * AT + i;
-            if (key >= rw->first_min && key < rw->len_max)
-                memcpy(kt + i * hd, pool_row(pool, pool->k, key), sizeof(uint16_t) * (size_t)hd);
-            else
-                memset(kt + i * hd, 0, sizeof(uint16_t) * (size_t)hd);
-        }
-        a = kt;
-        a_stride = hd * 2;
+    if (pool->block_size % AT == 0) {
+        *stride = pool->token_stride * 2;
+        return pool_row(pool, pool->k, t * AT);
     }
-    _tile_zero(0);
-    for (int64_t j = 0; j < hd / 32; j++) {
-        _tile_loadd(1, a + 32 * j, a_stride);
-        _tile_loadd(2, qt + j * AT * AT, 64);
-        _tile_dpbf16ps(0, 1, 2);
+    for (int i = 0; i < AT; i++) {
+        const int64_t key = t * AT + i;
+        if (key >= rw->first_min && key < rw->len_max)
+            memcpy(kt + i * hd, pool_row(pool, pool->k, key), sizeof(uint16_t) * (size_t)hd);
+        else
+            memset(kt + i * hd, 0, sizeof(uint16_t) * (size_t)hd);
     }
-    _tile_stored(0, c, 64);
-    float *dst = s + (t - t_lo) * AT;
+    *stride = hd * 2;
+    return kt;
+}
+
+/* A stored C tile (rows = keys, columns = the item's rows) into each row's scores at dst. */
+static inline void scores_out(const Rows *rw, const float *c, float *dst, int64_t s_stride)
+{
     if (rw->n <= 4) {  /* a decode's few rows: each one column of the stored tile */
         const __m512i col = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
                                                _mm512_set1_epi32(AT));
@@ -284,6 +277,33 @@ static void score_tile(const Pool *pool, const Rows *rw, int64_t t, int64_t t_lo
         transpose16(w);
         for (int r = 0; r < rw->n; r++) _mm512_storeu_ps(dst + r * s_stride, w[r]);
     }
+}
+
+/* Step 2 for score tiles t and, with `two`, t + 1 (each a chain of TDPBF16PS into its own C tile,
+ * 0 and 3, sharing each Q^T load): each row's scores of their keys into its row of s (key t_lo * 16
+ * first). kt: scratch for a K tile that spans blocks (two: 2 x 16 rows); c: 2 x [16][16]. */
+static void score_tiles(const Pool *pool, const Rows *rw, int64_t t, int two, int64_t t_lo, const uint32_t *qt,
+                        uint16_t *kt, float *c, float *s, int64_t s_stride)
+{
+    const int64_t hd = pool->head_dim;
+    int64_t a0_stride, a1_stride = 0;
+    const uint16_t *a0 = k_tile(pool, rw, t, kt, &a0_stride);
+    const uint16_t *a1 = two ? k_tile(pool, rw, t + 1, kt + AT * hd, &a1_stride) : NULL;
+    _tile_zero(0);
+    if (two) _tile_zero(3);
+    for (int64_t j = 0; j < hd / 32; j++) {
+        _tile_loadd(2, qt + j * AT * AT, 64);
+        _tile_loadd(1, a0 + 32 * j, a0_stride);
+        _tile_dpbf16ps(0, 1, 2);
+        if (two) {
+            _tile_loadd(4, a1 + 32 * j, a1_stride);
+            _tile_dpbf16ps(3, 4, 2);
+        }
+    }
+    _tile_stored(0, c, 64);
+    if (two) _tile_stored(3, c + AT * AT, 64);
+    scores_out(rw, c, s + (t - t_lo) * AT, s_stride);
+    if (two) scores_out(rw, c + AT * AT, s + (t + 1 - t_lo) * AT, s_stride);
 }
 
 /* Steps 3 and 4: each row's softmax over its scores s (row r at s + r * s_stride, key t_lo * 16
@@ -318,9 +338,22 @@ static void finish_rows(const Rows *rw, int64_t hd, const float *s, int64_t s_st
     }
 }
 
-static void scratch_free(Scratch *sc)
+/* Grow-only buffers of the calling thread, kept for its next call: a step calls a kernel once per
+ * layer, and fresh buffers of these sizes come from mmap, each page zeroed by the OS on first touch
+ * (clear_page_erms took 5% of a prefill's profile). Never freed: OpenMP's threads, like the caller,
+ * live as long as the process, and each keeps the largest of its calls' sizes. */
+enum { BUF_QT, BUF_C, BUF_KT, BUF_QB, BUF_S, BUF_P, BUF_VP, BUF_ROWS, BUF_CALL_VP, BUF_COUNT };
+static __thread void *thread_buf[BUF_COUNT];
+static __thread size_t thread_cap[BUF_COUNT];
+
+static void *thread_buffer(int slot, size_t bytes)
 {
-    free(sc->qt); free(sc->c); free(sc->kt); free(sc->qb); free(sc->s); free(sc->p); free(sc->vp);
+    if (bytes <= thread_cap[slot]) return thread_buf[slot];
+    free(thread_buf[slot]);
+    const size_t cap = (bytes + bytes / 4 + 63) / 64 * 64;
+    thread_buf[slot] = aligned_alloc(64, cap);
+    thread_cap[slot] = thread_buf[slot] != NULL ? cap : 0;
+    return thread_buf[slot];
 }
 
 #define QT_WORDS ((MAX_DIM / 32) * AT * AT)
@@ -333,18 +366,14 @@ static int scratch_init(Scratch *sc, int64_t hd, int64_t keys, int64_t blocks, i
     sc->s_stride = (keys + 2 * PT + 15) / 16 * 16;
     sc->p_stride = sc->s_stride + PT;
     sc->v_stride = (sc->s_stride / 2 + PT) * hd;
-    sc->qt = (uint32_t *)aligned_alloc(64, sizeof(uint32_t) * QT_WORDS * (size_t)blocks);
-    sc->c = (float *)aligned_alloc(64, sizeof(float) * AT * AT);
-    sc->kt = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)(AT * hd));
-    sc->qb = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)(AT * hd));
-    sc->s = (float *)malloc(sizeof(float) * (size_t)(rows * sc->s_stride));
-    sc->p = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)(AT * sc->p_stride));
-    if (vp_heads) sc->vp = (uint32_t *)malloc(sizeof(uint32_t) * (size_t)(vp_heads * sc->v_stride));
-    if (!sc->qt || !sc->c || !sc->kt || !sc->qb || !sc->s || !sc->p || (vp_heads && !sc->vp)) {
-        scratch_free(sc);
-        return -2;
-    }
-    return 0;
+    sc->qt = (uint32_t *)thread_buffer(BUF_QT, sizeof(uint32_t) * QT_WORDS * (size_t)blocks);
+    sc->c = (float *)thread_buffer(BUF_C, sizeof(float) * 2 * AT * AT);
+    sc->kt = (uint16_t *)thread_buffer(BUF_KT, sizeof(uint16_t) * (size_t)(2 * AT * hd));
+    sc->qb = (uint16_t *)thread_buffer(BUF_QB, sizeof(uint16_t) * (size_t)(AT * hd));
+    sc->s = (float *)thread_buffer(BUF_S, sizeof(float) * (size_t)(rows * sc->s_stride));
+    sc->p = (uint16_t *)thread_buffer(BUF_P, sizeof(uint16_t) * (size_t)(AT * sc->p_stride));
+    if (vp_heads) sc->vp = (uint32_t *)thread_buffer(BUF_VP, sizeof(uint32_t) * (size_t)(vp_heads * sc->v_stride));
+    return !sc->qt || !sc->c || !sc->kt || !sc->qb || !sc->s || !sc->p || (vp_heads && !sc->vp) ? -2 : 0;
 }
 
 /* A decode is one item per sequence, every KV head: its V token rows packed in key order, then its
@@ -363,7 +392,7 @@ int kvm_decode_amx(const float *q, int64_t q_row_stride, const uint16_t *k_cache
         Scratch sc;
         const int ok = scratch_init(&sc, head_dim, max_seq_len > 0 ? max_seq_len : 1, num_kv_heads, num_heads,
                                     num_kv_heads) == 0;
-        Rows *rw = (Rows *)malloc(sizeof(Rows) * (size_t)num_kv_heads);
+        Rows *rw = (Rows *)thread_buffer(BUF_ROWS, sizeof(Rows) * (size_t)num_kv_heads);
         if (!ok || rw == NULL) {
             #pragma omp atomic write
             failed = 1;
@@ -406,7 +435,7 @@ int kvm_decode_amx(const float *q, int64_t q_row_stride, const uint16_t *k_cache
                 for (int64_t h = 0; h < num_kv_heads; h++) {
                     prefetch_step(&pf);
                     pool.kvh = h;
-                    score_tile(&pool, &rw[h], t, t_lo, sc.qt + h * QT_WORDS, sc.kt, sc.c,
+                    score_tiles(&pool, &rw[h], t, 0, t_lo, sc.qt + h * QT_WORDS, sc.kt, sc.c,
                                sc.s + h * group * sc.s_stride, sc.s_stride);
                 }
             }
@@ -414,11 +443,7 @@ int kvm_decode_amx(const float *q, int64_t q_row_stride, const uint16_t *k_cache
                 finish_rows(&rw[h], head_dim, sc.s + h * group * sc.s_stride, sc.s_stride, t_lo, &sc,
                             sc.vp + h * sc.v_stride, vbase);
         }
-        if (ok) {
-            _tile_release();
-            scratch_free(&sc);
-        }
-        free(rw);
+        if (ok) _tile_release();
     }
     return failed ? -2 : 0;
 }
@@ -432,7 +457,7 @@ int kvm_prefill_amx(const float *q, int64_t q_row_stride, const uint16_t *k_cach
     /* the first query's first key: nothing before it is read (a window's freed blocks) */
     const int64_t kstart = window > 0 && ctx0 + 1 > window ? ctx0 + 1 - window : 0;
     const int64_t vbase = kstart / PT * PT, vend = (seq_len + PT - 1) / PT * PT, pairs = (vend - vbase) / 2;
-    uint32_t *vp = (uint32_t *)malloc(sizeof(uint32_t) * (size_t)(num_kv_heads * pairs * head_dim));
+    uint32_t *vp = (uint32_t *)thread_buffer(BUF_CALL_VP, sizeof(uint32_t) * (size_t)(num_kv_heads * pairs * head_dim));
     if (vp == NULL) return -2;
     const Pool all = {k_cache, v_cache, block_stride, token_stride, block_size, head_dim, 0, table};
     pack_v(&all, num_kv_heads, kstart, seq_len, vbase, vend, vp, pairs * head_dim, 0);
@@ -469,15 +494,12 @@ int kvm_prefill_amx(const float *q, int64_t q_row_stride, const uint16_t *k_cach
             }
             const int64_t t_lo = rw.first_min / AT, t_hi = (rw.len_max - 1) / AT;
             queries_to_tiles(&rw, head_dim, scale, sc.qb, sc.qt);
-            for (int64_t t = t_lo; t <= t_hi; t++) score_tile(&pool, &rw, t, t_lo, sc.qt, sc.kt, sc.c, sc.s, sc.s_stride);
+            for (int64_t t = t_lo; t <= t_hi; t += 2)
+                score_tiles(&pool, &rw, t, t < t_hi, t_lo, sc.qt, sc.kt, sc.c, sc.s, sc.s_stride);
             finish_rows(&rw, head_dim, sc.s, sc.s_stride, t_lo, &sc, vp + h * pairs * head_dim, vbase);
         }
-        if (ok) {
-            _tile_release();
-            scratch_free(&sc);
-        }
+        if (ok) _tile_release();
     }
-    free(vp);
     return failed ? -2 : 0;
 }
 
