@@ -35,9 +35,14 @@
  * test_amx_attention.py). The bits differ from the vdpbf16ps path's (other sums), which is why the
  * choice is per process, with the GEMMs'.
  *
- * Tiles (all 16 rows x 64 bytes): 0 the scores, 1 an A operand (K or P), 2 and 7 B operands (Q^T
- * or V), 3-6 the weighted-V outputs. Each OpenMP thread loads the configuration in its parallel
- * region before its first tile and releases the tiles at the region's end, as gemm_amx.c does.
+ * Positions are absolute: the callers pass a sequence's whole block table and its length (the
+ * tiles group keys by position, as the decode does); nothing before the first query's window is
+ * read.
+ *
+ * Tiles (all 16 rows x 64 bytes): scores in 0 (and 3 for a prefill item's second key tile), their
+ * K operands in 1 (and 4), Q^T in 2; the weighted V's P in 1, V in 2 and 7, outputs in 3-6. Each
+ * OpenMP thread loads the configuration in its parallel region before its first tile and releases
+ * the tiles at the region's end, as gemm_amx.c does.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -106,6 +111,7 @@ typedef struct {
     float *s;       /* [R][s_stride] scores, key t_lo * 16 first (R: 16, or a decode's query heads) */
     uint16_t *p;    /* [16][p_stride] numerators, key w_lo * 32 first */
     uint32_t *vp;   /* decode: [num_kv][v_pairs][head_dim] V pairs, key w_lo * 32 first */
+    Rows *rw;       /* [B] the items' rows (a decode: one per KV head) */
     int64_t s_stride, p_stride, v_stride;
 } Scratch;
 
@@ -373,7 +379,22 @@ static int scratch_init(Scratch *sc, int64_t hd, int64_t keys, int64_t blocks, i
     sc->s = (float *)thread_buffer(BUF_S, sizeof(float) * (size_t)(rows * sc->s_stride));
     sc->p = (uint16_t *)thread_buffer(BUF_P, sizeof(uint16_t) * (size_t)(AT * sc->p_stride));
     if (vp_heads) sc->vp = (uint32_t *)thread_buffer(BUF_VP, sizeof(uint32_t) * (size_t)(vp_heads * sc->v_stride));
-    return !sc->qt || !sc->c || !sc->kt || !sc->qb || !sc->s || !sc->p || (vp_heads && !sc->vp) ? -2 : 0;
+    sc->rw = (Rows *)thread_buffer(BUF_ROWS, sizeof(Rows) * (size_t)blocks);
+    return !sc->qt || !sc->c || !sc->kt || !sc->qb || !sc->s || !sc->p || (vp_heads && !sc->vp) || !sc->rw ? -2 : 0;
+}
+
+/* A parallel region's start on each thread: its scratch (scratch_init's arguments), then the tile
+ * configuration. 0, with *failed set, where the scratch could not be had. */
+static int region_begin(Scratch *sc, int64_t hd, int64_t keys, int64_t blocks, int64_t rows, int64_t vp_heads,
+                        int *failed)
+{
+    if (scratch_init(sc, hd, keys, blocks, rows, vp_heads) != 0) {
+        #pragma omp atomic write
+        *failed = 1;
+        return 0;
+    }
+    amx_tiles_on();
+    return 1;
 }
 
 /* A decode is one item per sequence, every KV head: its V token rows packed in key order, then its
@@ -390,18 +411,12 @@ int kvm_decode_amx(const float *q, int64_t q_row_stride, const uint16_t *k_cache
     #pragma omp parallel if (num_seqs > 1)
     {
         Scratch sc;
-        const int ok = scratch_init(&sc, head_dim, max_seq_len > 0 ? max_seq_len : 1, num_kv_heads, num_heads,
-                                    num_kv_heads) == 0;
-        Rows *rw = (Rows *)thread_buffer(BUF_ROWS, sizeof(Rows) * (size_t)num_kv_heads);
-        if (!ok || rw == NULL) {
-            #pragma omp atomic write
-            failed = 1;
-        } else {
-            amx_tiles_on();
-        }
+        const int ok = region_begin(&sc, head_dim, max_seq_len > 0 ? max_seq_len : 1, num_kv_heads, num_heads,
+                                    num_kv_heads, &failed);
+        Rows *rw = sc.rw;
         #pragma omp for schedule(dynamic, 1)
         for (int64_t s = 0; s < num_seqs; s++) {
-            if (!ok || rw == NULL) continue;
+            if (!ok) continue;
             const int64_t len = seq_lens[s];
             const float *qs = q + (int64_t)rows[s] * q_row_stride;
             float *os = out + (int64_t)rows[s] * out_row_stride;
@@ -466,13 +481,7 @@ int kvm_prefill_amx(const float *q, int64_t q_row_stride, const uint16_t *k_cach
     #pragma omp parallel if (items > 1)
     {
         Scratch sc;
-        const int ok = scratch_init(&sc, head_dim, seq_len - vbase, 1, AT, 0) == 0;
-        if (!ok) {
-            #pragma omp atomic write
-            failed = 1;
-        } else {
-            amx_tiles_on();
-        }
+        const int ok = region_begin(&sc, head_dim, seq_len - vbase, 1, AT, 0, &failed);
         /* KV head by KV head (its V pairs stay in L2), the longest items (last rows) first */
         #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < items; item++) {
