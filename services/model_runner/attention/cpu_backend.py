@@ -224,7 +224,6 @@ def _native_plan(meta: AttentionMetadata, block_size: int, per_row: bool) -> Nat
         seqs = [i for i in range(len(seq_lens)) if starts[i + 1] - starts[i] == 1]
         rows, lens = [starts[i] for i in seqs], [seq_lens[i] for i in seqs]
         chunks = make_chunks(meta, starts, seq_lens, block_size)
-    multi = {starts[i]: i for i in range(len(seq_lens)) if starts[i + 1] - starts[i] > 1}  # a chunk's sequence
     if seqs != list(range(len(seq_lens))):
         tables = tables[torch.tensor(seqs, dtype=torch.long)]
     return NativeDecodePlan(
@@ -233,7 +232,7 @@ def _native_plan(meta: AttentionMetadata, block_size: int, per_row: bool) -> Nat
         tables=tables.contiguous(),
         max_len=max(lens, default=0),
         chunks=chunks,
-        chunk_tables=tuple(meta.block_tables[multi[c.start]].to(torch.int32).contiguous() for c in chunks),
+        chunk_tables=tuple(meta.block_tables[c.seq].to(torch.int32).contiguous() for c in chunks),
         window=meta.window or 0,
     )
 

@@ -211,6 +211,7 @@ class Chunk:
     seq_len: int
     block_ids: torch.Tensor  # [1, nb] int64
     first_block: int = 0
+    seq: int = 0  # the sequence's index in the step's metadata (its row of block_tables)
 
 
 @dataclass(frozen=True)
@@ -285,7 +286,7 @@ def make_chunks(meta: AttentionMetadata, starts: list[int], seq_lens: list[int],
         if num_q > 1:
             first = first_visible_key(seq_len - num_q, meta.window) // block_size
             block_ids = tables[i : i + 1, first : -(-seq_len // block_size)].long()
-            chunks.append(Chunk(starts[i], starts[i + 1], seq_len - first * block_size, block_ids, first))
+            chunks.append(Chunk(starts[i], starts[i + 1], seq_len - first * block_size, block_ids, first, i))
     return chunks
 
 

@@ -49,6 +49,7 @@
 #include <string.h>
 #include <omp.h>
 
+#include "amx_tiles.h"
 #include "attention_amx.h"
 #include "exp_math.h"
 #include "kernels.h"
@@ -62,15 +63,9 @@
 #define PT 32     /* keys per weighted-V tile (16 key pairs) */
 #define MAX_DIM 256
 
-typedef struct __attribute__((aligned(64))) {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} AmxConfig;
-
 static void amx_tiles_on(void)
 {
-    AmxConfig cfg;
+    AmxTileConfig cfg;
     memset(&cfg, 0, sizeof(cfg));
     cfg.palette = 1;
     for (int t = 0; t < 8; t++) {
@@ -424,7 +419,7 @@ int kvm_decode_amx(const float *q, int64_t q_row_stride, const uint16_t *k_cache
                 memset(os, 0, sizeof(float) * (size_t)(num_heads * head_dim));
                 continue;
             }
-            const int64_t first = window > 0 && len > window ? len - window : 0;
+            const int64_t first = first_key(len, window);
             const int64_t vbase = first / PT * PT, t_lo = first / AT, t_hi = (len - 1) / AT;
             Pool pool = {k_cache, v_cache, block_stride, token_stride, block_size, head_dim, 0,
                          tables + s * table_stride};
@@ -470,7 +465,7 @@ int kvm_prefill_amx(const float *q, int64_t q_row_stride, const uint16_t *k_cach
 {
     const int64_t group = num_heads / num_kv_heads, ctx0 = seq_len - num_q, token_stride = num_kv_heads * head_dim;
     /* the first query's first key: nothing before it is read (a window's freed blocks) */
-    const int64_t kstart = window > 0 && ctx0 + 1 > window ? ctx0 + 1 - window : 0;
+    const int64_t kstart = first_key(ctx0 + 1, window);
     const int64_t vbase = kstart / PT * PT, vend = (seq_len + PT - 1) / PT * PT, pairs = (vend - vbase) / 2;
     uint32_t *vp = (uint32_t *)thread_buffer(BUF_CALL_VP, sizeof(uint32_t) * (size_t)(num_kv_heads * pairs * head_dim));
     if (vp == NULL) return -2;
@@ -494,7 +489,7 @@ int kvm_prefill_amx(const float *q, int64_t q_row_stride, const uint16_t *k_cach
             rw.len_max = 0;
             for (int r = 0; r < rw.n; r++) {
                 const int64_t tok = (row0 + r) / group, head = h * group + (row0 + r) % group, pos = ctx0 + tok;
-                rw.first[r] = window > 0 && pos + 1 > window ? pos + 1 - window : 0;
+                rw.first[r] = first_key(pos + 1, window);
                 rw.len[r] = pos + 1;
                 rw.q[r] = q + tok * q_row_stride + head * head_dim;
                 rw.out[r] = out + tok * out_row_stride + head * head_dim;

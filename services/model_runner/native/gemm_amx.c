@@ -47,6 +47,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "amx_tiles.h"
 #include "gemm_bf16.h"
 #include "kernels.h"
 
@@ -79,11 +80,6 @@ __attribute__((constructor)) static void amx_select(void)
 int64_t kvmesh_linear_bf16_amx(void) { return amx_in_use; }
 
 /* Tiles: 0-5 C (two row tiles x three column tiles), 6 A, 7 B; all 16 rows x 64 bytes. */
-typedef struct __attribute__((aligned(64))) {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} TileConfig;
 
 /* Loads the tile configuration for a block of `rows` rows unless this thread has it loaded
  * already (*current; 0: none): tiles 0-3 (the C and A tiles of a lone row tile) min(rows, 16)
@@ -94,7 +90,7 @@ static inline void tiles_rows(int *current, int64_t rows)
 {
     const int want = rows < MT ? (int)rows : MT;
     if (*current == want) return;
-    TileConfig cfg;
+    AmxTileConfig cfg;
     memset(&cfg, 0, sizeof(cfg));
     cfg.palette = 1;
     for (int t = 0; t < 8; t++) {

@@ -34,6 +34,12 @@ static inline float kv_bf16_to_f32(uint16_t h) {
     return f;
 }
 
+/* The first key a query at position len - 1 attends to: 0, or with a window len - window
+ * (transformers' rule; every attention kernel's). */
+static inline int64_t first_key(int64_t len, int64_t window) {
+    return window > 0 && len > window ? len - window : 0;
+}
+
 /* Element i of a pool row as fp32 (esz: the element's bytes, 4 or 2). */
 static inline float kv_load1(const char *base, int64_t i, int esz) {
     if (esz == 2) return kv_bf16_to_f32(((const uint16_t *)base)[i]);

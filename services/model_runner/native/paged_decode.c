@@ -518,11 +518,6 @@ static void attend_portable(
         for (int64_t d = 0; d < head_dim; d++) os[g * head_dim + d] = acc[g][d] * inv_sum[g];
 }
 
-/* The first key a sequence of len keys attends to: 0, or with a window len - window. */
-static inline int64_t first_key(int64_t len, int64_t window) {
-    return window > 0 && len > window ? len - window : 0;
-}
-
 /* The K block holding sequence s's first attended key (NULL for s < 0 or an empty sequence): what a
  * thread prefetches for the sequence it takes next. */
 static inline const char *first_k_block(const char *k_cache, const int32_t *tables, int64_t table_stride,

@@ -322,7 +322,7 @@ static int prefill_attention_bf16dots(
     int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, int64_t window)
 {
     const int64_t group = num_heads / num_kv_heads, token_stride = num_kv_heads * head_dim;
-    const int64_t ctx0 = seq_len - num_q, kstart = window > 0 && ctx0 + 1 > window ? ctx0 + 1 - window : 0;
+    const int64_t ctx0 = seq_len - num_q, kstart = first_key(ctx0 + 1, window);
     const int64_t kbase = kstart & ~(int64_t)1, n_keys = seq_len - kbase, tiles = (n_keys + 15) / 16;
     const int64_t padded = tiles * 16, half = head_dim / 2;
     uint32_t *kt = (uint32_t *)calloc((size_t)(num_kv_heads * padded * half), sizeof(uint32_t));
@@ -446,7 +446,7 @@ static int prefill_attention(
 #endif
     const int64_t group = num_heads / num_kv_heads;
     /* the first query's first key: nothing before it is gathered (window 0 = full attention) */
-    const int64_t ctx0 = seq_len - num_q, kstart = window > 0 && ctx0 + 1 > window ? ctx0 + 1 - window : 0;
+    const int64_t ctx0 = seq_len - num_q, kstart = first_key(ctx0 + 1, window);
     const int64_t padded = (seq_len - kstart + 15) / 16 * 16;
     /* per KV head: K transposed in 16-key tiles [tiles][D][16], V contiguous [seq_len][D] */
     float *kt = NULL, *vc = NULL;

@@ -247,7 +247,7 @@ int kvm_prefill_tiled_avx2(const float *q, int64_t q_row_stride, const char *k_c
 {
     const int64_t group = num_heads / num_kv_heads;
     /* the first query's first key: nothing before it is gathered (window 0 = full attention) */
-    const int64_t ctx0 = seq_len - num_q, kstart = window > 0 && ctx0 + 1 > window ? ctx0 + 1 - window : 0;
+    const int64_t ctx0 = seq_len - num_q, kstart = first_key(ctx0 + 1, window);
     const int64_t padded = (seq_len - kstart + ST * TW - 1) / (ST * TW) * (ST * TW);
     float *kt = NULL, *vc = NULL;
     if (prefill_gather(k_cache, v_cache, block_stride, table, kstart, seq_len, num_kv_heads, head_dim, block_size,

@@ -33,7 +33,7 @@ static inline void tile_rows(TileRows *t, int64_t group, int64_t kvh, int64_t ct
         t->head[r] = kvh * group + row % group;
         const int64_t pos = ctx0 + t->tok[r];
         t->len[r] = pos + 1 - kbase;
-        t->lo[r] = (window > 0 && pos + 1 > window ? pos + 1 - window : 0) - kbase;
+        t->lo[r] = first_key(pos + 1, window) - kbase;
         if (t->len[r] > t->max_len) t->max_len = t->len[r];
         if (t->len[r] < t->min_len) t->min_len = t->len[r];
         if (t->lo[r] < t->min_lo) t->min_lo = t->lo[r];
