@@ -18,10 +18,10 @@
  * How: K and V of each KV head are gathered once from the paged cache (a bf16 cache widened
  * exactly to fp32 there, kv_elem.h: everything after the gather is the same code), K transposed in 16-key
  * tiles ([D][16]); then each work item is RT (query token, head) rows of one KV head: scores for
- * 16 keys at a time (each transposed-K vector loaded once for RH rows), a softmax per row, and the
+ * 16 keys at a time (each transposed-K vector loaded once for the RT rows), a softmax per row, and the
  * weighted V sum per row (each V vector loaded once for the RT rows).
  *
- * Numerics: bitwise paged_decode.c's for the same row (its dot-product order, see score_rows; the
+ * Numerics: bitwise paged_decode.c's for the same row (its dot-product order, see score_tile; the
  * same softmax over the row's own keys in 16-key steps from its first key; the weighted sum over
  * keys in order, masked outside the row's keys; the same exp): a row's bits depend only on its query, its
  * keys and its length, not on the rows beside it, the chunk's split, the thread, or whether the
@@ -45,36 +45,54 @@
 #include "kv_elem.h"
 #include "prefill_tiles.h"
 
-#define RH 4             /* rows of a work item scored together (4 x 4 partials + the halves in registers) */
-
 #if defined(__AVX512F__)
-/* Scores of RH rows (scaled queries qs, RH x head_dim) for the 16 keys of one transposed tile kb
- * ([head_dim][16]) into a[0..RH): lane t = key t. The sum has paged_decode.c's order exactly: lane
- * l of a d-chunk partial is q[l] k[l] then fused multiply-adds over l + 16, l + 32, ...; the 16
- * partials combine as ((Q0 + Q1) + (Q2 + Q3)), Qc = (p[4c] + p[4c+2]) + (p[4c+1] + p[4c+3]) (its
- * transpose_sum16), so a prefill row's scores are bitwise a decode's. */
-static inline __attribute__((always_inline)) void score_rows(const float *kb, const float *qs, int64_t head_dim,
-                                                             int nd, __m512 *a)
+/* Lane t of p[r] = d-chunk partial l of row r's score for key t of the tile kb ([head_dim][16]):
+ * q[l] k[l], then fused multiply-adds over l + 16, l + 32, ... (paged_decode.c's chain). Each K
+ * vector is loaded once for the RT rows. */
+static inline __attribute__((always_inline)) void score_partial(const float *kb, const float *qs, int64_t head_dim,
+                                                                int nd, int64_t l, __m512 *p)
 {
-    __m512 half[RH];
-    for (int r = 0; r < RH; r++) half[r] = _mm512_setzero_ps();  /* set at c = 0 (the compiler cannot tell) */
+    const __m512 k0 = _mm512_loadu_ps(kb + l * 16);
+    for (int r = 0; r < RT; r++) p[r] = _mm512_mul_ps(_mm512_set1_ps(qs[r * head_dim + l]), k0);
+    for (int j = 1; j < nd; j++) {
+        const __m512 k = _mm512_loadu_ps(kb + (l + 16 * j) * 16);
+        for (int r = 0; r < RT; r++) p[r] = _mm512_fmadd_ps(_mm512_set1_ps(qs[r * head_dim + l + 16 * j]), k, p[r]);
+    }
+}
+
+/* Qc = (p[4c] + p[4c+2]) + (p[4c+1] + p[4c+3]) of the RT rows, the partials made in the order 4c,
+ * 4c + 2, 4c + 1, 4c + 3 so that only three sets of RT are live at once (all in registers). */
+static inline __attribute__((always_inline)) void score_chunk(const float *kb, const float *qs, int64_t head_dim,
+                                                              int nd, int c, __m512 *q)
+{
+    __m512 s[RT], u[RT], p[RT];
+    score_partial(kb, qs, head_dim, nd, 4 * c, s);
+    score_partial(kb, qs, head_dim, nd, 4 * c + 2, p);
+    for (int r = 0; r < RT; r++) s[r] = _mm512_add_ps(s[r], p[r]);
+    score_partial(kb, qs, head_dim, nd, 4 * c + 1, u);
+    score_partial(kb, qs, head_dim, nd, 4 * c + 3, p);
+    for (int r = 0; r < RT; r++) q[r] = _mm512_add_ps(s[r], _mm512_add_ps(u[r], p[r]));
+}
+
+/* Scores of a work item's RT rows (scaled queries qs, RT x head_dim) for the 16 keys of one
+ * transposed tile kb ([head_dim][16]) into a[0..RT): lane t = key t. The sum has paged_decode.c's
+ * order exactly: the 16 d-chunk partials p[l] (score_partial) combine as ((Q0 + Q1) + (Q2 + Q3)),
+ * Qc = (p[4c] + p[4c+2]) + (p[4c+1] + p[4c+3]) (its transpose_sum16), so a prefill row's scores are
+ * bitwise a decode's. The tree's running sums wait in `tree` (2 x RT x 16 floats, touched once per
+ * chunk c), so the registers hold the partials being made. */
+static inline __attribute__((always_inline)) void score_tile(const float *kb, const float *qs, int64_t head_dim,
+                                                             int nd, float *tree, __m512 *a)
+{
+    float *first = tree, *low = tree + RT * 16;  /* Q0, then Q2; Q0 + Q1 */
+    for (int r = 0; r < RT; r++) a[r] = _mm512_setzero_ps();  /* set at c = 3 (the compiler cannot tell) */
     for (int c = 0; c < 4; c++) {
-        __m512 p[4][RH];
-        for (int i = 0; i < 4; i++) {
-            const int64_t l = 4 * c + i;
-            const __m512 k0 = _mm512_loadu_ps(kb + l * 16);
-            for (int r = 0; r < RH; r++) p[i][r] = _mm512_mul_ps(_mm512_set1_ps(qs[r * head_dim + l]), k0);
-            for (int j = 1; j < nd; j++) {
-                const __m512 k = _mm512_loadu_ps(kb + (l + 16 * j) * 16);
-                for (int r = 0; r < RH; r++)
-                    p[i][r] = _mm512_fmadd_ps(_mm512_set1_ps(qs[r * head_dim + l + 16 * j]), k, p[i][r]);
-            }
-        }
-        for (int r = 0; r < RH; r++) {
-            const __m512 q = _mm512_add_ps(_mm512_add_ps(p[0][r], p[2][r]), _mm512_add_ps(p[1][r], p[3][r]));
-            if (c == 0 || c == 2) half[r] = q;  /* Q0, then Q2 */
-            else if (c == 1) a[r] = _mm512_add_ps(half[r], q);  /* Q0 + Q1 */
-            else a[r] = _mm512_add_ps(a[r], _mm512_add_ps(half[r], q));  /* + (Q2 + Q3) */
+        __m512 q[RT];
+        score_chunk(kb, qs, head_dim, nd, c, q);
+        for (int r = 0; r < RT; r++) {
+            if (c == 0 || c == 2) _mm512_storeu_ps(first + r * 16, q[r]);
+            else if (c == 1) _mm512_storeu_ps(low + r * 16, _mm512_add_ps(_mm512_loadu_ps(first + r * 16), q[r]));
+            else a[r] = _mm512_add_ps(_mm512_loadu_ps(low + r * 16),
+                                      _mm512_add_ps(_mm512_loadu_ps(first + r * 16), q[r]));
         }
     }
 }
@@ -156,10 +174,11 @@ static inline __attribute__((always_inline)) void attend_rows(
         for (int64_t d = 0; d < head_dim; d++) qs[r * head_dim + d] = src[d] * scale;
     }
     /* 1. scores, 16 keys at a time */
+    float tree[2 * RT * 16] __attribute__((aligned(64))) = {0};  /* score_tile's running sums */
     for (int64_t t0 = rs.min_lo / 16 * 16; t0 < rs.max_len; t0 += 16) {
         const float *kb = kt + (t0 / 16) * head_dim * 16;
         __m512 a[RT];
-        for (int h = 0; h < RT; h += RH) score_rows(kb, qs + h * head_dim, head_dim, nd, a + h);
+        score_tile(kb, qs, head_dim, nd, tree, a);
         store_tile_scores(&rs, t0, a, sc, sc_stride);
     }
     float maxv[RT];
@@ -189,8 +208,11 @@ static void attend_tile(const float *kt, const float *vc, const float *q, int64_
 #undef ATTEND
 }
 #if KV_BF16_DOTS_BUILT
-/* score_rows in bf16 dot products (kv_elem.h): kb one 16-key tile of bf16 pairs ([head_dim / 2]
- * [16]: word P*16 + t holds key t's dimensions 2P, 2P + 1), qb RH rows of rounded queries. Lane l
+#define RH 4  /* rows scored together in bf16 dot products (4 x 4 partials + the halves in registers) */
+
+/* score_tile in bf16 dot products (kv_elem.h), RH rows at a time (all RT rows at once, as the fp32
+ * path, measured no faster here: docs/model_runner.md): kb one 16-key tile of bf16 pairs ([head_dim
+ * / 2][16]: word P*16 + t holds key t's dimensions 2P, 2P + 1), qb RH rows of rounded queries. Lane l
  * of chunk j's partial is vdpbf16ps over pair 16j + l from zero, then the same tree: paged_decode.c's
  * attend_seq_avx512 order with dots, so the scores are bitwise a decode's. */
 static inline __attribute__((always_inline)) void score_rows_bf16(const uint32_t *kb, const uint16_t *qb,
