@@ -44,6 +44,12 @@ static inline void prefetch_block(const char *base, int64_t bytes) {
 #define KV_PREFETCH_HINT _MM_HINT_T0
 #endif
 
+/* A block of at most this many bytes is prefetched two blocks ahead, larger ones one ahead
+ * (paged_decode.c's AVX-512 path). Measured on a Zen 5 (docs/model_runner.md): a bf16 SmolLM2
+ * block (6 KB) two ahead took 0.83-0.89x the decode attention's time; an fp32 one (12 KB) two
+ * ahead 0.96-1.01x; three or four ahead did worse for both. */
+#define KV_PREFETCH_SMALL_BLOCK 8192
+
 static inline void prefetch_step(Prefetcher *p) {
     if (p->next == NULL) return;
     for (int64_t i = 0; i < p->per && p->line < p->lines; i++, p->line++)

@@ -131,15 +131,21 @@ static inline __attribute__((always_inline)) void attend_seq_avx512(
     float maxv[MAX_HEADS];
     for (int64_t h = 0; h < num_heads; h++) maxv[h] = -3.0e38f;
 
-    /* 1. scores */
+    /* 1. scores. The blocks in the order they are read (K, then V, then the next sequence's first K)
+     * are SEQ_BLOCK(0, 1, ...); block i's work prefetches block i + ahead. Where a block is small
+     * (bf16 SmolLM2: 6 KB) two ahead, with block 1 prefetched whole at the start beside block 0:
+     * more of the sequence's lines in flight (docs/model_runner.md, "Decode attention's prefetch
+     * distance"). */
+    const int64_t nk = num_blocks - b0, ahead = block_bytes <= KV_PREFETCH_SMALL_BLOCK ? 2 : 1;
+#define SEQ_BLOCK(i) ((i) < nk ? BLOCK_AT(k_cache, b0 + (i)) : (i) < 2 * nk ? BLOCK_AT(v_cache, b0 + (i) - nk) \
+                      : (i) == 2 * nk ? next_k : NULL)
     prefetch_block(BLOCK_AT(k_cache, b0), block_bytes);
+    if (ahead > 1 && nk > 1) prefetch_block(BLOCK_AT(k_cache, b0 + 1), block_bytes);
     for (int64_t b = b0; b < num_blocks; b++) {
         BLOCK_KEYS(b);
         const char *kb = BLOCK_AT(k_cache, b);
-        /* the last K block prefetches the first V block (docs/model_runner.md) */
-        Prefetcher pf = prefetcher(b + 1 < num_blocks ? BLOCK_AT(k_cache, b + 1)
-                                   : BLOCK_AT(v_cache, b0),
-                                   block_bytes, ((nblk - lo + 15) / 16) * num_heads);
+        /* the last K blocks prefetch the first V blocks (docs/model_runner.md) */
+        Prefetcher pf = prefetcher(SEQ_BLOCK(b - b0 + ahead), block_bytes, ((nblk - lo + 15) / 16) * num_heads);
         for (int64_t c0 = lo; c0 < nblk; c0 += 16) {
             const int n = (int)(nblk - c0 < 16 ? nblk - c0 : 16);
             const __mmask16 live = (__mmask16)((1u << n) - 1u);
@@ -200,8 +206,8 @@ static inline __attribute__((always_inline)) void attend_seq_avx512(
         BLOCK_KEYS(b);
         const int64_t lo_e = dots ? lo & ~(int64_t)1 : lo, step = dots ? 2 : 1;
         const char *vb = BLOCK_AT(v_cache, b);
-        /* the last V block prefetches the first K block of this thread's next sequence */
-        Prefetcher pf = prefetcher(b + 1 < num_blocks ? BLOCK_AT(v_cache, b + 1) : next_k,
+        /* the last V blocks prefetch the first K block of this thread's next sequence */
+        Prefetcher pf = prefetcher(SEQ_BLOCK(nk + b - b0 + ahead),
                                    block_bytes, num_kv * ((nblk - lo_e + step - 1) / step));
         for (int64_t kvh = 0; kvh < num_kv; kvh++) {
             __m512 a[MAX_GROUP][MAX_HEAD_DIM / 16];
@@ -249,6 +255,7 @@ static inline __attribute__((always_inline)) void attend_seq_avx512(
                 for (int j = 0; j < nd; j++) _mm512_storeu_ps(ah + g * head_dim + j * 16, a[g][j]);
         }
     }
+#undef SEQ_BLOCK
     for (int64_t h = 0; h < num_heads; h++) {
         const __m512 inv = _mm512_set1_ps(inv_sum[h]);
         for (int j = 0; j < nd; j++)
