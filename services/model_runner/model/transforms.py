@@ -9,9 +9,16 @@ from __future__ import annotations
 import torch
 
 from services.model_runner.config import QUANTIZATIONS
+from services.model_runner.model.huge_pages import move_to_huge_pages
 from services.model_runner.model.layers import Linear
 from services.model_runner.model.native_layers import use_native_kernels
-from services.model_runner.model.packed import PackedWeight, dequantize_groups, quantize_q4_1, quantize_q8_0
+from services.model_runner.model.packed import (
+    NATIVE_MODES,
+    PackedWeight,
+    dequantize_groups,
+    quantize_q4_1,
+    quantize_q8_0,
+)
 from services.model_runner.model.transformer import CausalLM
 from services.model_runner.native import NativeKernels
 
@@ -89,6 +96,9 @@ def prepare_model(
     if model.lm_head is None and pack_head:
         model.packed_head = PackedWeight(embedding, None, _head_mode(mode), kernels)
     if kernels is not None:
+        # before use_native_kernels: the decode stack takes the weights' addresses
+        packs = [m.packed for m in linears] + [model.packed_head]
+        move_to_huge_pages([p for p in packs if p is not None and p.mode in NATIVE_MODES])
         use_native_kernels(model, kernels)
     model.prepared = quantization
     model.compute_dtype = "bfloat16" if bf16 else {"native_int8": "int8", "native_q4_1": "q4_1"}.get(mode)

@@ -45,9 +45,9 @@ static inline void prefetch_block(const char *base, int64_t bytes) {
 #endif
 
 /* A block of at most this many bytes is prefetched two blocks ahead, larger ones one ahead
- * (paged_decode.c's AVX-512 path). Measured on a Zen 5 (docs/model_runner.md): a bf16 SmolLM2
- * block (6 KB) two ahead took 0.83-0.89x the decode attention's time; an fp32 one (12 KB) two
- * ahead 0.96-1.01x; three or four ahead did worse for both. */
+ * (paged_decode.c's AVX-512 path): on a Zen 5 two ahead paid for a bf16 SmolLM2 block (6 KB) and
+ * not for an fp32 one (12 KB), three or four ahead for neither (docs/model_runner.md, "Decode
+ * attention's prefetch distance"). */
 #define KV_PREFETCH_SMALL_BLOCK 8192
 
 static inline void prefetch_step(Prefetcher *p) {
