@@ -8,7 +8,8 @@ measurements: docs/model_runner.md, "Huge pages".
 
 What: after packing, each native weight's tensor is copied into one private anonymous mapping
 advised ``MADV_HUGEPAGE`` and replaced by a view of it, one weight at a time (the copy it replaces
-is freed as it goes, so the peak is the weights plus one). Each tensor starts on a 4 KB page; the
+is freed as it goes, so the peak is the weights plus one, and the freed heap is then handed back:
+:func:`release_free_heap`). Each tensor starts on a 4 KB page; the
 arena starts on a 2 MB boundary. The bytes are the same at another address, so no result changes.
 Where the kernel's transparent huge pages are off (``never``) or Python's ``mmap`` lacks
 ``madvise``, nothing moves.
@@ -74,7 +75,25 @@ def move_to_huge_pages(owners: Sequence[HoldsPacked], setting: Path = THP_SETTIN
         view.copy_(tensor)
         owner.packed = view
         offset += size
+    release_free_heap()
     return arena
+
+
+def release_free_heap() -> bool:
+    """Hands the heap's free memory back to the kernel (glibc's ``malloc_trim``); False where the C
+    library has none.
+
+    Why: the copies the arena replaces were allocated from the heap (once a few large blocks have
+    been freed, glibc serves blocks of that size from the heap instead of fresh mappings), and free
+    blocks below live ones stay resident until trimmed: without this the runner kept about the
+    weights' size again (docs/model_runner.md, "Huge pages")."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (AttributeError, OSError):
+        return False
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    trim(0)
+    return True
 
 
 def _tensor(owner: HoldsPacked) -> torch.Tensor:

@@ -11,7 +11,13 @@ import pytest
 import torch
 
 from services.model_runner.loader import load_model
-from services.model_runner.model.huge_pages import HUGE_PAGE, PAGE, move_to_huge_pages, thp_available
+from services.model_runner.model.huge_pages import (
+    HUGE_PAGE,
+    PAGE,
+    move_to_huge_pages,
+    release_free_heap,
+    thp_available,
+)
 from services.model_runner.model.layers import Linear
 from services.model_runner.model.native_layers import NativeDecoderModel
 from services.model_runner.model.packed import NATIVE_MODES, PackedWeight
@@ -88,3 +94,8 @@ def test_prepare_model_packs_every_native_weight_into_the_arena_before_the_stack
     slots = [-(-t.nbytes // PAGE) * PAGE for t in tensors if isinstance(t, torch.Tensor)]
     assert [p - ptrs[0] for p in ptrs] == [sum(slots[:i]) for i in range(len(slots))]
     assert isinstance(model.model, NativeDecoderModel)
+
+
+def test_the_freed_heap_is_handed_back_where_glibc_runs() -> None:
+    """Linux with glibc (every machine this runs on): malloc_trim exists and is called."""
+    assert release_free_heap() is True
