@@ -60,16 +60,21 @@ def move_to_huge_pages(owners: Sequence[HoldsPacked], setting: Path = THP_SETTIN
     Returns:
         The arena (the views keep it alive too), or None when nothing moved.
     """
-    movable = [o for o in owners if isinstance(o.packed, torch.Tensor) and o.packed.numel() > 0
-               and o.packed.device.type == "cpu"]  # fmt: skip
+    # owners and their slots only: holding the tensors here would keep every replaced copy alive
+    movable: list[tuple[HoldsPacked, int]] = []
+    for owner in owners:
+        packed = owner.packed
+        if isinstance(packed, torch.Tensor) and packed.numel() > 0 and packed.device.type == "cpu":
+            movable.append((owner, -(-packed.nbytes // PAGE) * PAGE))
     if not movable or not thp_available(setting):
         return None
-    sizes = [-(-_tensor(o).nbytes // PAGE) * PAGE for o in movable]
-    arena = mmap.mmap(-1, sum(sizes) + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    arena = mmap.mmap(-1, sum(size for _, size in movable) + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     arena.madvise(mmap.MADV_HUGEPAGE)
     offset = (-ctypes.addressof(ctypes.c_char.from_buffer(arena))) % HUGE_PAGE
-    for owner, size in zip(movable, sizes, strict=True):
-        tensor = _tensor(owner).contiguous()
+    for owner, size in movable:
+        packed = owner.packed
+        assert isinstance(packed, torch.Tensor)  # as filtered above
+        tensor = packed.contiguous()
         view = torch.frombuffer(arena, dtype=torch.uint8, count=tensor.nbytes, offset=offset)
         view = view.view(tensor.dtype).view(tensor.shape)
         view.copy_(tensor)
@@ -95,8 +100,3 @@ def release_free_heap() -> bool:
     trim(0)
     return True
 
-
-def _tensor(owner: HoldsPacked) -> torch.Tensor:
-    packed = owner.packed
-    assert isinstance(packed, torch.Tensor)
-    return packed

@@ -24,6 +24,7 @@
 #include <omp.h>
 
 #include "exp_math.h"
+#include "kv_elem.h"
 
 #define INT4_GROUP 32
 #define INT4_MAX_GROUP 16      /* query heads per KV head */
@@ -185,7 +186,7 @@ int kvmesh_paged_attention_int4(
                 for (int64_t i = 0; i < group * head_dim; i++) os[i] = 0.0f;
                 continue;
             }
-            const int64_t first = window > 0 && len > window ? len - window : 0;
+            const int64_t first = first_key(len, window);
             attend_int4(qs, os, k_cache, v_cache, block_stride, tables + s * table_stride, first, len, group,
                         head_dim, token_stride, block_size, kvh * row_bytes, scale, scores);
         }
