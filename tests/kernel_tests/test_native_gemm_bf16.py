@@ -121,17 +121,21 @@ def test_fma_kernel_is_bitwise_the_fp32_gemm_over_the_rounded_weights(rows: int,
 
 
 @pytest.mark.parametrize("in_features", [576, 99])
-def test_each_row_is_bitwise_the_same_alone_or_in_any_batch(kernel_build: native.NativeKernels,
-                                                            in_features: int) -> None:  # fmt: skip
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_each_row_is_bitwise_the_same_alone_or_in_any_batch(kernel_build: native.NativeKernels, in_features: int,
+                                                            with_bias: bool) -> None:  # fmt: skip
     """Batch invariance: rows of one 40-row x, computed in batches of 1..33 rows starting at
     every offset, give bitwise the outputs of each row computed alone (2 threads split the
-    panels; the AVX512 kernel's row tiles of 8, the AMX kernel's blocks of 32 and 16 rows, and
-    their partial tails all take part; k = 99 ends in a partial AMX k tile)."""
+    panels; the AVX512 kernel's row tiles of 8, the AMX kernel's blocks of 32 and 16 rows, its
+    pairs of whole panels and the lone partial fifth, and their partial tails all take part; k = 99
+    ends in a partial AMX k tile; without a bias, a whole 32-row block of a pair is stored straight
+    into the output)."""
     kernels = kernel_build
     gen = torch.Generator().manual_seed(7)
     x = torch.randn(40, in_features, generator=gen)
     weight = torch.randn(200, in_features, generator=gen)
-    packed = PackedWeight(weight, torch.randn(200, generator=gen), "native_bf16", kernels)
+    bias = torch.randn(200, generator=gen) if with_bias else None
+    packed = PackedWeight(weight, bias, "native_bf16", kernels)
     alone = torch.cat([packed(x[i : i + 1]) for i in range(40)])
     for batch in range(1, 34):
         for start in range(0, 40 - batch + 1, 7):

@@ -14,6 +14,15 @@
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
 
+/* 32 floats at src, of which the first `left` are live (fewer: zeros past them) -> 32 bf16 at dst. */
+static inline void bf16_round32(const float *src, int64_t left, uint16_t *dst)
+{
+    const __mmask16 lo = left >= 16 ? (__mmask16)0xFFFF : left > 0 ? (__mmask16)((1u << left) - 1u) : 0;
+    const __mmask16 hi = left >= 32 ? (__mmask16)0xFFFF : left > 16 ? (__mmask16)((1u << (left - 16)) - 1u) : 0;
+    const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(hi, src + 16), _mm512_maskz_loadu_ps(lo, src));
+    _mm512_storeu_si512(dst, (__m512i)v);
+}
+
 /* x [m, k] fp32 (rows x_stride apart) -> xb [m, width] bf16 (round to nearest even, denormals to
  * zero), the columns past k zero; width a multiple of 32, at least 2 ceil(k / 2). One thread: a
  * 512 x 1536 prefill input is 0.8 M conversions, less than an OpenMP fork and join costs on a
@@ -21,17 +30,8 @@
 static inline void bf16_round_rows(const float *x, int64_t x_stride, int64_t m, int64_t k, uint16_t *xb,
                                    int64_t width)
 {
-    for (int64_t r = 0; r < m; r++) {
-        const float *src = x + r * x_stride;
-        uint16_t *dst = xb + r * width;
-        for (int64_t i = 0; i < width; i += 32) {
-            const int64_t left = k - i;
-            const __mmask16 lo = left >= 16 ? (__mmask16)0xFFFF : left > 0 ? (__mmask16)((1u << left) - 1u) : 0;
-            const __mmask16 hi = left >= 32 ? (__mmask16)0xFFFF : left > 16 ? (__mmask16)((1u << (left - 16)) - 1u) : 0;
-            const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(hi, src + i + 16), _mm512_maskz_loadu_ps(lo, src + i));
-            _mm512_storeu_si512(dst + i, (__m512i)v);
-        }
-    }
+    for (int64_t r = 0; r < m; r++)
+        for (int64_t i = 0; i < width; i += 32) bf16_round32(x + r * x_stride + i, k - i, xb + r * width + i);
 }
 #endif
 
