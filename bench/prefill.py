@@ -50,15 +50,18 @@ from shared.sampling_params import SamplingParams  # noqa: E402
 
 DEFAULT_MODEL = str(Path.home() / ".cache/kvmesh/SmolLM2-135M-Instruct")
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
+QUANTIZATION = {"fp32": "none", "bf16": "auto"}
 
 
 def build(model: str, dtype: str, max_len: int, sdpa: bool, blocks: int = 0) -> ModelRunner:
     """A runner on the native backend; ``sdpa``: its prefill chunks through torch's SDPA (the former path)."""
     per_block = 30 * 2 * BLOCK_SIZE * 3 * 64 * 4  # SmolLM2: 30 layers, 3 KV heads of 64, fp32 K/V
     blocks = max(blocks, 2 * (max_len // BLOCK_SIZE) + 80)
+    # NOTE: fp32 with dense weights, as the peers' fp32 row (bench/peerbench/engines.py): `auto` would
+    # keep an on-grid checkpoint's weights in Q4_1 (the embedded SmolLM2), another GEMM
     runner = build_runner(RunnerConfig(model_dir=model, device="cpu", dtype=DTYPES[dtype], attention_backend="cpu",
                                        block_size=BLOCK_SIZE, kv_cache_memory_bytes=blocks * per_block,
-                                       max_model_len=max_len))  # fmt: skip
+                                       max_model_len=max_len, quantization=QUANTIZATION[dtype]))  # fmt: skip
     backend = runner.backend
     assert isinstance(backend, CpuAttentionBackend)
     if sdpa:  # NOTE: bench-only switch: the chunks go where they went before prefill_attention.c
