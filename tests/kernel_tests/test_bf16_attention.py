@@ -135,7 +135,7 @@ def test_the_arithmetic_on_exact_values(block_size: int, window: int) -> None:
 
 @pytest.mark.parametrize(("queries_per_kv", "head_dim", "block_size", "window"),
                          [(3, 64, 16, 0), (2, 128, 4, 0), (3, 64, 16, 20), (3, 64, 16, 21), (1, 32, 2, 7),
-                          (16, 64, 16, 0), (4, 96, 8, 13)])  # fmt: skip
+                          (16, 64, 16, 0), (4, 96, 8, 13), (5, 96, 16, 0)])  # fmt: skip
 def test_a_prefill_row_is_bitwise_the_decode_of_its_position(
     queries_per_kv: int, head_dim: int, block_size: int, window: int
 ) -> None:

@@ -104,7 +104,8 @@ def test_a_row_is_the_same_however_the_prompt_is_chunked(split: list[int], threa
 
 
 @pytest.mark.parametrize(("queries_per_kv", "head_dim", "block_size"),
-                         [(3, 64, 16), (2, 128, 4), (16, 32, 16), (1, 16, 1), (2, 48, 16), (3, 40, 16)])  # fmt: skip
+                         [(3, 64, 16), (2, 128, 4), (16, 32, 16), (1, 16, 1), (2, 48, 16), (3, 40, 16),
+                          (5, 96, 16)])  # fmt: skip
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_a_prefill_row_is_bitwise_the_decode_of_its_position(queries_per_kv: int, head_dim: int,
                                                              block_size: int, variant: str) -> None:  # fmt: skip

@@ -91,6 +91,66 @@ static inline __m512 transpose_sum16(const __m512 part[16]) {
                          _mm512_shuffle_f32x4(l3[0], l3[1], _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
+/* Step 3 of attend_seq_avx512 for one block and one KV head: the weighted V of G query heads (the
+ * accumulators from a0, head_dim apart) over W 16-lane slices of the head dimension (v0: the
+ * block's first token's V row at the first slice), keys lo .. nblk - 1 in order (dots: key pairs
+ * from lo rounded down to even, the numerators pk[g * pb_stride + o - lo_e]; else the scores
+ * sk[g * n_keys + o - lo]). G and W are compile-time constants where it is inlined, so the G x W
+ * accumulators stay in registers over the block's keys; with the group a runtime count they were
+ * kept on the stack, and each key's update of each one was a reload and a store in the dependency
+ * chain (docs/model_runner.md, "Decode attention's weighted V in registers"). Every accumulator
+ * takes the same operations in the same order whatever G and W: the bits do not depend on them. */
+static inline __attribute__((always_inline)) void weighted_v_block(
+    float *a0, int64_t head_dim, const char *v0, int64_t token_stride, const int esz, const int dots,
+    const float *sk, int64_t n_keys, const uint16_t *pk, int64_t pb_stride, int64_t lo, int64_t nblk,
+    Prefetcher *pf, const int G, const int W)
+{
+    __m512 a[4][4];
+    for (int g = 0; g < G; g++)
+        for (int j = 0; j < W; j++) a[g][j] = _mm512_loadu_ps(a0 + g * head_dim + j * 16);
+#if KV_BF16_DOTS_BUILT
+    if (dots) {
+        const __m512i zero = _mm512_setzero_si512();
+        const int64_t lo_e = lo & ~(int64_t)1;
+        for (int64_t o = lo_e; o < nblk; o += 2) {  /* keys o, o + 1 of the block (block_size is even) */
+            if (pf != NULL) prefetch_step(pf);
+            const char *ve = v0 + o * token_stride * esz;
+            const int even_ok = o >= lo, odd_ok = o + 1 < nblk;  /* a key outside the range: zero in v */
+            __m512bh vv[4];
+            for (int j = 0; j < W; j++) {
+                const __m512i ev = even_ok ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(ve + j * 32)))
+                                           : zero;
+                const __m512i od = odd_ok ? _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(
+                                                (const __m256i *)(ve + token_stride * esz + j * 32))), 16)
+                                          : zero;
+                vv[j] = (__m512bh)_mm512_or_si512(ev, od);
+            }
+            for (int g = 0; g < G; g++) {
+                const __m512bh p = kv_pair_bcast(pk + g * pb_stride + (o - lo_e));
+                for (int j = 0; j < W; j++) a[g][j] = _mm512_dpbf16_ps(a[g][j], p, vv[j]);
+            }
+        }
+    }
+#else
+    (void)pk;
+    (void)pb_stride;
+#endif
+    if (!dots) {
+        for (int64_t o = lo; o < nblk; o++) {
+            if (pf != NULL) prefetch_step(pf);
+            const char *v = v0 + o * token_stride * esz;
+            __m512 vv[4];
+            for (int j = 0; j < W; j++) vv[j] = kv_load16(v + j * 16 * esz, esz);
+            for (int g = 0; g < G; g++) {
+                const __m512 p = _mm512_set1_ps(sk[g * n_keys + o - lo]);
+                for (int j = 0; j < W; j++) a[g][j] = _mm512_fmadd_ps(p, vv[j], a[g][j]);
+            }
+        }
+    }
+    for (int g = 0; g < G; g++)
+        for (int j = 0; j < W; j++) _mm512_storeu_ps(a0 + g * head_dim + j * 16, a[g][j]);
+}
+
 /* A whole sequence, every head: each block (all KV heads: block_size * token_stride elements,
  * contiguous) is read from memory once, the next one prefetched while this one is used.
  * Scratch: scores [num_heads][len - first], qbuf [num_heads * head_dim] (the scaled query: fp32, or
@@ -122,6 +182,7 @@ static inline __attribute__((always_inline)) void attend_seq_avx512(
     if (dots) kv_round_bf16(q_row, scale, qb, num_heads * head_dim);
 #else
     (void)pb;
+    const int64_t pb_stride = 0;
 #endif
     if (!dots) {
         const __m512 vscale = _mm512_set1_ps(scale);
@@ -200,7 +261,7 @@ static inline __attribute__((always_inline)) void attend_seq_avx512(
         if (!dots) inv_sum[h] = softmax_row_f32(scores + h * n_keys, n_keys, maxv[h]);
     }
     /* 3. weighted V (keys in order; dots: key pairs): per block and KV head, that head group's
-     * accumulators live in registers */
+     * accumulators in registers, up to 4 heads x 4 16-lane slices a pass (weighted_v_block) */
     for (int64_t i = 0; i < num_heads * head_dim; i += 16) _mm512_storeu_ps(acc + i, _mm512_setzero_ps());
     for (int64_t b = b0; b < num_blocks; b++) {
         BLOCK_KEYS(b);
@@ -209,51 +270,39 @@ static inline __attribute__((always_inline)) void attend_seq_avx512(
         /* the last V blocks prefetch the first K block of this thread's next sequence */
         Prefetcher pf = prefetcher(SEQ_BLOCK(nk + b - b0 + ahead),
                                    block_bytes, num_kv * ((nblk - lo_e + step - 1) / step));
-        for (int64_t kvh = 0; kvh < num_kv; kvh++) {
-            __m512 a[MAX_GROUP][MAX_HEAD_DIM / 16];
-            float *ah = acc + kvh * group * head_dim;
-            for (int64_t g = 0; g < group; g++)
-                for (int j = 0; j < nd; j++) a[g][j] = _mm512_loadu_ps(ah + g * head_dim + j * 16);
+        for (int64_t kvh = 0; kvh < num_kv; kvh++)
+            for (int64_t g0 = 0; g0 < group; g0 += 4)
+                for (int j0 = 0; j0 < nd; j0 += 4) {
+                    const int64_t h0 = kvh * group + g0;
+                    const int heads_in = (int)(group - g0 < 4 ? group - g0 : 4), w = nd - j0 < 4 ? nd - j0 : 4;
+                    float *a0 = acc + h0 * head_dim + j0 * 16;
+                    const char *v0 = vb + (kvh * head_dim + j0 * 16) * esz;
 #if KV_BF16_DOTS_BUILT
-            if (dots) {
-                const __m512i zero = _mm512_setzero_si512();
-                const uint16_t *pk = pb + kvh * group * pb_stride + (t0 + lo_e - fe);  /* the pair at key t0 + lo_e */
-                for (int64_t o = lo_e; o < nblk; o += 2) {  /* keys t0 + o, t0 + o + 1 (block_size is even) */
-                    prefetch_step(&pf);
-                    const char *ve = vb + (o * token_stride + kvh * head_dim) * esz;
-                    const int even_ok = t0 + o >= first, odd_ok = o + 1 < nblk;
-                    __m512bh vv[MAX_HEAD_DIM / 16];
-                    for (int j = 0; j < nd; j++) {
-                        const __m512i ev = even_ok
-                            ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(ve + j * 32))) : zero;
-                        const __m512i od = odd_ok ? _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(
-                                                        (const __m256i *)(ve + token_stride * esz + j * 32))), 16)
-                                                  : zero;
-                        vv[j] = (__m512bh)_mm512_or_si512(ev, od);
-                    }
-                    for (int64_t g = 0; g < group; g++) {
-                        const __m512bh p = kv_pair_bcast(pk + g * pb_stride + (o - lo_e));
-                        for (int j = 0; j < nd; j++) a[g][j] = _mm512_dpbf16_ps(a[g][j], p, vv[j]);
-                    }
-                }
-            }
+                    const uint16_t *pk = dots ? pb + h0 * pb_stride + (t0 + lo_e - fe) : NULL;
+#else
+                    const uint16_t *pk = NULL;
 #endif
-            if (!dots) {
-                const float *sk = scores + kvh * group * n_keys + (t0 + lo - first);  /* key t0 + lo */
-                for (int64_t o = lo; o < nblk; o++) {
-                    prefetch_step(&pf);
-                    const char *v = vb + (o * token_stride + kvh * head_dim) * esz;
-                    __m512 vv[MAX_HEAD_DIM / 16];
-                    for (int j = 0; j < nd; j++) vv[j] = kv_load16(v + j * 16 * esz, esz);
-                    for (int64_t g = 0; g < group; g++) {
-                        const __m512 p = _mm512_set1_ps(sk[g * n_keys + o - lo]);
-                        for (int j = 0; j < nd; j++) a[g][j] = _mm512_fmadd_ps(p, vv[j], a[g][j]);
+                    const float *sk = scores + h0 * n_keys + (t0 + lo - first);
+                    Prefetcher *pp = g0 == 0 && j0 == 0 ? &pf : NULL;  /* one prefetch step per key (pair) */
+#define WVB(G, W) weighted_v_block(a0, head_dim, v0, token_stride, esz, dots, sk, n_keys, pk, pb_stride, lo, nblk, \
+                                   pp, G, W)
+#define WV_HEADS(W) switch (heads_in) { \
+                        case 1: WVB(1, W); break; case 2: WVB(2, W); break; case 3: WVB(3, W); break; \
+                        default: WVB(4, W); break; }
+                    if (nd % 4 == 0) {
+                        WV_HEADS(4)
+                    } else if (w == 4) {
+                        WV_HEADS(4)
+                    } else if (w == 3) {
+                        WV_HEADS(3)
+                    } else if (w == 2) {
+                        WV_HEADS(2)
+                    } else {
+                        WV_HEADS(1)
                     }
+#undef WV_HEADS
+#undef WVB
                 }
-            }
-            for (int64_t g = 0; g < group; g++)
-                for (int j = 0; j < nd; j++) _mm512_storeu_ps(ah + g * head_dim + j * 16, a[g][j]);
-        }
     }
 #undef SEQ_BLOCK
     for (int64_t h = 0; h < num_heads; h++) {
