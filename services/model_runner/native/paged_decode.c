@@ -274,7 +274,9 @@ static inline __attribute__((always_inline)) void attend_seq_avx512(
             for (int64_t g0 = 0; g0 < group; g0 += 4)
                 for (int j0 = 0; j0 < nd; j0 += 4) {
                     const int64_t h0 = kvh * group + g0;
-                    const int heads_in = (int)(group - g0 < 4 ? group - g0 : 4), w = nd - j0 < 4 ? nd - j0 : 4;
+                    /* nd a multiple of 4 (64 and 128 are compile-time constants): every pass 4 wide, folded */
+                    const int heads_in = (int)(group - g0 < 4 ? group - g0 : 4),
+                              w = nd % 4 == 0 || nd - j0 >= 4 ? 4 : nd - j0;
                     float *a0 = acc + h0 * head_dim + j0 * 16;
                     const char *v0 = vb + (kvh * head_dim + j0 * 16) * esz;
 #if KV_BF16_DOTS_BUILT
@@ -289,16 +291,11 @@ static inline __attribute__((always_inline)) void attend_seq_avx512(
 #define WV_HEADS(W) switch (heads_in) { \
                         case 1: WVB(1, W); break; case 2: WVB(2, W); break; case 3: WVB(3, W); break; \
                         default: WVB(4, W); break; }
-                    if (nd % 4 == 0) {
-                        WV_HEADS(4)
-                    } else if (w == 4) {
-                        WV_HEADS(4)
-                    } else if (w == 3) {
-                        WV_HEADS(3)
-                    } else if (w == 2) {
-                        WV_HEADS(2)
-                    } else {
-                        WV_HEADS(1)
+                    switch (w) {
+                        case 4: WV_HEADS(4) break;
+                        case 3: WV_HEADS(3) break;
+                        case 2: WV_HEADS(2) break;
+                        default: WV_HEADS(1) break;
                     }
 #undef WV_HEADS
 #undef WVB
