@@ -17,13 +17,13 @@
 /* Spreads the prefetch of one block's cache lines over `steps` units of work on the block before
  * it: `prefetch_step` issues the next share each time it is called. */
 typedef struct {
-    const char *next;  /* the block to prefetch, or NULL */
-    int64_t line, lines, per;
+    const char *line, *end;  /* the next line to prefetch and the block's end (both NULL: nothing) */
+    int64_t share;           /* bytes a step prefetches: whole lines */
 } Prefetcher;
 
 static inline Prefetcher prefetcher(const char *next, int64_t bytes, int64_t steps) {
     const int64_t lines = bytes / 64;
-    Prefetcher p = {(const char *)next, 0, lines, (lines + steps - 1) / steps};
+    Prefetcher p = {next, next != NULL ? next + lines * 64 : NULL, (lines + steps - 1) / steps * 64};
     /* now, the first line of each later 4 KB page of the block: their address translations (a
      * TLB miss each, the pool on 4 KB pages) start at once instead of as the spread reaches them
      * (docs/model_runner.md, "Decode attention's prefetch distance") */
@@ -56,10 +56,12 @@ static inline void prefetch_block(const char *base, int64_t bytes) {
  * attention's prefetch distance"). */
 #define KV_PREFETCH_SMALL_BLOCK 8192
 
-static inline void prefetch_step(Prefetcher *p) {
-    if (p->next == NULL) return;
-    for (int64_t i = 0; i < p->per && p->line < p->lines; i++, p->line++)
-        _mm_prefetch(p->next + p->line * 64, KV_PREFETCH_HINT);
+static inline __attribute__((always_inline)) void prefetch_step(Prefetcher *p) {
+    const char *line = p->line, *end = p->end;
+    if (line >= end) return;
+    const char *stop = end - line > p->share ? line + p->share : end;
+    for (; line < stop; line += 64) _mm_prefetch(line, KV_PREFETCH_HINT);
+    p->line = line;
 }
 
 #endif

@@ -91,6 +91,41 @@ static inline __m512 transpose_sum16(const __m512 part[16]) {
                          _mm512_shuffle_f32x4(l3[0], l3[1], _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
+/* Step 1 of attend_seq_avx512 for one head and a chunk of up to 16 keys (k: the first key's row for
+ * the head, kstep bytes to the next): part[t] = key t's 16 partial sums of q . k (t >= n: zero), over
+ * nd / 2 chunks of 32 dimensions in bf16 dot products from zero. `whole` (n == 16, a compile-time
+ * constant where it is inlined) drops the per-key test: a block's keys are whole chunks but for a
+ * sequence's last block, and the tests had cost the pass a compare and branch per key. */
+#if KV_BF16_DOTS_BUILT
+static inline __attribute__((always_inline)) void key_partials_bf16(
+    __m512 part[16], const __m512bh *qv, const char *k, int64_t kstep, const int nd, int n, const int whole)
+{
+    for (int t = 0; t < 16; t++, k += kstep) {
+        __m512 a = _mm512_setzero_ps();
+        if (whole || t < n)
+            for (int j = 0; j < nd / 2; j++) a = _mm512_dpbf16_ps(a, qv[j], (__m512bh)_mm512_loadu_si512(k + j * 64));
+        part[t] = a;
+    }
+}
+#endif
+
+/* The same in fp32 FMAs (an fp32 pool, or a bf16 one widened exactly): per key the product with the
+ * first 16 dimensions, then an FMA per further 16. */
+static inline __attribute__((always_inline)) void key_partials_f32(
+    __m512 part[16], const __m512 *qv, const char *k, int64_t kstep, const int nd, int n, const int esz,
+    const int whole)
+{
+    for (int t = 0; t < 16; t++, k += kstep) {
+        if (whole || t < n) {
+            __m512 a = _mm512_mul_ps(qv[0], kv_load16(k, esz));
+            for (int j = 1; j < nd; j++) a = _mm512_fmadd_ps(qv[j], kv_load16(k + j * 16 * esz, esz), a);
+            part[t] = a;
+        } else {
+            part[t] = _mm512_setzero_ps();
+        }
+    }
+}
+
 /* Step 3 of attend_seq_avx512 for one block and one KV head: the weighted V of G query heads (the
  * accumulators from a0, head_dim apart) over W 16-lane slices of the head dimension (v0: the
  * block's first token's V row at the first slice), keys lo .. nblk - 1 in order (dots: key pairs
@@ -189,8 +224,10 @@ static inline __attribute__((always_inline)) void attend_seq_avx512(
         for (int64_t i = 0; i < num_heads * head_dim; i += 16)
             _mm512_storeu_ps(qbuf + i, _mm512_mul_ps(_mm512_loadu_ps(q_row + i), vscale));
     }
-    float maxv[MAX_HEADS];
-    for (int64_t h = 0; h < num_heads; h++) maxv[h] = -3.0e38f;
+    /* each head's running max lane-wise, reduced once after the pass (a max is exact in any order) */
+    __m512 vmax[MAX_HEADS];
+    for (int64_t h = 0; h < num_heads; h++) vmax[h] = _mm512_set1_ps(-3.0e38f);
+    const int64_t kstep = token_stride * esz;  /* one key to the next in a block */
 
     /* 1. scores. The blocks in the order they are read (K, then V, then the next sequence's first K)
      * are SEQ_BLOCK(0, 1, ...); block i's work prefetches block i + ahead. Where a block is small
@@ -218,39 +255,25 @@ static inline __attribute__((always_inline)) void attend_seq_avx512(
                 if (dots) {
                     __m512bh qv[MAX_HEAD_DIM / 32];
                     for (int j = 0; j < nd / 2; j++) qv[j] = (__m512bh)_mm512_loadu_si512(qb + h * head_dim + j * 32);
-                    for (int t = 0; t < 16; t++) {
-                        __m512 a = _mm512_setzero_ps();
-                        if (t < n) {
-                            const char *k = kh + t * token_stride * esz;
-                            for (int j = 0; j < nd / 2; j++)
-                                a = _mm512_dpbf16_ps(a, qv[j], (__m512bh)_mm512_loadu_si512(k + j * 64));
-                        }
-                        part[t] = a;
-                    }
+                    if (n == 16) key_partials_bf16(part, qv, kh, kstep, nd, n, 1);
+                    else key_partials_bf16(part, qv, kh, kstep, nd, n, 0);
                 }
 #endif
-                if (!dots) {
+                if (!KV_BF16_DOTS_BUILT || !dots) {  /* (dots is never set where the build lacks them) */
                     const float *qh = qbuf + h * head_dim;
                     __m512 qv[MAX_HEAD_DIM / 16];
                     for (int j = 0; j < nd; j++) qv[j] = _mm512_loadu_ps(qh + j * 16);
-                    for (int t = 0; t < 16; t++) {
-                        if (t < n) {
-                            const char *k = kh + t * token_stride * esz;
-                            __m512 a = _mm512_mul_ps(qv[0], kv_load16(k, esz));
-                            for (int j = 1; j < nd; j++) a = _mm512_fmadd_ps(qv[j], kv_load16(k + j * 16 * esz, esz), a);
-                            part[t] = a;
-                        } else {
-                            part[t] = _mm512_setzero_ps();
-                        }
-                    }
+                    if (n == 16) key_partials_f32(part, qv, kh, kstep, nd, n, esz, 1);
+                    else key_partials_f32(part, qv, kh, kstep, nd, n, esz, 0);
                 }
                 const __m512 sc = transpose_sum16(part);
                 _mm512_mask_storeu_ps(scores + h * n_keys + t0 + c0 - first, live, sc);
-                const float m = _mm512_mask_reduce_max_ps(live, sc);
-                if (m > maxv[h]) maxv[h] = m;
+                vmax[h] = _mm512_mask_max_ps(vmax[h], live, vmax[h], sc);
             }
         }
     }
+    float maxv[MAX_HEADS];
+    for (int64_t h = 0; h < num_heads; h++) maxv[h] = _mm512_reduce_max_ps(vmax[h]);
     /* 2. softmax numerators: in place, or (dots) rounded to bf16 into pb (key k at k - fe) */
     float inv_sum[MAX_HEADS];
     for (int64_t h = 0; h < num_heads; h++) {
