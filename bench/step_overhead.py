@@ -22,11 +22,21 @@ runner's own ``forward_seconds``: conversions, (de)serialization and the transpo
 
 ``--code DIR`` imports ``services`` from ``DIR`` (an A/B against another checkout: run both in
 alternating processes). Prints one JSON object per line (``--json`` also writes them to a file).
+
+``--ab BASE``: the whole native decode stack (``decode_stack.c``, every layer of a decode-only step
+in one call) of commit ``BASE``'s kernels against this checkout's, in one process. Both are built
+with the same flags (``bench/kernel_ab.py``'s builds); inside each timed decode step the two take
+``--ab-turns`` turns each on the step's own inputs (the embeddings restored before every call; the
+K/V they write are the same values at the same slots), timed in thread CPU time, and the step goes
+on with this checkout's output. Reported: the medians of both and of their per-step ratio, and
+whether every output was bitwise the same. Why: between processes this machine drifts by a few
+percent in minutes, more than a change to one kernel moves a whole step.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import dataclasses
 import json
 import os
@@ -54,6 +64,8 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--quantization", default="none", help="RunnerConfig.quantization (e.g. q4_1)")
     p.add_argument("--rpc", action="store_true")
+    p.add_argument("--ab", default="", help="a commit: its decode stack against this checkout's, in one process")
+    p.add_argument("--ab-turns", type=int, default=3, help="--ab: calls of each build per decode step")
     p.add_argument("--json", default="")
     return p.parse_args()
 
@@ -230,8 +242,67 @@ def _rpc_overhead(runner: ModelRunner, stepper: Stepper) -> dict[str, float]:
         running.server.stop(0)
 
 
+class StackAB:
+    """Stands in for a ``NativeDecodeStack``'s native call: each call runs the base build's and this
+    checkout's ``kvmesh_decode_stack_f32`` in turns on the same inputs (see the module docstring)."""
+
+    def __init__(self, libs: dict[str, Any], turns: int):
+        self.fns = {name: lib.kvmesh_decode_stack_f32 for name, lib in libs.items()}
+        for fn in self.fns.values():
+            fn.restype, fn.argtypes = ctypes.c_int, [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
+        self.turns, self.calls = turns, 0
+        self.seconds: dict[str, list[float]] = {name: [] for name in libs}
+        self.ratios: list[float] = []
+        self.bitwise = True
+
+    def __call__(self, layers: Any, num_layers: int, shape: Any, step: Any) -> int:
+        fields = step._obj
+        hidden = ctypes.cast(shape, ctypes.POINTER(ctypes.c_int64))[0]  # KvmStackShape starts with hidden
+        n = fields.tokens * hidden
+        x = torch.frombuffer((ctypes.c_float * n).from_address(fields.x), dtype=torch.float32)
+        residual = torch.frombuffer((ctypes.c_float * n).from_address(fields.residual), dtype=torch.float32)
+        x_in = x.clone()
+        outs: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        times: dict[str, list[float]] = {name: [] for name in self.fns}
+        order = list(self.fns) if self.calls % 2 == 0 else list(reversed(self.fns))
+        for _ in range(self.turns):
+            for name in order:
+                x.copy_(x_in)
+                start = time.thread_time()
+                status = self.fns[name](layers, num_layers, shape, step)
+                times[name].append(time.thread_time() - start)
+                if status != 0:
+                    raise RuntimeError(f"{name}: the decode stack failed with status {status}")
+                outs[name] = (x.clone(), residual.clone())
+        self.calls += 1
+        self.bitwise &= all(torch.equal(a, b) for a, b in zip(outs["base"], outs["new"], strict=True))
+        for name, ts in times.items():
+            self.seconds[name].append(statistics.median(ts))
+        self.ratios.append(self.seconds["new"][-1] / self.seconds["base"][-1])
+        x.copy_(outs["new"][0])
+        residual.copy_(outs["new"][1])
+        return 0
+
+
+def _install_ab(runner: ModelRunner, base: str, work: Path) -> StackAB:
+    """Puts a :class:`StackAB` of ``base``'s build and this checkout's into the runner's decode stack."""
+    sys.path.insert(0, str(ROOT))
+    from bench.kernel_ab import builds
+
+    stacks = [m.stack for m in runner.model.modules() if getattr(m, "stack", None) is not None]
+    if not stacks:
+        raise SystemExit("--ab: this model and mode run no native decode stack")
+    ab = StackAB(builds(base, work), NS.ab_turns)
+    stack: Any = stacks[0]
+    stack._fn = ab
+    return ab
+
+
 def main() -> None:
     torch.set_num_threads(1)
+    if NS.ab:
+        _main_ab()
+        return
     _time_native_kernels()
     model = _tiny_model() if NS.model == "tiny" else NS.model
     rows = []
@@ -255,6 +326,33 @@ def main() -> None:
         rows.append(row)
     if NS.json:
         Path(NS.json).write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def _main_ab() -> None:
+    """``--ab``: per batch size, the decode steps' stack time of both builds and their ratio."""
+    model = _tiny_model() if NS.model == "tiny" else NS.model
+    for batch in (int(b) for b in NS.batches.split(",")):
+        max_len = NS.input_len + NS.steps + 4
+        runner = _build(model, batch, -(-max_len // BLOCK_SIZE), max_len)
+        torch.set_num_threads(1)
+        try:
+            stepper = Stepper(runner.execute, runner.config.vocab_size, batch)
+            stepper.prefill(NS.input_len)
+            with tempfile.TemporaryDirectory(prefix="kvmesh-stack-ab-") as work:
+                ab = _install_ab(runner, NS.ab, Path(work))
+                for _ in range(NS.steps + 1):
+                    stepper.decode()
+            med = statistics.median
+            skip = 1  # the first step warms both builds up
+            print(json.dumps({"base": NS.ab, "batch": batch, "dtype": runner.model_info().dtype,
+                              "steps": NS.steps, "turns": NS.ab_turns,
+                              "base_ms": med(ab.seconds["base"][skip:]) * 1e3,
+                              "new_ms": med(ab.seconds["new"][skip:]) * 1e3,
+                              "new_over_base": med(ab.ratios[skip:]),
+                              "ratio_min": min(ab.ratios[skip:]), "ratio_max": max(ab.ratios[skip:]),
+                              "bitwise": ab.bitwise}), flush=True)  # fmt: skip
+        finally:
+            runner.pool.close()
 
 
 if __name__ == "__main__":
