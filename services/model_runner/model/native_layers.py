@@ -87,9 +87,9 @@ class NativeSiluAndMul(SiluAndMul):
 class NativeMLP(MLP):
     """:class:`MLP` whose prefill chunks run the gate_up GEMM with SwiGLU in its epilogue
     (``kvmesh_linear_bf16_swiglu``, bf16 mode): the ``[T, 2I]`` projection is never written out and
-    read back. Bitwise the unfused path (same tile, same SwiGLU code), so only speed differs; decode
-    batches keep the unfused path, whose GEMM prefetches the next weight panel (the AVX512-BF16
-    fused one does not: it is built for row counts that reuse each panel from cache)."""
+    read back. Bitwise the unfused path (same tile, same SwiGLU code), so only speed differs. Chunks
+    of decode size keep the unfused path here; a decode-only step runs ``decode_stack.c``, which
+    fuses from 17 rows (docs/model_runner.md, "The decode stack's gate_up with SwiGLU fused")."""
 
     FUSED_MIN_ROWS = 33  # more rows than the GEMM's decode-sized chunks (4 row tiles of 8)
 

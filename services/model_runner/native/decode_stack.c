@@ -58,6 +58,13 @@ static int linear(const KvmStackShape *shape, const float *x, int64_t x_stride, 
     return 0;
 }
 
+/* bf16 mode's gate_up GEMM with the SwiGLU in its epilogue (kvmesh_linear_bf16_swiglu, bitwise the two
+ * steps) from this many rows, three row tiles: at 32 the [rows, 2 I] projection that is then never
+ * written out and read back saves ~1% of the stack; at 1-16 rows, where the gate and up panels' two
+ * prefetch streams share one or two tiles' k steps, it saved nothing (docs/model_runner.md, "The
+ * decode stack's gate_up with SwiGLU fused"). */
+#define FUSED_SWIGLU_ROWS 17
+
 /* One step: `tokens` decode rows, one per sequence (row i is sequence i). */
 typedef struct {
     int64_t tokens;
@@ -103,9 +110,16 @@ int kvmesh_decode_stack_f32(const KvmLayer *layers, int64_t num_layers, const Kv
         failed = linear(shape, step->attn, q_size, t, q_size, w->o, hidden, w->o_bias, step->x);
         if (failed) return 100 - failed;
         kvmesh_add_rms_norm_f32(step->residual, step->x, hidden, w->post_norm, step->h, t, hidden, shape->eps);
-        failed = linear(shape, step->h, hidden, t, hidden, w->gate_up, 2 * inter, w->gate_up_bias, step->gate_up);
-        if (failed) return 100 - failed;
-        kvmesh_silu_mul_f32(step->gate_up, 2 * inter, step->act, t, inter);
+        failed = shape->gemm == 1 && t >= FUSED_SWIGLU_ROWS ? kvmesh_linear_bf16_swiglu(step->h, hidden, t, hidden, (const uint16_t *)w->gate_up,
+                                                              inter, w->gate_up_bias, step->act, inter)
+                                  : -3;
+        if (failed == -3) {  /* not bf16 mode, or an intermediate size of part panels: GEMM, then SwiGLU */
+            failed = linear(shape, step->h, hidden, t, hidden, w->gate_up, 2 * inter, w->gate_up_bias, step->gate_up);
+            if (failed) return 100 - failed;
+            kvmesh_silu_mul_f32(step->gate_up, 2 * inter, step->act, t, inter);
+        } else if (failed) {
+            return 100 - failed;
+        }
         failed = linear(shape, step->act, inter, t, inter, w->down, hidden, w->down_bias, step->x);
         if (failed) return 100 - failed;
     }

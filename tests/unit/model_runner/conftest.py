@@ -61,6 +61,8 @@ CHECKPOINTS: dict[str, tuple[str, dict[str, Any]]] = {
         },
     ),
     "llama_linear": ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 4.0}}),
+    # an intermediate size of whole 48-column weight panels: bf16 mode's fused gate_up + SwiGLU runs
+    "llama_panels": ("llama", {"intermediate_size": 96, "num_hidden_layers": 2}),
 }
 BLOCK_SIZE = 4
 

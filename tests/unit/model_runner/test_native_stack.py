@@ -131,6 +131,30 @@ def test_steps_of_changing_batch_sizes_are_bitwise_the_per_layer_path(checkpoint
         assert torch.equal(runner.pool.tensor, pool_after_fused)
 
 
+def test_bf16_decodes_of_17_rows_and_more_fuse_the_swiglu_bitwise(checkpoint: Any, make_runner: Any) -> None:
+    """From 17 rows ``decode_stack.c`` runs bf16 mode's gate_up with the SwiGLU in the GEMM's epilogue
+    (``kvmesh_linear_bf16_swiglu``, where the intermediate size is whole weight panels); below, the
+    GEMM then the SwiGLU. Either way bitwise the per-layer path, hidden states and K/V alike."""
+    kernels = load_kernels()
+    if kernels is None or kernels.linear_bf16_swiglu is None:
+        pytest.skip("the CPU has no AVX512-BF16: no native bf16 GEMM here")
+    runner = make_runner(checkpoint("llama_panels"), backend="cpu", gemm_dtype="bfloat16", kv_cache_dtype="bfloat16")
+    assert runner.config.intermediate_size % kernels.panel_width == 0
+    bs = runner.pool.block_size
+    prompts = {f"r{i}": [3 + i, 40 + i, 100 + i, 7, 9] for i in range(20)}
+    tables = {rid: [1 + 2 * i, 2 + 2 * i] for i, rid in enumerate(prompts)}  # 5 + 1 tokens: 2 blocks of 4
+    for rid, prompt in prompts.items():
+        _forward(runner, [ScheduledRequest(rid, prompt, tables[rid], 0, len(prompt))], stack=True)
+    for rows in (20, 16):  # fused, then the two steps (the same decode position again)
+        reqs = [ScheduledRequest(rid, [*p, 200], tables[rid], len(p), 1) for rid, p in prompts.items()][:rows]
+        fused = _forward(runner, reqs, stack=True)
+        pool_after_fused = runner.pool.tensor.clone()
+        for slot in prepare_inputs(reqs, runner.geometry).meta.slot_mapping.tolist():
+            runner.pool.tensor[:, :, slot // bs, slot % bs] = 0.0  # the per-layer path must write them again
+        assert torch.equal(fused, _forward(runner, reqs, stack=False))
+        assert torch.equal(runner.pool.tensor, pool_after_fused)
+
+
 def test_only_decode_only_steps_take_the_stack(checkpoint: Any, make_runner: Any) -> None:
     runner = make_runner(checkpoint("llama"), backend="cpu")
     stack = _stack(runner)
