@@ -5,7 +5,8 @@
  * Python between them (module calls, checks, tensor allocations, a ctypes call per kernel with
  * up to 18 arguments) cost a noticeable share of a batch-32 step (docs/model_runner.md), run by
  * one thread while the other waits. Here the same kernels run in the same order on the same arguments as the per-layer
- * Python path does with the native kernels on, so the result is bitwise that path's
+ * Python path does with the native kernels on (but for bf16 mode's gate_up + SwiGLU, fused from
+ * FUSED_SWIGLU_ROWS rows: bitwise the two steps), so the result is bitwise that path's
  * (tests/unit/model_runner/test_native_stack.py); only the interpreter is gone.
  *
  * Per layer (Llama/Mistral/Qwen2 pre-norm block, SwiGLU MLP):
@@ -110,10 +111,11 @@ int kvmesh_decode_stack_f32(const KvmLayer *layers, int64_t num_layers, const Kv
         failed = linear(shape, step->attn, q_size, t, q_size, w->o, hidden, w->o_bias, step->x);
         if (failed) return 100 - failed;
         kvmesh_add_rms_norm_f32(step->residual, step->x, hidden, w->post_norm, step->h, t, hidden, shape->eps);
-        failed = shape->gemm == 1 && t >= FUSED_SWIGLU_ROWS ? kvmesh_linear_bf16_swiglu(step->h, hidden, t, hidden, (const uint16_t *)w->gate_up,
-                                                              inter, w->gate_up_bias, step->act, inter)
-                                  : -3;
-        if (failed == -3) {  /* not bf16 mode, or an intermediate size of part panels: GEMM, then SwiGLU */
+        failed = -3;  /* kvmesh_linear_bf16_swiglu's "an intermediate size of part panels" */
+        if (shape->gemm == 1 && t >= FUSED_SWIGLU_ROWS)
+            failed = kvmesh_linear_bf16_swiglu(step->h, hidden, t, hidden, (const uint16_t *)w->gate_up, inter,
+                                               w->gate_up_bias, step->act, inter);
+        if (failed == -3) {  /* not fused: the GEMM, then the SwiGLU */
             failed = linear(shape, step->h, hidden, t, hidden, w->gate_up, 2 * inter, w->gate_up_bias, step->gate_up);
             if (failed) return 100 - failed;
             kvmesh_silu_mul_f32(step->gate_up, 2 * inter, step->act, t, inter);
