@@ -246,10 +246,10 @@ class StackAB:
     """Stands in for a ``NativeDecodeStack``'s native call: each call runs the base build's and this
     checkout's ``kvmesh_decode_stack_f32`` in turns on the same inputs (see the module docstring)."""
 
-    def __init__(self, libs: dict[str, Any], turns: int):
+    def __init__(self, libs: dict[str, Any], turns: int, bound: Any):
         self.fns = {name: lib.kvmesh_decode_stack_f32 for name, lib in libs.items()}
-        for fn in self.fns.values():
-            fn.restype, fn.argtypes = ctypes.c_int, [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
+        for fn in self.fns.values():  # the signature as the loader binds it (native/__init__.py)
+            fn.restype, fn.argtypes = bound.restype, bound.argtypes
         self.turns, self.calls = turns, 0
         self.seconds: dict[str, list[float]] = {name: [] for name in libs}
         self.ratios: list[float] = []
@@ -292,8 +292,8 @@ def _install_ab(runner: ModelRunner, base: str, work: Path) -> StackAB:
     stacks = [m.stack for m in runner.model.modules() if getattr(m, "stack", None) is not None]
     if not stacks:
         raise SystemExit("--ab: this model and mode run no native decode stack")
-    ab = StackAB(builds(base, work), NS.ab_turns)
     stack: Any = stacks[0]
+    ab = StackAB(builds(base, work), NS.ab_turns, stack._fn)
     stack._fn = ab
     return ab
 
