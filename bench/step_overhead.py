@@ -23,8 +23,9 @@ runner's own ``forward_seconds``: conversions, (de)serialization and the transpo
 ``--code DIR`` imports ``services`` from ``DIR`` (an A/B against another checkout: run both in
 alternating processes). Prints one JSON object per line (``--json`` also writes them to a file).
 
-``--ab BASE``: the whole native decode stack (``decode_stack.c``, every layer of a decode-only step
-in one call) of commit ``BASE``'s kernels against this checkout's, in one process. Both are built
+``--ab BASE``: the whole native layer stack (``decode_stack.c``, every layer of a step in one call)
+of commit ``BASE``'s kernels against this checkout's on decode-only steps, in one process (the
+prefills run this checkout's build alone). Both are built
 with the same flags (``bench/kernel_ab.py``'s builds); inside each timed decode step the two take
 ``--ab-turns`` turns each on the step's own inputs (the embeddings restored before every call; the
 K/V they write are the same values at the same slots), timed in thread CPU time, and the step goes
@@ -257,6 +258,11 @@ class StackAB:
 
     def __call__(self, layers: Any, num_layers: int, shape: Any, step: Any) -> int:
         fields = step._obj
+        if fields.num_chunks or fields.num_decodes != fields.tokens:
+            # a prompt's chunk or a mixed step (the untimed prefills): this checkout's build alone, as a
+            # base from before decode_stack.c took chunks would attend only the decode rows
+            status: int = self.fns["new"](layers, num_layers, shape, step)
+            return status
         hidden = ctypes.cast(shape, ctypes.POINTER(ctypes.c_int64))[0]  # KvmStackShape starts with hidden
         n = fields.tokens * hidden
         x = torch.frombuffer((ctypes.c_float * n).from_address(fields.x), dtype=torch.float32)

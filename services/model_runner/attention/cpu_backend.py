@@ -181,16 +181,19 @@ class CpuAttentionBackend(TorchAttentionBackend):
             window = plan.window or None
             self._attend_chunks(query, k_cache, v_cache, rest, out, softmax_scale, k_scale, v_scale, window)
 
-    def decode_only_plan(self, meta: AttentionMetadata, block_size: int, num_tokens: int) -> NativeDecodePlan | None:
-        """The step's native decode plan when the kernels are built and every one of the
-        ``num_tokens`` rows is a decode (no prefill chunk, no padding row); else None.
+    def stack_plan(self, meta: AttentionMetadata, block_size: int, num_tokens: int) -> NativeDecodePlan | None:
+        """The step's native plan when the kernels are built and every one of the ``num_tokens``
+        rows is a decode or a row of a prefill chunk (no padding row); else None.
 
-        The native decode stack (``model/native_stack.py``) runs a whole layer stack from it.
+        The native layer stack (``model/native_stack.py``) runs a whole step's layers from it, the
+        decode rows on the paged decode kernel and each chunk on the prefill kernel, as
+        :meth:`forward` does layer by layer.
         """
-        if self.native_kernels is None or (meta.max_query_len != 1 and not self.batch_invariant):
+        if self.native_kernels is None:
             return None
         plan = self._plan_native(meta, block_size)
-        return plan if not plan.chunks and plan.rows.shape[0] == num_tokens else None
+        covered = plan.rows.shape[0] + sum(chunk.end - chunk.start for chunk in plan.chunks)
+        return plan if covered == num_tokens else None
 
     def _plan_native(self, meta: AttentionMetadata, block_size: int, per_row: bool = False) -> NativeDecodePlan:
         """``per_row``: every query row a decode of its own position, as ``batch_invariant`` does."""

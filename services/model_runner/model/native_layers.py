@@ -2,8 +2,8 @@
 
 :func:`use_native_kernels` swaps the model's elementwise ops for subclasses that call the native
 kernels (``services/model_runner/native``) and, when every layer is one ``decode_stack.c`` can
-run, the decoder for :class:`NativeDecoderModel`, which runs decode-only steps' whole layer
-stack in one call. The plain layers in ``layers.py`` and ``transformer.py`` know nothing of it.
+run, the decoder for :class:`NativeDecoderModel`, which runs a step's whole layer stack (decode
+rows and prefill chunks) in one call. The plain layers in ``layers.py`` and ``transformer.py`` know nothing of it.
 
 Each native op keeps its plain parent's result exactly (the fused norm and SwiGLU to fp32
 rounding, the rotary bitwise; the tests check each against torch) and falls back to the parent
@@ -88,8 +88,9 @@ class NativeMLP(MLP):
     """:class:`MLP` whose prefill chunks run the gate_up GEMM with SwiGLU in its epilogue
     (``kvmesh_linear_bf16_swiglu``, bf16 mode): the ``[T, 2I]`` projection is never written out and
     read back. Bitwise the unfused path (same tile, same SwiGLU code), so only speed differs. Chunks
-    of decode size keep the unfused path here; a decode-only step runs ``decode_stack.c``, which
-    fuses from 17 rows (docs/model_runner.md, "The decode stack's gate_up with SwiGLU fused")."""
+    of decode size keep the unfused path here. It serves the per-layer path (a step the one-call
+    stack declines); ``decode_stack.c`` fuses from 17 rows (docs/model_runner.md, "The decode
+    stack's gate_up with SwiGLU fused")."""
 
     FUSED_MIN_ROWS = 33  # more rows than the GEMM's decode-sized chunks (4 row tiles of 8)
 
@@ -118,7 +119,7 @@ class NativeMLP(MLP):
 
 
 class NativeDecoderModel(DecoderModel):
-    """:class:`DecoderModel` whose decode-only steps run the layer stack in one native call."""
+    """:class:`DecoderModel` whose steps run the layer stack in one native call where the stack takes them."""
 
     def __init__(self, model: DecoderModel, stack: NativeDecodeStack):
         # NOTE: nn.Module's init, not DecoderModel's: the children are the loaded model's own

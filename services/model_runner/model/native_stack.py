@@ -1,9 +1,10 @@
-"""The decoder-layer stack of a decode-only step in one native call (``native/decode_stack.c``).
+"""The decoder-layer stack of a step in one native call (``native/decode_stack.c``).
 
-For steps whose every row is a decode, :meth:`NativeDecodeStack.run` hands the whole stack to C,
-which calls the same kernels in the same order on the same arguments as the per-layer path, so
-the hidden states are bitwise the per-layer path's; what it saves (the Python between kernels) is
-measured in docs/model_runner.md. Anything else (a prefill chunk, padding rows, fp8 calibration,
+For steps whose every row is a decode or a row of a prefill chunk (decode steps, mixed steps, a
+prompt's chunks), :meth:`NativeDecodeStack.run` hands the whole stack to C, which calls the same
+kernels in the same order on the same arguments as the per-layer path, so the hidden states are
+bitwise the per-layer path's; what it saves (the Python between kernels) is measured in
+docs/model_runner.md. Anything else (padding rows, fp8 calibration, several KV cache groups,
 another backend) returns None and the caller runs the layers in Python.
 
 This module is only the binding: it takes plain tensors (:class:`StackLayer`, :class:`StackShape`).
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from services.model_runner.attention.cpu_backend import CpuAttentionBackend
+from services.model_runner.attention.cpu_backend import CpuAttentionBackend, NativeDecodePlan
 from services.model_runner.model.context import ForwardContext
 from services.model_runner.model.packed import PackedWeight
 from services.model_runner.native import NativeKernels, is_cpu_fp32, is_cpu_kv
@@ -94,11 +95,13 @@ class _Step(ctypes.Structure):
         ("tokens", _I64), ("cos", _P), ("sin", _P), ("slots", _P), ("tables", _P), ("seq_lens", _P), ("rows", _P),
         ("table_stride", _I64), ("max_seq_len", _I64), ("x", _P), ("residual", _P),
         *((name, _P) for name in ("h", "qkv", "qk", "attn", "gate_up", "act")),
+        ("num_decodes", _I64), ("num_chunks", _I64), ("chunk_spans", _P), ("chunk_tables", _P),
+        ("chunk_table_stride", _I64),
     ]  # fmt: skip
 
 
 class NativeDecodeStack:
-    """Runs a decoder's layers for decode-only steps in ``kvmesh_decode_stack_f32``.
+    """Runs a decoder's layers for a step of decodes and prefill chunks in ``kvmesh_decode_stack_f32``.
 
     Args:
         layers: every layer, in order; their tensors must outlive the stack.
@@ -142,7 +145,7 @@ class NativeDecodeStack:
                 or not is_cpu_fp32(cos) or not cos.is_contiguous() or not sin.is_contiguous()):  # fmt: skip
             return None
         tokens = x.shape[0]
-        plan = backend.decode_only_plan(ctx.meta, cache.shape[3], tokens)
+        plan = backend.stack_plan(ctx.meta, cache.shape[3], tokens)
         if plan is None or tokens == 0:
             return None
         slots = ctx.meta.slot_mapping
@@ -151,10 +154,12 @@ class NativeDecodeStack:
         self._bind_cache(cache, plan.window)
         out, residual = x, torch.empty_like(x)  # x is this forward's own embedding: overwritten
         scratch = self._scratch_rows(tokens)
+        spans, chunk_tables = _chunk_arrays(plan, cache.shape[3])
         step = _Step(
             tokens, cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), plan.tables.data_ptr(),
             plan.seq_lens.data_ptr(), plan.rows.data_ptr(), plan.tables.stride(0), plan.max_len,
             out.data_ptr(), residual.data_ptr(), *(t.data_ptr() for t in scratch),
+            plan.rows.shape[0], len(plan.chunks), spans.data_ptr(), chunk_tables.data_ptr(), chunk_tables.stride(0),
         )  # fmt: skip
         status = self._fn(self._layers, self._num_layers, ctypes.byref(self._shape), ctypes.byref(step))
         if status != 0:
@@ -193,6 +198,16 @@ class NativeDecodeStack:
             s.eps, s.scale,
         )  # fmt: skip
         self._cache_key = key
+
+
+def _chunk_arrays(plan: NativeDecodePlan, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``decode_stack.c``'s chunk arrays: ``[C, 3]`` int64 (first row, rows, the sequence's length
+    from its table's first block, as ``CpuAttentionBackend`` passes the prefill kernel) and the
+    ``[C, W]`` int32 block tables; ``C`` may be 0."""
+    spans = torch.tensor([[c.start, c.end - c.start, c.seq_len + c.first_block * block_size] for c in plan.chunks],
+                         dtype=torch.int64).reshape(-1, 3)  # fmt: skip
+    tables = torch.stack(plan.chunk_tables) if plan.chunk_tables else torch.zeros(0, 1, dtype=torch.int32)
+    return spans, tables
 
 
 def _packed(weight: PackedWeight) -> tuple[int, int | None]:

@@ -39,8 +39,9 @@ What is here, and why torch alone was not enough (measurements in docs/model_run
   exactly as gguf-py does and run as ``gemm.c``'s fp32 GEMM over them (``quantization=q4_1``):
   a fifth of fp32's weight bytes, no bf16 hardware needed, and bitwise fp32 mode on a checkpoint
   whose weights lie on that grid (the embedded SmolLM2);
-* ``decode_stack.c`` — a decode-only step's whole layer stack in one call: the kernels above in
-  the per-layer order, without the Python between them (``model/native_stack.py``);
+* ``decode_stack.c`` — a step's whole layer stack in one call (decode rows and prefill chunks):
+  the kernels above in the per-layer order, without the Python between them
+  (``model/native_stack.py``);
 * ``int4_kv.c`` — the INT4 KV cache's slot writes (quantize + pack, byte for byte
   ``attention/int4.py``) and paged attention reading the packed rows in place (decodes and prefill
   rows alike, each row as the decode of its position);

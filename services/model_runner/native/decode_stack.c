@@ -1,18 +1,21 @@
 /*
- * A whole decoder-layer stack for a decode-only step, in one call from Python.
+ * A whole decoder-layer stack for one step, in one call from Python: decode rows and prefill chunks
+ * (a mixed step, a prompt's chunk) alike.
  *
  * Why: at decode batch sizes the kernels of one layer take a few milliseconds together, and the
  * Python between them (module calls, checks, tensor allocations, a ctypes call per kernel with
  * up to 18 arguments) cost a noticeable share of a batch-32 step (docs/model_runner.md), run by
- * one thread while the other waits. Here the same kernels run in the same order on the same arguments as the per-layer
- * Python path does with the native kernels on (but for bf16 mode's gate_up + SwiGLU, fused from
- * FUSED_SWIGLU_ROWS rows: bitwise the two steps), so the result is bitwise that path's
+ * one thread while the other waits; a mixed step paid it too, with a chunk's kernels on top. Here
+ * the same kernels run in the same order on the same arguments as the per-layer Python path does
+ * with the native kernels on (but for bf16 mode's gate_up + SwiGLU, fused from FUSED_SWIGLU_ROWS
+ * rows: bitwise the two steps), so the result is bitwise that path's
  * (tests/unit/model_runner/test_native_stack.py); only the interpreter is gone.
  *
  * Per layer (Llama/Mistral/Qwen2 pre-norm block, SwiGLU MLP):
  *   h = norm(residual += x)          (layer 0: residual = x, h = norm(x))
  *   qkv = h Wqkv^T + b;  q|k rotated; k, v stored at the step's slots
- *   attn = paged decode attention (q, the layer's cache)
+ *   attn = paged decode attention of the decode rows, causal prefill attention of each chunk
+ *          (prefill_attention.c), both over the layer's cache
  *   h = norm(residual += attn Wo^T + b)
  *   x = down(silu(gate) * up)
  * The caller adds the last x to the residual with the final norm, and computes the logits.
@@ -66,22 +69,65 @@ static int linear(const KvmStackShape *shape, const float *x, int64_t x_stride, 
  * decode stack's gate_up with SwiGLU fused"). */
 #define FUSED_SWIGLU_ROWS 17
 
-/* One step: `tokens` decode rows, one per sequence (row i is sequence i). */
+/* One step: `tokens` rows, each a decode row (the paged decode's arrays: query row, length and block
+ * table of each) or a row of one of the prefill chunks. NOTE: the fields after `act` came later and
+ * sit last, so a build from before them (bench/step_overhead.py --ab) still reads a decode-only
+ * step, where num_decodes = tokens and num_chunks = 0, as it did. */
 typedef struct {
     int64_t tokens;
     const float *cos, *sin;  /* [tokens, head_dim], sin signed (RotaryEmbedding) */
     const int64_t *slots;    /* [tokens] */
-    const int32_t *tables, *seq_lens, *rows;
+    const int32_t *tables, *seq_lens, *rows;  /* the decode rows' [num_decodes, table_stride], [num_decodes] x 2 */
     int64_t table_stride, max_seq_len;
     float *x;         /* [tokens, hidden]: in, the embeddings; out, the last layer's MLP output */
     float *residual;  /* [tokens, hidden]: out, the residual stream x has not been added to */
     /* scratch: [tokens, hidden], [tokens, (H + 2 KV) D], [tokens, (H + KV) D], [tokens, H D],
      * [tokens, 2 I], [tokens, I] */
     float *h, *qkv, *qk, *attn, *gate_up, *act;
+    int64_t num_decodes, num_chunks;
+    /* [num_chunks, 3]: each chunk's first row, its rows, and its sequence's length in keys counted
+     * from the table's first block (the prefill kernel's seq_len); the chunk's rows are the last
+     * positions of that length */
+    const int64_t *chunk_spans;
+    const int32_t *chunk_tables;  /* [num_chunks, chunk_table_stride]: each chunk's sequence's whole block table */
+    int64_t chunk_table_stride;
 } KvmDecodeStep;
 
-/* Returns 0, the failing paged-attention status (see kvmesh_paged_decode_f32), or 100 - the
- * failing packed GEMM's (negative) status. */
+/* One layer's attention: the decode rows, then each prefill chunk, q rows from step->qk, out into
+ * step->attn. Returns 0, the paged decode's status, or 200 - the prefill kernel's (negative) status. */
+static int attend(const KvmStackShape *shape, const KvmLayer *w, const KvmDecodeStep *step, int64_t q_size,
+                  int64_t qk_size)
+{
+    const int esz = shape->kv_bf16 ? 2 : 4;
+    const int64_t d = shape->head_dim;
+    if (step->num_decodes > 0) {
+        const int status = kvmesh_paged_decode_elem(
+            step->qk, qk_size, (const char *)w->k_cache, (const char *)w->v_cache, shape->block_stride, step->tables,
+            step->table_stride, step->seq_lens, step->rows, step->num_decodes, step->attn, q_size, shape->num_heads,
+            shape->num_kv_heads, d, shape->block_size, step->max_seq_len, shape->scale, shape->window, esz);
+        if (status != 0) return status;
+    }
+    for (int64_t c = 0; c < step->num_chunks; c++) {
+        const int64_t *span = step->chunk_spans + 3 * c;
+        const int32_t *table = step->chunk_tables + c * step->chunk_table_stride;
+        const float *q = step->qk + span[0] * qk_size;
+        float *out = step->attn + span[0] * q_size;
+        const int status = shape->kv_bf16
+            ? kvmesh_prefill_attention_bf16(q, qk_size, (const uint16_t *)w->k_cache, (const uint16_t *)w->v_cache,
+                                            shape->block_stride, table, span[1], span[2], out, q_size,
+                                            shape->num_heads, shape->num_kv_heads, d, shape->block_size, shape->scale,
+                                            shape->window)
+            : kvmesh_prefill_attention_f32(q, qk_size, (const float *)w->k_cache, (const float *)w->v_cache,
+                                           shape->block_stride, table, span[1], span[2], out, q_size,
+                                           shape->num_heads, shape->num_kv_heads, d, shape->block_size, shape->scale,
+                                           shape->window);
+        if (status != 0) return 200 - status;
+    }
+    return 0;
+}
+
+/* Returns 0, the failing paged-decode status (see kvmesh_paged_decode_f32), 200 - the failing prefill
+ * attention's (negative) status, or 100 - the failing packed GEMM's (negative) status. */
 int kvmesh_decode_stack_f32(const KvmLayer *layers, int64_t num_layers, const KvmStackShape *shape,
                             const KvmDecodeStep *step)
 {
@@ -103,10 +149,7 @@ int kvmesh_decode_stack_f32(const KvmLayer *layers, int64_t num_layers, const Kv
         const int esz = shape->kv_bf16 ? 2 : 4;
         kvmesh_write_kv_elem(step->qk + q_size, qk_size, step->qkv + qk_size, qkv_size, (char *)w->k_cache,
                              (char *)w->v_cache, step->slots, t, kv_size, shape->num_slots, esz);
-        const int status = kvmesh_paged_decode_elem(
-            step->qk, qk_size, (const char *)w->k_cache, (const char *)w->v_cache, shape->block_stride, step->tables,
-            step->table_stride, step->seq_lens, step->rows, t, step->attn, q_size, shape->num_heads,
-            shape->num_kv_heads, d, shape->block_size, step->max_seq_len, shape->scale, shape->window, esz);
+        const int status = attend(shape, w, step, q_size, qk_size);
         if (status != 0) return status;
         failed = linear(shape, step->attn, q_size, t, q_size, w->o, hidden, w->o_bias, step->x);
         if (failed) return 100 - failed;

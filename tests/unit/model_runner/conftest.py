@@ -63,6 +63,8 @@ CHECKPOINTS: dict[str, tuple[str, dict[str, Any]]] = {
     "llama_linear": ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 4.0}}),
     # an intermediate size of whole 48-column weight panels: bf16 mode's fused gate_up + SwiGLU runs
     "llama_panels": ("llama", {"intermediate_size": 96, "num_hidden_layers": 2}),
+    # every layer one window of 6 keys (one KV cache group): chunks whose window starts past block 0
+    "mistral_window": ("mistral", {"head_dim": 32, "num_hidden_layers": 2, "sliding_window": 6}),
 }
 BLOCK_SIZE = 4
 

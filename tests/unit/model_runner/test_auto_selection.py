@@ -265,8 +265,9 @@ def test_build_runner_default_per_machine(tiny_llama_dir: Path) -> None:
 
 def test_batch_invariant_plan_makes_every_row_a_decode_of_its_position() -> None:
     """A step of one 3-row prefill chunk after 5 cached tokens and one decode: the invariant plan
-    has one decode entry per row (context 6, 7, 8 and the decode's 4) and no SDPA chunk, so the
-    one-call stack takes it; the default plan keeps the chunk for SDPA and the step off the stack."""
+    has one decode entry per row (context 6, 7, 8 and the decode's 4) and no chunk; the default
+    plan keeps the chunk for the prefill kernel and the one decode. The one-call stack takes
+    both; a step with a row in neither (a padding row) it does not."""
     from services.model_runner.attention.base import AttentionMetadata
     from services.model_runner.attention.cpu_backend import CpuAttentionBackend
 
@@ -280,11 +281,15 @@ def test_batch_invariant_plan_makes_every_row_a_decode_of_its_position() -> None
     invariant = CpuAttentionBackend(batch_invariant=True)
     if invariant.native_kernels is None:
         pytest.skip("the native kernels did not build here")
-    plan = invariant.decode_only_plan(meta, 4, 4)
+    plan = invariant.stack_plan(meta, 4, 4)
     assert plan is not None and not plan.chunks and plan.max_len == 8
     assert plan.rows.tolist() == [0, 1, 2, 3] and plan.seq_lens.tolist() == [6, 7, 8, 4]
     assert plan.tables.tolist() == [[4, 5], [4, 5], [4, 5], [10, 0]]
-    assert CpuAttentionBackend().decode_only_plan(meta, 4, 4) is None
+    default = CpuAttentionBackend().stack_plan(meta, 4, 4)
+    assert default is not None and default.rows.tolist() == [3] and default.seq_lens.tolist() == [4]
+    assert [(c.start, c.end, c.seq_len, c.first_block) for c in default.chunks] == [(0, 3, 8, 0)]
+    assert [table.tolist() for table in default.chunk_tables] == [[4, 5]]
+    assert invariant.stack_plan(meta, 4, 5) is None and CpuAttentionBackend().stack_plan(meta, 4, 5) is None
 
 
 def test_batch_invariant_without_the_native_kernels_is_refused(tiny_llama_dir: Path) -> None:

@@ -1,6 +1,7 @@
-"""The native decode stack (``model/native_stack.py`` + ``native/decode_stack.c``, applied by
-``model/native_layers.py``) against the per-layer path it replaces: decode-only steps must give
-bitwise the same hidden states and K/V, every other step must not take it."""
+"""The native layer stack (``model/native_stack.py`` + ``native/decode_stack.c``, applied by
+``model/native_layers.py``) against the per-layer path it replaces: decode steps, prompts' chunks
+and mixed steps must give bitwise the same hidden states and K/V; a step it cannot run (fp8
+calibration) must not take it."""
 
 from __future__ import annotations
 
@@ -44,8 +45,21 @@ def _forward(runner: ModelRunner, reqs: list[ScheduledRequest], stack: bool) -> 
             native.run = saved  # type: ignore[method-assign]
 
 
+def _bitwise(runner: ModelRunner, reqs: list[ScheduledRequest]) -> None:
+    """Runs the step with the stack, then again layer by layer after zeroing the K/V slots it wrote
+    (the per-layer path must write them again): the same hidden states and pool, bitwise."""
+    bs = runner.pool.block_size
+    fused = _forward(runner, reqs, stack=True)
+    pool_after_fused = runner.pool.tensor.clone()
+    for slot in prepare_inputs(reqs, runner.geometry).meta.slot_mapping.tolist():
+        runner.pool.tensor[:, :, slot // bs, slot % bs] = 0.0
+    assert torch.equal(fused, _forward(runner, reqs, stack=False))
+    assert torch.equal(runner.pool.tensor, pool_after_fused)
+
+
 def _prefilled(runner: ModelRunner) -> dict[str, list[int]]:
-    """Prefills the three prompts (blocks interleaved in the pool); returns each one's blocks."""
+    """Prefills the three prompts (blocks interleaved in the pool), each bitwise the per-layer
+    path; returns each one's blocks."""
     bs = runner.pool.block_size
     tables: dict[str, list[int]] = {}
     next_block = 1
@@ -53,8 +67,15 @@ def _prefilled(runner: ModelRunner) -> dict[str, list[int]]:
         n = -(-(len(prompt) + 2) // bs)
         tables[rid] = list(range(next_block, next_block + 2 * n, 2))  # every other block
         next_block += 1 if rid == "a" else 2 * n
-        _forward(runner, [ScheduledRequest(rid, prompt, tables[rid], 0, len(prompt))], stack=True)
+        _bitwise(runner, [ScheduledRequest(rid, prompt, tables[rid], 0, len(prompt))])
     return tables
+
+
+def _mixed(tables: dict[str, list[int]]) -> list[ScheduledRequest]:
+    """Two decodes, a new prompt's 6-token chunk and a 2-token chunk of c's prompt over its cached
+    context (positions 28-29: under a window of 6 its keys start in block 5 of c's table)."""
+    return [*_decodes(tables, 1)[:2], ScheduledRequest("d", list(range(9, 15)), [60, 61], 0, 6),
+            ScheduledRequest("c2", PROMPTS["c"], tables["c"], 28, 2)]  # fmt: skip
 
 
 def _decodes(tables: dict[str, list[int]], step: int) -> list[ScheduledRequest]:
@@ -73,14 +94,15 @@ CASES = [(*gemm, kv) for gemm in sorted(GEMMS) for kv in ("float32", "bfloat16")
 
 
 @pytest.mark.parametrize(("gemm_dtype", "quantization", "kv_cache_dtype"), CASES)
-@pytest.mark.parametrize("name", ["llama", "qwen2", "mistral", "llama3"])
-def test_decode_steps_are_bitwise_the_per_layer_path(
+@pytest.mark.parametrize("name", ["llama", "qwen2", "mistral", "llama3", "mistral_window"])
+def test_steps_are_bitwise_the_per_layer_path(
     checkpoint: Any, make_runner: Any, name: str, gemm_dtype: str, quantization: str, kv_cache_dtype: str,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """In fp32, in bf16 mode, with int8 weights and with Q4_1 weights (the stack's GEMMs then the
-    bf16, int8 or Q4_1 ones, as the per-layer path's), over an fp32 and a bf16 pool (the stack's
-    K/V writes and reads then the bf16 ones, as the per-layer path's)."""
+    """Prompts in one chunk, decode steps and a mixed step (decodes, a new prompt, a chunk over
+    cached context), in fp32, in bf16 mode, with int8 weights and with Q4_1 weights (the stack's
+    GEMMs then the bf16, int8 or Q4_1 ones, as the per-layer path's), over an fp32 and a bf16 pool
+    (the stack's K/V writes and reads then the bf16 ones, as the per-layer path's)."""
     mode, reported = GEMMS[(gemm_dtype, quantization)]
     if mode not in ("native", "native_q4_1"):  # the Q4_1 GEMM is in every build
         kernels = load_kernels()
@@ -91,6 +113,8 @@ def test_decode_steps_are_bitwise_the_per_layer_path(
     stack = _stack(runner)
     assert (runner.model_info().dtype, runner.model_info().kv_cache_dtype) == (reported, kv_cache_dtype)
     assert {layer.self_attn.qkv_proj.packed.mode for layer in runner.model.model.layers} == {mode}
+    if name == "mistral_window":
+        assert runner.model_info().kv_group_windows == (6,)
     ran: list[bool] = []
     run = stack.run
 
@@ -100,35 +124,21 @@ def test_decode_steps_are_bitwise_the_per_layer_path(
         return result
 
     monkeypatch.setattr(stack, "run", spy)
-    tables = _prefilled(runner)
-    assert ran == [False, False, False]  # prefills
-    bs = runner.pool.block_size
+    tables = _prefilled(runner)  # (_forward's per-layer runs replace the spy: they are not in `ran`)
     for step in range(2):
-        reqs = _decodes(tables, step)
-        fused = _forward(runner, reqs, stack=True)
-        assert ran[-1] is True
-        pool_after_fused = runner.pool.tensor.clone()
-        for slot in prepare_inputs(reqs, runner.geometry).meta.slot_mapping.tolist():
-            runner.pool.tensor[:, :, slot // bs, slot % bs] = 0.0  # the per-layer path must write them again
-        reference = _forward(runner, reqs, stack=False)
-        assert torch.equal(fused, reference)
-        assert torch.equal(runner.pool.tensor, pool_after_fused)
+        _bitwise(runner, _decodes(tables, step))
+    _bitwise(runner, _mixed(tables))
+    assert ran == [True] * 6  # three prompts, two decode steps, the mixed step
 
 
 def test_steps_of_changing_batch_sizes_are_bitwise_the_per_layer_path(checkpoint: Any, make_runner: Any) -> None:
     """The stack's scratch rows are kept between steps (views of buffers grown to the largest
     step): a smaller step after a larger one, and a larger one again, still match."""
     runner = make_runner(checkpoint("llama"), backend="cpu")
-    tables = _prefilled(runner)
-    bs = runner.pool.block_size
+    tables = _prefilled(runner)  # 30 rows: the scratch's first size
     for step, rows in ((0, 3), (1, 1), (1, 2), (1, 3)):  # NOTE: the tables hold 2 decode positions
-        reqs = _decodes(tables, step)[:rows]
-        fused = _forward(runner, reqs, stack=True)
-        pool_after_fused = runner.pool.tensor.clone()
-        for slot in prepare_inputs(reqs, runner.geometry).meta.slot_mapping.tolist():
-            runner.pool.tensor[:, :, slot // bs, slot % bs] = 0.0
-        assert torch.equal(fused, _forward(runner, reqs, stack=False))
-        assert torch.equal(runner.pool.tensor, pool_after_fused)
+        _bitwise(runner, _decodes(tables, step)[:rows])
+    _bitwise(runner, _mixed(tables))
 
 
 def test_bf16_decodes_of_17_rows_and_more_fuse_the_swiglu_bitwise(checkpoint: Any, make_runner: Any) -> None:
@@ -155,24 +165,24 @@ def test_bf16_decodes_of_17_rows_and_more_fuse_the_swiglu_bitwise(checkpoint: An
         assert torch.equal(runner.pool.tensor, pool_after_fused)
 
 
-def test_only_decode_only_steps_take_the_stack(checkpoint: Any, make_runner: Any) -> None:
+def test_chunks_and_mixed_steps_take_the_stack_fp8_calibration_does_not(checkpoint: Any, make_runner: Any) -> None:
     runner = make_runner(checkpoint("llama"), backend="cpu")
     stack = _stack(runner)
     tables = _prefilled(runner)
 
-    def runs(reqs: list[ScheduledRequest]) -> bool:
+    def runs(reqs: list[ScheduledRequest], calibrating: bool = False) -> bool:
         batch = prepare_inputs(reqs, runner.geometry)
-        ctx = ForwardContext(runner.pool.tensor, runner.pool.layer_scales(), batch.meta, runner.backend)
+        amax = torch.zeros(len(runner.model.model.layers), 2) if calibrating else None
+        ctx = ForwardContext(runner.pool.tensor, runner.pool.layer_scales(), batch.meta, runner.backend, kv_amax=amax)
         x = runner.model.model.embed_tokens(batch.input_ids)
         cos, sin = runner.model.model.rotary(batch.positions, x.dtype)
         with torch.inference_mode():
             return stack.run(x, cos, sin, ctx) is not None
 
     assert runs(_decodes(tables, 0))
-    extra = ScheduledRequest("d", list(range(9, 15)), [60, 61], 0, 6)
-    assert not runs([*_decodes(tables, 1)[:2], extra])  # a prefill chunk in the step
-    chunk = ScheduledRequest("c2", PROMPTS["c"], tables["c"], 28, 2)
-    assert not runs([chunk])  # a 2-token chunk of a running request
+    assert runs(_mixed(tables))
+    assert runs([ScheduledRequest("c2", PROMPTS["c"], tables["c"], 28, 2)])  # a 2-token chunk of a running request
+    assert not runs(_mixed(tables), calibrating=True)  # fp8 calibration records |K|, |V| layer by layer
 
 
 def test_other_backends_and_quantizations_build_no_stack(checkpoint: Any, make_runner: Any) -> None:
