@@ -37,9 +37,9 @@ from services.model_runner.model.config import ModelConfig
 from services.model_runner.model.context import ForwardContext
 from services.model_runner.model.transformer import CausalLM
 from services.model_runner.model.transforms import prepare_model
-from services.model_runner.sampler import RequestSamplingState, sample
+from services.model_runner.sampler import RequestSamplingState, plain_greedy, sample
 from services.model_runner.streaming import STREAMING_MAX_MODEL_LEN, check_streaming
-from services.model_runner.types import ModelInfo, NewRequestData, SampledToken, StepInput, StepOutput
+from services.model_runner.types import ModelInfo, NewRequestData, SampledLogprobs, SampledToken, StepInput, StepOutput
 from shared.errors import FailedPrecondition, InvalidArgument
 from shared.kv_layout import layers_per_group
 from shared.sampling_params import SamplingParams
@@ -165,8 +165,13 @@ class ModelRunner:
             with torch.inference_mode():
                 positions = self._rotary_positions(batch.positions)
                 hidden = self.model(batch.input_ids, positions, self._context(batch.metas))  # [T, hidden]
-                logits = self.model.compute_logits(hidden[batch.logits_indices])  # [N, V] float32
-                results = sample(logits, [planned[i].state.sampling for i in batch.sampling_requests])
+                rows = hidden[batch.logits_indices]  # [N, hidden]
+                states = [planned[i].state.sampling for i in batch.sampling_requests]
+                tokens = self.model.head_argmax(rows) if plain_greedy(states) else None
+                if tokens is not None:  # every row greedy, nothing reported: no logits needed
+                    results: list[tuple[int, SampledLogprobs | None]] = [(t, None) for t in tokens.tolist()]
+                else:
+                    results = sample(self.model.compute_logits(rows), states)  # [N, V] float32 logits
             for i, (token_id, logprobs) in zip(batch.sampling_requests, results, strict=True):
                 sampled.append(SampledToken(planned[i].request_id, token_id, logprobs))
         # Commit: nothing above mutated the runner.

@@ -92,6 +92,12 @@ def sample(logits: torch.Tensor, states: Sequence[RequestSamplingState]) -> list
     return list(zip(token_list, _logprobs(logits, token_list, states), strict=True))
 
 
+def plain_greedy(states: Sequence[RequestSamplingState]) -> bool:
+    """Whether every row's token is the argmax of the raw logits: greedy, no penalty, no logprobs.
+    Such a step needs no logits, only their argmax (``CausalLM.head_argmax``)."""
+    return all(s.params.is_greedy and s.params.logprobs is None and not _has_penalty(s.params) for s in states)
+
+
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """``[N]`` int64: each row's first maximum (the lowest id on ties; a NaN counts as the maximum),
     exactly ``logits.argmax(dim=-1)``.

@@ -53,6 +53,10 @@ Q4_MAX = 15  # Q4_1's codes: 0..15 above the group's minimum
 Q8_MAX = 127  # Q8_0's codes: -127..127, symmetric
 INT8_MAX = 127  # symmetric: -127..127, so a scale maps the channel's largest |w| to +-127 exactly
 PACK_BATCH = 32  # the batch oneDNN's layout is tuned for; any batch runs (as fast at 1 and 8, measured)
+# logits per block of PackedWeight.argmax (native/head_argmax.c): 512 KB of fp32, which stay in a Zen 4
+# or Sapphire Rapids core's 1-2 MB L2 beside the weight panels streaming through it
+ARGMAX_BLOCK_FLOATS = 1 << 17
+ARGMAX_MAX_ROWS = 64  # head_argmax.c's rows per pass
 
 
 def onednn_available() -> bool:
@@ -112,6 +116,7 @@ class PackedWeight:
             if mode == "native_int8" and self.kernels.linear_int8 is None:
                 raise ValueError("the native int8 GEMM is not built here (the CPU has no AVX512-BF16)")
         self.mode = mode
+        self._scratch = torch.empty(0)  # argmax's logit blocks
         weight = weight.detach().contiguous()
         self.bias = None if bias is None else bias.detach().float().contiguous()
         self.out_features, self.in_features = weight.shape
@@ -156,11 +161,41 @@ class PackedWeight:
             return torch.ops.quantized.linear_dynamic_fp16(x, self.packed)
         return torch.ops.quantized.linear_dynamic(x, self.packed, True)
 
-    def _native(self, kernels: NativeKernels, x: torch.Tensor) -> torch.Tensor:
+    def argmax(self, x: torch.Tensor) -> torch.Tensor | None:
+        """``[T]`` int64: each row's argmax of ``self(x)``, exactly ``sampler.greedy_tokens`` of
+        those logits (the first maximum; a NaN counts as the maximum), computed without writing
+        the ``[T, out]`` logits (``native/head_argmax.c``); None where that kernel does not run
+        this mode (the caller then takes the logits)."""
+        kernels = self.kernels
+        if kernels is None or kernels.linear_argmax is None or self.mode not in ("native", "native_bf16"):
+            return None
+        x = self._checked(x)
+        tokens = torch.empty(x.shape[0], dtype=torch.int64)
+        if not x.shape[0]:
+            return tokens
+        width, rows = kernels.panel_width, min(x.shape[0], ARGMAX_MAX_ROWS)
+        whole = -(-self.out_features // width) * width
+        block = max(width, min(whole, ARGMAX_BLOCK_FLOATS // rows // width * width))
+        if self._scratch.numel() < rows * block:  # kept between calls: no allocation, no page faults per step
+            self._scratch = torch.empty(rows * block, dtype=torch.float32)
+        packed = self.packed
+        assert isinstance(packed, torch.Tensor)
+        status = kernels.linear_argmax(
+            x.data_ptr(), x.stride(0), x.shape[0], self.in_features, packed.data_ptr(), self.out_features,
+            None if self.bias is None else self.bias.data_ptr(), int(self.mode == "native_bf16"),
+            self._scratch.data_ptr(), block, tokens.data_ptr(),
+        )  # fmt: skip
+        if status != 0:
+            raise RuntimeError(f"native {self.mode} head argmax failed with status {status}")
+        return tokens
+
+    def _checked(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 2 or x.shape[1] != self.in_features or not is_cpu_fp32(x):
             raise ValueError(f"expected fp32 [T, {self.in_features}] on the CPU, got {x.dtype} {tuple(x.shape)}")
-        if x.stride(1) != 1:
-            x = x.contiguous()
+        return x if x.stride(1) == 1 else x.contiguous()
+
+    def _native(self, kernels: NativeKernels, x: torch.Tensor) -> torch.Tensor:
+        x = self._checked(x)
         out = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
         if x.shape[0]:
             packed = self.packed

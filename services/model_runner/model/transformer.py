@@ -110,6 +110,13 @@ class CausalLM(nn.Module):
         """
         return self.model(input_ids, positions, ctx)
 
+    def head_argmax(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """``[N, hidden]`` -> ``[N]`` int64: each row's argmax of :meth:`compute_logits` (the first
+        maximum, as greedy sampling takes it), without writing the logits where the packed head's
+        native kernel runs (``PackedWeight.argmax``); None elsewhere."""
+        head = self.lm_head.packed if self.lm_head is not None else self.packed_head
+        return None if head is None else head.argmax(hidden)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[N, hidden]`` -> ``[N, vocab]`` float32 logits (only the rows that sample)."""
         if self.lm_head is not None:

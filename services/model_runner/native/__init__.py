@@ -39,6 +39,8 @@ What is here, and why torch alone was not enough (measurements in docs/model_run
   exactly as gguf-py does and run as ``gemm.c``'s fp32 GEMM over them (``quantization=q4_1``):
   a fifth of fp32's weight bytes, no bf16 hardware needed, and bitwise fp32 mode on a checkpoint
   whose weights lie on that grid (the embedded SmolLM2);
+* ``head_argmax.c`` — greedy decoding's head: each row's argmax over the packed GEMM's columns,
+  block by block, without writing the logits;
 * ``decode_stack.c`` — a step's whole layer stack in one call (decode rows and prefill chunks):
   the kernels above in the per-layer order, without the Python between them
   (``model/native_stack.py``);
@@ -268,6 +270,9 @@ class NativeKernels:
     paged_decode_bf16: Any = None  # kvmesh_paged_decode_bf16
     prefill_attention_bf16: Any = None  # kvmesh_prefill_attention_bf16
     write_kv_bf16: Any = None  # kvmesh_write_kv_bf16
+    # kvmesh_linear_argmax: each row's argmax over a packed fp32 or bf16 GEMM's columns without writing
+    # the logits (greedy decoding's head); None unless built for AVX-512
+    linear_argmax: Any | None = None
 
 
     @property
@@ -405,4 +410,9 @@ def load_kernels(portable: bool = False, no_amx: bool = False, plain: bool = Fal
         bf16_dots_for=_bind(lib, "kvmesh_bf16_dots_for", _I64, [_I64, _I64, _I64]),
         kv_amx_for=_bind(lib, "kvmesh_kv_amx_for", _I64, [_I64, _I64, _I64]),
         kv_prefetch_l2=bool(_bind(lib, "kvmesh_kv_prefetch_l2", _I64, [])()),
+        linear_argmax=_bind(lib, "kvmesh_linear_argmax", ctypes.c_int, [
+            _PTR, _I64, _I64, _I64,  # x (fp32), x_stride, m, k
+            _PTR, _I64, _PTR, _I64,  # packed (pack_panels or pack_panels_bf16), n, bias (or NULL), bf16
+            _PTR, _I64, _PTR,  # scratch [min(m, 64), block_cols] fp32, block_cols, out [m] int64
+        ]) if _bind(lib, "kvmesh_linear_argmax_available", _I64, [])() else None,
     )  # fmt: skip
