@@ -31,14 +31,14 @@ def _check(head: PackedWeight, x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("mode", _modes())
 @pytest.mark.parametrize("block_floats", [packed_module.ARGMAX_BLOCK_FLOATS, 2 * 48 * 64, 48])
 def test_argmax_is_the_logits_argmax(mode: str, block_floats: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Rows 1-70 (past one 64-row pass), a vocabulary of part panels, an odd k (bf16's last pair
-    half), a bias; the logit blocks as large as the default and as small as one panel."""
+    """Rows 1-300 (more than the GEMM's 256-row chunk), a vocabulary of part panels, an odd k (bf16's
+    last pair half), a bias; the logit blocks as large as the default and as small as one panel."""
     monkeypatch.setattr(packed_module, "ARGMAX_BLOCK_FLOATS", block_floats)
     gen = torch.Generator().manual_seed(0)
     weight, bias = torch.randn(1000, 37, generator=gen), torch.randn(1000, generator=gen)
     for b in (None, bias):
         head = PackedWeight(weight, b, mode, KERNELS)
-        for m in (1, 7, 33, 70):
+        for m in (1, 7, 33, 300):
             _check(head, torch.randn(m, 37, generator=gen))
 
 

@@ -56,7 +56,6 @@ PACK_BATCH = 32  # the batch oneDNN's layout is tuned for; any batch runs (as fa
 # logits per block of PackedWeight.argmax (native/head_argmax.c): 512 KB of fp32, which stay in a Zen 4
 # or Sapphire Rapids core's 1-2 MB L2 beside the weight panels streaming through it
 ARGMAX_BLOCK_FLOATS = 1 << 17
-ARGMAX_MAX_ROWS = 64  # head_argmax.c's rows per pass
 
 
 def onednn_available() -> bool:
@@ -173,7 +172,7 @@ class PackedWeight:
         tokens = torch.empty(x.shape[0], dtype=torch.int64)
         if not x.shape[0]:
             return tokens
-        width, rows = kernels.panel_width, min(x.shape[0], ARGMAX_MAX_ROWS)
+        width, rows = kernels.panel_width, x.shape[0]
         whole = -(-self.out_features // width) * width
         block = max(width, min(whole, ARGMAX_BLOCK_FLOATS // rows // width * width))
         if self._scratch.numel() < rows * block:  # kept between calls: no allocation, no page faults per step

@@ -413,6 +413,6 @@ def load_kernels(portable: bool = False, no_amx: bool = False, plain: bool = Fal
         linear_argmax=_bind(lib, "kvmesh_linear_argmax", ctypes.c_int, [
             _PTR, _I64, _I64, _I64,  # x (fp32), x_stride, m, k
             _PTR, _I64, _PTR, _I64,  # packed (pack_panels or pack_panels_bf16), n, bias (or NULL), bf16
-            _PTR, _I64, _PTR,  # scratch [min(m, 64), block_cols] fp32, block_cols, out [m] int64
+            _PTR, _I64, _PTR,  # scratch [m, block_cols] fp32, block_cols, out [m] int64
         ]) if _bind(lib, "kvmesh_linear_argmax_available", _I64, [])() else None,
     )  # fmt: skip

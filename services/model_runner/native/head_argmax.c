@@ -16,6 +16,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #include "gemm_bf16.h"
 #include "kernels.h"
@@ -67,35 +68,38 @@ static void fold_row(const float *v, int64_t len, int64_t col0, RowBest *rb)
 
 /* out[r] = the argmax of row r of x W^T + bias over the n columns, W packed for gemm.c (bf16 0) or
  * gemm_bf16.c (bf16 1); scratch holds [m, block_cols] fp32, block_cols a multiple of the panel
- * width. Returns 0, -1 for a block_cols that is not, -4 for more than 2^31 columns, or 100 - the
- * bf16 GEMM's (negative) failure status. */
+ * width. Every row in each block's one GEMM call, so the weights stream once whatever m. Returns
+ * 0, -1 for a block_cols that is not, -2 when the rows' state cannot be had, -4 for 2^31 columns or
+ * more, or 100 - the bf16 GEMM's (negative) failure status. */
 int kvmesh_linear_argmax(const float *x, int64_t x_stride, int64_t m, int64_t k, const void *packed, int64_t n,
                          const float *bias, int64_t bf16, float *scratch, int64_t block_cols, int64_t *out)
 {
     if (block_cols <= 0 || block_cols % PANEL) return -1;
     if (n >= ((int64_t)1 << 31)) return -4;
+    if (m <= 0) return 0;
     const int64_t panel_size = bf16 ? (k + 1) / 2 * 2 * PANEL : k * PANEL;  /* elements of one panel */
     const int64_t esz = bf16 ? 2 : 4;
-    RowBest rows_best[64];
-    for (int64_t r0 = 0; r0 < m; r0 += 64) {
-        const int64_t rows = m - r0 < 64 ? m - r0 : 64;
-        for (int64_t r = 0; r < rows; r++) rows_best[r] = (RowBest){-INFINITY, -1, 0};
-        for (int64_t c0 = 0; c0 < n; c0 += block_cols) {
-            const int64_t cols = n - c0 < block_cols ? n - c0 : block_cols;
-            const char *panels = (const char *)packed + c0 / PANEL * panel_size * esz;
-            const float *b = bias != NULL ? bias + c0 : NULL;
-            if (bf16) {
-                const int failed = kvmesh_linear_bf16(x + r0 * x_stride, x_stride, rows, k, (const uint16_t *)panels,
-                                                      cols, b, scratch, block_cols);
-                if (failed) return 100 - failed;
-            } else {
-                kvmesh_linear_f32(x + r0 * x_stride, x_stride, rows, k, (const float *)panels, cols, b, scratch,
-                                  block_cols);
+    RowBest *rows_best = malloc(sizeof(RowBest) * (size_t)m);
+    if (rows_best == NULL) return -2;
+    for (int64_t r = 0; r < m; r++) rows_best[r] = (RowBest){-INFINITY, -1, 0};
+    for (int64_t c0 = 0; c0 < n; c0 += block_cols) {
+        const int64_t cols = n - c0 < block_cols ? n - c0 : block_cols;
+        const char *panels = (const char *)packed + c0 / PANEL * panel_size * esz;
+        const float *b = bias != NULL ? bias + c0 : NULL;
+        if (bf16) {
+            const int failed = kvmesh_linear_bf16(x, x_stride, m, k, (const uint16_t *)panels, cols, b, scratch,
+                                                  block_cols);
+            if (failed) {
+                free(rows_best);
+                return 100 - failed;
             }
-            for (int64_t r = 0; r < rows; r++) fold_row(scratch + r * block_cols, cols, c0, &rows_best[r]);
+        } else {
+            kvmesh_linear_f32(x, x_stride, m, k, (const float *)panels, cols, b, scratch, block_cols);
         }
-        for (int64_t r = 0; r < rows; r++) out[r0 + r] = rows_best[r].col;
+        for (int64_t r = 0; r < m; r++) fold_row(scratch + r * block_cols, cols, c0, &rows_best[r]);
     }
+    for (int64_t r = 0; r < m; r++) out[r] = rows_best[r].col;
+    free(rows_best);
     return 0;
 }
 
