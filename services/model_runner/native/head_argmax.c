@@ -10,7 +10,8 @@
  *
  * Bitwise: every block is the packed GEMM's own call (gemm.c's fp32 panels, or gemm_bf16.c's bf16
  * ones with whatever kernel it runs) on a run of whole panels, and a column's logit depends only on
- * its row and its weights, so the logits are the ones the full call writes. The argmax is numpy's
+ * its row and its weights (gemm_amx.c's tiles included: their blocking changes which sums run
+ * together, never a sum's terms or order), so the logits are the ones the full call writes. The argmax is numpy's
  * (sampler.greedy_tokens): the first maximum, a NaN counting as the maximum (the first NaN wins),
  * -0.0 equal to 0.0; a row of -inf only is column 0.
  */
