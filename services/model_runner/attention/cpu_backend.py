@@ -165,7 +165,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
         rest: list[Chunk] = []
         for chunk, table in zip(plan.chunks, plan.chunk_tables, strict=True):
             num_q = chunk.end - chunk.start
-            seq_len = chunk.seq_len + chunk.first_block * k_cache.shape[1]  # absolute, as the table
+            seq_len = chunk.table_len(k_cache.shape[1])
             status = attend(
                 query.data_ptr() + chunk.start * query.stride(0) * query.element_size(), query.stride(0),
                 k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0),

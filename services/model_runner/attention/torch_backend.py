@@ -213,6 +213,11 @@ class Chunk:
     first_block: int = 0
     seq: int = 0  # the sequence's index in the step's metadata (its row of block_tables)
 
+    def table_len(self, block_size: int) -> int:
+        """The sequence's length in keys counted from its block table's first block, not from
+        ``first_block``: the native kernels' ``seq_len`` (they take the whole table row)."""
+        return self.seq_len + self.first_block * block_size
+
 
 @dataclass(frozen=True)
 class _Plan:

@@ -200,14 +200,17 @@ class NativeDecodeStack:
         self._cache_key = key
 
 
+_NO_SPANS, _NO_TABLES = torch.zeros(0, 3, dtype=torch.int64), torch.zeros(0, 1, dtype=torch.int32)
+
+
 def _chunk_arrays(plan: NativeDecodePlan, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``decode_stack.c``'s chunk arrays: ``[C, 3]`` int64 (first row, rows, the sequence's length
-    from its table's first block, as ``CpuAttentionBackend`` passes the prefill kernel) and the
-    ``[C, W]`` int32 block tables; ``C`` may be 0."""
-    spans = torch.tensor([[c.start, c.end - c.start, c.seq_len + c.first_block * block_size] for c in plan.chunks],
-                         dtype=torch.int64).reshape(-1, 3)  # fmt: skip
-    tables = torch.stack(plan.chunk_tables) if plan.chunk_tables else torch.zeros(0, 1, dtype=torch.int32)
-    return spans, tables
+    """``decode_stack.c``'s chunk arrays: ``[C, 3]`` int64 (first row, rows, ``Chunk.table_len``, as
+    ``CpuAttentionBackend`` passes the prefill kernel) and the ``[C, W]`` int32 block tables; a
+    decode step (``C`` = 0) allocates nothing."""
+    if not plan.chunks:
+        return _NO_SPANS, _NO_TABLES
+    spans = torch.tensor([[c.start, c.end - c.start, c.table_len(block_size)] for c in plan.chunks], dtype=torch.int64)
+    return spans, torch.stack(plan.chunk_tables)
 
 
 def _packed(weight: PackedWeight) -> tuple[int, int | None]:

@@ -96,9 +96,8 @@ typedef struct {
 /* One layer's attention: the decode rows, then each prefill chunk, q rows from step->qk, out into
  * step->attn. Returns 0, the paged decode's status, or 200 - the prefill kernel's (negative) status. */
 static int attend(const KvmStackShape *shape, const KvmLayer *w, const KvmDecodeStep *step, int64_t q_size,
-                  int64_t qk_size)
+                  int64_t qk_size, int esz)
 {
-    const int esz = shape->kv_bf16 ? 2 : 4;
     const int64_t d = shape->head_dim;
     if (step->num_decodes > 0) {
         const int status = kvmesh_paged_decode_elem(
@@ -109,18 +108,11 @@ static int attend(const KvmStackShape *shape, const KvmLayer *w, const KvmDecode
     }
     for (int64_t c = 0; c < step->num_chunks; c++) {
         const int64_t *span = step->chunk_spans + 3 * c;
-        const int32_t *table = step->chunk_tables + c * step->chunk_table_stride;
-        const float *q = step->qk + span[0] * qk_size;
-        float *out = step->attn + span[0] * q_size;
-        const int status = shape->kv_bf16
-            ? kvmesh_prefill_attention_bf16(q, qk_size, (const uint16_t *)w->k_cache, (const uint16_t *)w->v_cache,
-                                            shape->block_stride, table, span[1], span[2], out, q_size,
-                                            shape->num_heads, shape->num_kv_heads, d, shape->block_size, shape->scale,
-                                            shape->window)
-            : kvmesh_prefill_attention_f32(q, qk_size, (const float *)w->k_cache, (const float *)w->v_cache,
-                                           shape->block_stride, table, span[1], span[2], out, q_size,
-                                           shape->num_heads, shape->num_kv_heads, d, shape->block_size, shape->scale,
-                                           shape->window);
+        const int status = kvmesh_prefill_attention_elem(
+            step->qk + span[0] * qk_size, qk_size, (const char *)w->k_cache, (const char *)w->v_cache,
+            shape->block_stride, step->chunk_tables + c * step->chunk_table_stride, span[1], span[2],
+            step->attn + span[0] * q_size, q_size, shape->num_heads, shape->num_kv_heads, d, shape->block_size,
+            shape->scale, shape->window, esz);
         if (status != 0) return 200 - status;
     }
     return 0;
@@ -149,7 +141,7 @@ int kvmesh_decode_stack_f32(const KvmLayer *layers, int64_t num_layers, const Kv
         const int esz = shape->kv_bf16 ? 2 : 4;
         kvmesh_write_kv_elem(step->qk + q_size, qk_size, step->qkv + qk_size, qkv_size, (char *)w->k_cache,
                              (char *)w->v_cache, step->slots, t, kv_size, shape->num_slots, esz);
-        const int status = attend(shape, w, step, q_size, qk_size);
+        const int status = attend(shape, w, step, q_size, qk_size, esz);
         if (status != 0) return status;
         failed = linear(shape, step->attn, q_size, t, q_size, w->o, hidden, w->o_bias, step->x);
         if (failed) return 100 - failed;

@@ -61,7 +61,7 @@ static void fold_row(const float *v, int64_t len, int64_t col0, RowBest *rb)
     /* among the lanes holding the maximum, the first column (lanes left at -inf keep their own
      * index, so a row of -inf only gives its first column) */
     const int64_t at = _mm512_mask_reduce_min_epi32(_mm512_cmp_ps_mask(bv, _mm512_set1_ps(best), _CMP_EQ_OQ), bi);
-    if (best > rb->best || (rb->col < 0)) {  /* an earlier block keeps a tie */
+    if (best > rb->best) {  /* an earlier block keeps a tie; a row of -inf only keeps column 0 */
         rb->best = best;
         rb->col = col0 + at;
     }
@@ -82,7 +82,7 @@ int kvmesh_linear_argmax(const float *x, int64_t x_stride, int64_t m, int64_t k,
     const int64_t esz = bf16 ? 2 : 4;
     RowBest *rows_best = malloc(sizeof(RowBest) * (size_t)m);
     if (rows_best == NULL) return -2;
-    for (int64_t r = 0; r < m; r++) rows_best[r] = (RowBest){-INFINITY, -1, 0};
+    for (int64_t r = 0; r < m; r++) rows_best[r] = (RowBest){-INFINITY, 0, 0};
     for (int64_t c0 = 0; c0 < n; c0 += block_cols) {
         const int64_t cols = n - c0 < block_cols ? n - c0 : block_cols;
         const char *panels = (const char *)packed + c0 / PANEL * panel_size * esz;

@@ -31,6 +31,10 @@ int kvmesh_paged_decode_elem(
     const int32_t *tables, int64_t table_stride, const int32_t *seq_lens, const int32_t *rows, int64_t num_seqs,
     float *out, int64_t out_row_stride, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
     int64_t block_size, int64_t max_seq_len, float scale, int64_t window, int esz);
+int kvmesh_prefill_attention_elem(
+    const float *q, int64_t q_row_stride, const char *k_cache, const char *v_cache, int64_t block_stride,
+    const int32_t *table, int64_t num_q, int64_t seq_len, float *out, int64_t out_row_stride, int64_t num_heads,
+    int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, int64_t window, int esz);
 int64_t kvmesh_write_kv_elem(
     const float *key, int64_t key_row_stride, const float *value, int64_t value_row_stride, char *k_cache,
     char *v_cache, const int64_t *slots, int64_t num_tokens, int64_t kv_elems, int64_t num_slots, int esz);

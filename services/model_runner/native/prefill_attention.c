@@ -430,7 +430,7 @@ static int prefill_as_decodes(
 }
 
 /* esz: the cache element's bytes (4 fp32, 2 bf16); block_stride in elements */
-static int prefill_attention(
+int kvmesh_prefill_attention_elem(
     const float *q, int64_t q_row_stride,  /* the chunk's first query row; [num_q, H, D] */
     const char *k_cache, const char *v_cache, int64_t block_stride,
     const int32_t *table, int64_t num_q, int64_t seq_len,
@@ -513,7 +513,7 @@ int kvmesh_prefill_attention_f32(
     const int32_t *table, int64_t num_q, int64_t seq_len, float *out, int64_t out_row_stride, int64_t num_heads,
     int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, int64_t window)
 {
-    return prefill_attention(q, q_row_stride, (const char *)k_cache, (const char *)v_cache, block_stride, table,
+    return kvmesh_prefill_attention_elem(q, q_row_stride, (const char *)k_cache, (const char *)v_cache, block_stride, table,
                              num_q, seq_len, out, out_row_stride, num_heads, num_kv_heads, head_dim, block_size,
                              scale, window, 4);
 }
@@ -525,7 +525,7 @@ int kvmesh_prefill_attention_bf16(
     const int32_t *table, int64_t num_q, int64_t seq_len, float *out, int64_t out_row_stride, int64_t num_heads,
     int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, int64_t window)
 {
-    return prefill_attention(q, q_row_stride, (const char *)k_cache, (const char *)v_cache, block_stride, table,
+    return kvmesh_prefill_attention_elem(q, q_row_stride, (const char *)k_cache, (const char *)v_cache, block_stride, table,
                              num_q, seq_len, out, out_row_stride, num_heads, num_kv_heads, head_dim, block_size,
                              scale, window, 2);
 }
