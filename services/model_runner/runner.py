@@ -164,8 +164,8 @@ class ModelRunner:
             batch = prepare_inputs([p.scheduled for p in planned], self.geometry, self.device)
             with torch.inference_mode():
                 positions = self._rotary_positions(batch.positions)
-                hidden = self.model(batch.input_ids, positions, self._context(batch.metas))  # [T, hidden]
-                rows = hidden[batch.logits_indices]  # [N, hidden]
+                # [N, hidden]: only the rows sampled from leave the forward (ForwardContext.output_rows)
+                rows = self.model(batch.input_ids, positions, self._context(batch.metas, batch.logits_indices))
                 states = [planned[i].state.sampling for i in batch.sampling_requests]
                 tokens = self.model.head_argmax(rows) if plain_greedy(states) else None
                 if tokens is not None:  # every row greedy, nothing reported: no logits needed
@@ -252,10 +252,10 @@ class ModelRunner:
         sampling = RequestSamplingState.create(new.sampling, prompt, outputs)
         return _Request(tokens, list(new.block_ids), new.num_computed_tokens, sampling)
 
-    def _context(self, metas: Sequence[AttentionMetadata]) -> ForwardContext:
+    def _context(self, metas: Sequence[AttentionMetadata], output_rows: torch.Tensor | None = None) -> ForwardContext:
         return ForwardContext(self.pool.tensor, self.pool.layer_scales(), metas[0], self.backend,
                               group_metas=tuple(metas), kv_rotation=self.pool.rotation,
-                              streaming=self.streaming)  # fmt: skip
+                              streaming=self.streaming, output_rows=output_rows)  # fmt: skip
 
     def _rotary_positions(self, positions: torch.Tensor) -> torch.Tensor:
         """The positions the model rotates by: the text positions, or in attention-sinks mode each

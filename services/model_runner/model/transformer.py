@@ -63,19 +63,26 @@ class DecoderModel(nn.Module):
         x, residual = self.run_layers(x, cos, sin, ctx)
         if residual is None:  # no layers
             return self.norm(x)
-        return self.norm.add_forward(x, residual)[0]  # [T, hidden]
+        return self.norm.add_forward(x, residual)[0]  # [T or N, hidden]
 
     def run_layers(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:  # ([T, hidden], [T, hidden] or None)
-        """``(last layer's MLP output, residual)`` for the embeddings ``x``; residual None without layers.
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:  # ([T or N, hidden], the same or None)
+        """``(last layer's MLP output, residual)`` for the embeddings ``x``, of ``ctx.output_rows``
+        where set; residual None without layers.
 
         A backend that runs the whole stack at once overrides this
-        (``native_layers.NativeDecoderModel``); the embedding and the final norm stay here.
+        (``native_layers.NativeDecoderModel``); the embedding and the final norm stay here. Here
+        every row runs every layer and the rows are taken at the end: the torch kernels' bits
+        may depend on the row count, so running fewer rows could change the kept rows' results.
         """
         residual: torch.Tensor | None = None
         for layer in self.layers:
             x, residual = layer(x, residual, cos, sin, ctx)
+        rows = ctx.output_rows
+        if rows is not None:
+            x = x[rows]
+            residual = residual[rows] if residual is not None else None
         return x, residual
 
 
@@ -106,7 +113,8 @@ class CausalLM(nn.Module):
             ctx: the paged cache and batch layout.
 
         Returns:
-            ``[T, hidden]`` final hidden states (pass the rows to sample to :meth:`compute_logits`).
+            ``[T, hidden]`` final hidden states, or ``[N, hidden]`` those of ``ctx.output_rows``
+            where set (pass the rows to sample to :meth:`compute_logits`).
         """
         return self.model(input_ids, positions, ctx)
 

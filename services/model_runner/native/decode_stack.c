@@ -19,6 +19,13 @@
  *   h = norm(residual += attn Wo^T + b)
  *   x = down(silu(gate) * up)
  * The caller adds the last x to the residual with the final norm, and computes the logits.
+ *
+ * The last layer past its K/V writes runs only for the rows whose output is read (out_rows: the
+ * rows the step samples from), as llama.cpp's graph does with its output ids: the other rows' K/V
+ * are all later steps need of them, and a row's result depends on that row alone (every kernel
+ * here is batch invariant), so the rows kept are bitwise what the whole step gives them. A prompt
+ * chunk that does not end its prompt then skips the last layer's attention, o projection and MLP
+ * (1/30 of SmolLM2's prefill FLOPs); the kept rows come out at the front of x and residual.
  */
 #include <stdint.h>
 #include <string.h>
@@ -91,6 +98,10 @@ typedef struct {
     const int64_t *chunk_spans;
     const int32_t *chunk_tables;  /* [num_chunks, chunk_table_stride]: each chunk's sequence's whole block table */
     int64_t chunk_table_stride;
+    /* the rows whose last-layer output is read, ascending (NULL or num_out < 0: every row); the
+     * last layer leaves those rows, in that order, in rows 0 .. num_out - 1 of x and residual */
+    int64_t num_out;
+    const int64_t *out_rows;
 } KvmDecodeStep;
 
 /* One layer's attention: the decode rows, then each prefill chunk, q rows from step->qk, out into
@@ -118,14 +129,100 @@ static int attend(const KvmStackShape *shape, const KvmLayer *w, const KvmDecode
     return 0;
 }
 
+/* Whether the last layer runs for step->out_rows alone (1), every row (0), or the rows are not
+ * ascending rows of the step (-1: nothing runs). */
+static int out_rows_only(const KvmDecodeStep *step)
+{
+    const int64_t n = step->num_out, *r = step->out_rows;
+    if (r == NULL || n < 0) return 0;
+    if (n > step->tokens) return -1;
+    for (int64_t i = 0; i < n; i++)
+        if (r[i] < 0 || r[i] >= step->tokens || (i > 0 && r[i] <= r[i - 1])) return -1;
+    return 1;
+}
+
+/* The first of step->out_rows at or after row `from` (num_out when none). */
+static int64_t first_out_at(const KvmDecodeStep *step, int64_t from)
+{
+    int64_t lo = 0, hi = step->num_out;
+    while (lo < hi) {
+        const int64_t mid = lo + (hi - lo) / 2;
+        if (step->out_rows[mid] < from) lo = mid + 1;
+        else hi = mid;
+    }
+    return lo;
+}
+
+/* The last layer's attention for the out rows: every decode row, and of each chunk the rows from its
+ * first out row to its end (the prefill kernel's rows are the last positions of the chunk's
+ * length, so a suffix of them is a chunk of its own); a chunk with no out row is skipped. Then the
+ * out rows' attention and residual moved to the front (ascending rows: each moves down, in place). */
+static int attend_out_rows(const KvmStackShape *shape, const KvmLayer *w, const KvmDecodeStep *step, int64_t q_size,
+                           int64_t qk_size, int esz)
+{
+    KvmDecodeStep part = *step;
+    part.num_chunks = 0;
+    int status = attend(shape, w, &part, q_size, qk_size, esz);  /* the decode rows */
+    if (status != 0) return status;
+    for (int64_t c = 0; c < step->num_chunks; c++) {
+        const int64_t *span = step->chunk_spans + 3 * c, end = span[0] + span[1];
+        const int64_t i = first_out_at(step, span[0]);
+        if (i == step->num_out || step->out_rows[i] >= end) continue;
+        const int64_t from = step->out_rows[i];
+        const int64_t sub[3] = {from, end - from, span[2]};
+        part.num_decodes = 0;
+        part.num_chunks = 1;
+        part.chunk_spans = sub;
+        part.chunk_tables = step->chunk_tables + c * step->chunk_table_stride;
+        status = attend(shape, w, &part, q_size, qk_size, esz);
+        if (status != 0) return status;
+    }
+    const int64_t hidden = shape->hidden;
+    for (int64_t i = 0; i < step->num_out; i++) {
+        const int64_t r = step->out_rows[i];
+        if (r == i) continue;
+        memcpy(step->attn + i * q_size, step->attn + r * q_size, sizeof(float) * (size_t)q_size);
+        memcpy(step->residual + i * hidden, step->residual + r * hidden, sizeof(float) * (size_t)hidden);
+    }
+    return 0;
+}
+
+/* A layer past its attention, for the first m rows: x = attn Wo^T + b, h = norm(residual += x),
+ * x = down(silu(gate) * up). Returns 0 or 100 - the failing packed GEMM's (negative) status. */
+static int after_attention(const KvmStackShape *shape, const KvmLayer *w, const KvmDecodeStep *step, int64_t m,
+                           int64_t q_size)
+{
+    if (m == 0) return 0;
+    const int64_t hidden = shape->hidden, inter = shape->intermediate;
+    int failed = linear(shape, step->attn, q_size, m, q_size, w->o, hidden, w->o_bias, step->x);
+    if (failed) return 100 - failed;
+    kvmesh_add_rms_norm_f32(step->residual, step->x, hidden, w->post_norm, step->h, m, hidden, shape->eps);
+    failed = -3;  /* kvmesh_linear_bf16_swiglu's "an intermediate size of part panels" */
+    if (shape->gemm == 1 && m >= FUSED_SWIGLU_ROWS)
+        failed = kvmesh_linear_bf16_swiglu(step->h, hidden, m, hidden, (const uint16_t *)w->gate_up, inter,
+                                           w->gate_up_bias, step->act, inter);
+    if (failed == -3) {  /* not fused: the GEMM, then the SwiGLU */
+        failed = linear(shape, step->h, hidden, m, hidden, w->gate_up, 2 * inter, w->gate_up_bias, step->gate_up);
+        if (failed) return 100 - failed;
+        kvmesh_silu_mul_f32(step->gate_up, 2 * inter, step->act, m, inter);
+    } else if (failed) {
+        return 100 - failed;
+    }
+    failed = linear(shape, step->act, inter, m, inter, w->down, hidden, w->down_bias, step->x);
+    return failed ? 100 - failed : 0;
+}
+
 /* Returns 0, the failing paged-decode status (see kvmesh_paged_decode_f32), 200 - the failing prefill
- * attention's (negative) status, or 100 - the failing packed GEMM's (negative) status. */
+ * attention's (negative) status, 100 - the failing packed GEMM's (negative) status, or 300 for out
+ * rows that are not ascending rows of the step. */
 int kvmesh_decode_stack_f32(const KvmLayer *layers, int64_t num_layers, const KvmStackShape *shape,
                             const KvmDecodeStep *step)
 {
     const int64_t t = step->tokens, hidden = shape->hidden, d = shape->head_dim;
     const int64_t q_size = shape->num_heads * d, kv_size = shape->num_kv_heads * d;
-    const int64_t qkv_size = q_size + 2 * kv_size, qk_size = q_size + kv_size, inter = shape->intermediate;
+    const int64_t qkv_size = q_size + 2 * kv_size, qk_size = q_size + kv_size;
+    const int only_out = out_rows_only(step);
+    if (only_out < 0) return 300;
     for (int64_t l = 0; l < num_layers; l++) {
         const KvmLayer *w = &layers[l];
         if (l == 0) {
@@ -141,24 +238,15 @@ int kvmesh_decode_stack_f32(const KvmLayer *layers, int64_t num_layers, const Kv
         const int esz = shape->kv_bf16 ? 2 : 4;
         kvmesh_write_kv_elem(step->qk + q_size, qk_size, step->qkv + qk_size, qkv_size, (char *)w->k_cache,
                              (char *)w->v_cache, step->slots, t, kv_size, shape->num_slots, esz);
+        if (l == num_layers - 1 && only_out) {
+            const int status = attend_out_rows(shape, w, step, q_size, qk_size, esz);
+            if (status != 0) return status;
+            return after_attention(shape, w, step, step->num_out, q_size);
+        }
         const int status = attend(shape, w, step, q_size, qk_size, esz);
         if (status != 0) return status;
-        failed = linear(shape, step->attn, q_size, t, q_size, w->o, hidden, w->o_bias, step->x);
-        if (failed) return 100 - failed;
-        kvmesh_add_rms_norm_f32(step->residual, step->x, hidden, w->post_norm, step->h, t, hidden, shape->eps);
-        failed = -3;  /* kvmesh_linear_bf16_swiglu's "an intermediate size of part panels" */
-        if (shape->gemm == 1 && t >= FUSED_SWIGLU_ROWS)
-            failed = kvmesh_linear_bf16_swiglu(step->h, hidden, t, hidden, (const uint16_t *)w->gate_up, inter,
-                                               w->gate_up_bias, step->act, inter);
-        if (failed == -3) {  /* not fused: the GEMM, then the SwiGLU */
-            failed = linear(shape, step->h, hidden, t, hidden, w->gate_up, 2 * inter, w->gate_up_bias, step->gate_up);
-            if (failed) return 100 - failed;
-            kvmesh_silu_mul_f32(step->gate_up, 2 * inter, step->act, t, inter);
-        } else if (failed) {
-            return 100 - failed;
-        }
-        failed = linear(shape, step->act, inter, t, inter, w->down, hidden, w->down_bias, step->x);
-        if (failed) return 100 - failed;
+        failed = after_attention(shape, w, step, t, q_size);
+        if (failed) return failed;
     }
     return 0;
 }

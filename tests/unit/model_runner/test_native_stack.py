@@ -26,16 +26,20 @@ def _stack(runner: ModelRunner) -> NativeDecodeStack:
     return model.stack
 
 
-def _forward(runner: ModelRunner, reqs: list[ScheduledRequest], stack: bool) -> torch.Tensor:
+def _forward(
+    runner: ModelRunner, reqs: list[ScheduledRequest], stack: bool, sampled_only: bool = False
+) -> torch.Tensor:
     """The model's hidden states for one step, with the native stack on, or declining the step
-    (as it does for any step it does not run: the per-layer path runs instead)."""
+    (as it does for any step it does not run: the per-layer path runs instead); ``sampled_only``:
+    of the rows the step samples from alone (``ForwardContext.output_rows``, as the runner asks)."""
     native = _stack(runner)
     saved = native.__dict__.get("run")
     if not stack:
         native.run = lambda *args: None  # type: ignore[method-assign]
     try:
         batch = prepare_inputs(reqs, runner.geometry)
-        ctx = ForwardContext(runner.pool.tensor, runner.pool.layer_scales(), batch.meta, runner.backend)
+        ctx = ForwardContext(runner.pool.tensor, runner.pool.layer_scales(), batch.meta, runner.backend,
+                             output_rows=batch.logits_indices if sampled_only else None)
         with torch.inference_mode():
             return runner.model(batch.input_ids, batch.positions, ctx)
     finally:
@@ -129,6 +133,45 @@ def test_steps_are_bitwise_the_per_layer_path(
         _bitwise(runner, _decodes(tables, step))
     _bitwise(runner, _mixed(tables))
     assert ran == [True] * 6  # three prompts, two decode steps, the mixed step
+
+
+@pytest.mark.parametrize(("gemm_dtype", "quantization", "kv_cache_dtype"), CASES)
+@pytest.mark.parametrize("name", ["llama", "mistral_window"])
+def test_the_last_layer_runs_the_sampled_rows_alone_bitwise(
+    checkpoint: Any, make_runner: Any, name: str, gemm_dtype: str, quantization: str, kv_cache_dtype: str
+) -> None:
+    """With ``output_rows`` (the runner's sampled rows) the stack runs its last layer past the K/V
+    writes for those rows alone and returns them first: they are bitwise the rows of the whole
+    step, and the K/V written are the same. Covered: a prompt's first chunk (no row sampled), its
+    last chunk (one row, at the end), a decode step, and the mixed step (rows 0, 1, 7 and 9 of 10:
+    a new prompt's last row, and a chunk over cached context, under a window of 6 for
+    mistral_window). Rows the C code did not put first would not match."""
+    mode, _ = GEMMS[(gemm_dtype, quantization)]
+    if mode not in ("native", "native_q4_1"):
+        kernels = load_kernels()
+        if kernels is None or kernels.linear_bf16 is None or kernels.linear_int8 is None:
+            pytest.skip("the CPU has no AVX512-BF16: no native bf16 / int8 GEMM here")
+    runner = make_runner(checkpoint(name), backend="cpu", gemm_dtype=gemm_dtype, quantization=quantization,
+                         kv_cache_dtype=kv_cache_dtype)
+    bs = runner.pool.block_size
+    tables = _prefilled(runner)
+    long = list(range(300, 320))
+    steps = [[ScheduledRequest("e", long, [50, 52, 54, 56, 58], 0, 12)],  # 12 of 20: nothing sampled
+             [ScheduledRequest("e", long, [50, 52, 54, 56, 58], 12, 8)],
+             _decodes(tables, 0), _mixed(tables)]  # fmt: skip
+    expected_rows = [[], [7], [0, 1, 2], [0, 1, 7, 9]]
+    for reqs, rows in zip(steps, expected_rows, strict=True):
+        assert prepare_inputs(reqs, runner.geometry).logits_indices.tolist() == rows
+        whole = _forward(runner, reqs, stack=True)
+        pool_after_whole = runner.pool.tensor.clone()
+        for slot in prepare_inputs(reqs, runner.geometry).meta.slot_mapping.tolist():
+            runner.pool.tensor[:, :, slot // bs, slot % bs] = 0.0  # written again below
+        sampled = _forward(runner, reqs, stack=True, sampled_only=True)
+        assert sampled.shape == (len(rows), runner.config.hidden_size)
+        assert torch.equal(sampled, whole[rows])
+        assert torch.equal(runner.pool.tensor, pool_after_whole)
+        # the per-layer path takes the same rows after running every row
+        assert torch.equal(_forward(runner, reqs, stack=False, sampled_only=True), sampled)
 
 
 def test_steps_of_changing_batch_sizes_are_bitwise_the_per_layer_path(checkpoint: Any, make_runner: Any) -> None:
