@@ -254,12 +254,32 @@ class Engine:
         self.outputs.record_step(sched, step, len(events))
         if sched.offload is not None:  # a prefill replica's prompts, before their first token leaves
             sched.offload.publish_prompts([ev.request for ev in events], sched.block_size)
+        if self._in_flight is None:
+            self._send_next_synchronous()
         self.outputs.push(events)
         self.outputs.publish_queues(sched)
 
-    def _schedule_and_send(self) -> _InFlight | None:
+    def _send_next_synchronous(self) -> None:
+        """With nothing in flight after a step, plans and sends the next one (a synchronous step)
+        before the step's tokens are streamed, where the loop's checks would let it run at once.
+
+        Why: pushing the tokens wakes every stream's handler thread, and while they serialize and
+        send, the engine thread waited for the GIL through its kv-cache-manager call and the
+        runner's send, with the runner idle (docs/design.md, "Async scheduling"). Sent first, the
+        step runs while they stream. The order of events is the loop's: commands, expiry, plan.
+        """
+        binding = self.binding
+        if not binding.bound or binding.suspect or binding.renewal_due():
+            return  # the loop's checks first (re-bind, peer check, keep-alive)
+        self._apply_commands()
+        self._expire()
+        if self.scheduler.has_work:
+            self._in_flight = self._schedule_and_send(idle_wait=False)
+
+    def _schedule_and_send(self, idle_wait: bool = True) -> _InFlight | None:
         """A synchronous step (nothing in flight): allocates it and sends it; None when nothing runs
-        or the planning failed (handled here)."""
+        or the planning failed (handled here). ``idle_wait``: when nothing can run, wait a moment
+        for a command before returning (the loop's pace while requests wait for blocks)."""
         sched = self.scheduler
         waiting_before = [r for r in sched.waiting if r.in_admission_queue]
         try:
@@ -275,8 +295,9 @@ class Engine:
                 self.outputs.on_dequeued(req)
                 record_queue_span(req)
         if step is None:
-            self._wake.wait(0.005)
-            self._wake.clear()
+            if idle_wait:
+                self._wake.wait(0.005)
+                self._wake.clear()
             return None
         return self._send(step)
 

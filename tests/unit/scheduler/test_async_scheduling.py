@@ -87,6 +87,41 @@ def test_steps_sent_ahead_and_the_answer_and_cache_they_leave(tiny_llama_dir: Pa
         suite.close()
 
 
+def test_a_synchronous_step_is_sent_before_the_tokens_of_the_step_before_it_stream(
+        tiny_llama_dir: Path, reference: list[int]) -> None:
+    """With nothing in flight after a step, the engine plans and sends the next step before it
+    pushes the step's tokens to the streams (whose handler threads would otherwise hold the GIL
+    while the runner waits). Async scheduling off, so every step is synchronous: each step's
+    submit comes before the tokens of the step before it; the last step's tokens, with nothing
+    left to send, after it. The answer is unchanged."""
+    suite = _suite(tiny_llama_dir, async_scheduling=False)
+    order: list[str] = []
+    engine = suite.engine
+    submit, push = engine.runner.submit, engine.outputs.push
+
+    def recorded_submit(step: StepInput) -> object:
+        order.append(f"step {step.step_id}")
+        return submit(step)
+
+    def recorded_push(events: list[object]) -> None:
+        order.append(f"tokens {len(events)}")
+        push(events)  # type: ignore[arg-type]
+
+    engine.runner.submit = recorded_submit  # type: ignore[method-assign,assignment]
+    engine.outputs.push = recorded_push  # type: ignore[method-assign,assignment]
+    try:
+        chunks = _run(suite, PROMPT, SamplingParams(ignore_eos=True), "a")
+        assert _tokens(chunks) == reference
+        steps = [o for o in order if o.startswith("step")]
+        assert len(steps) == MAX_TOKENS
+        expected = [steps[0]]
+        for later in steps[1:]:
+            expected += [later, "tokens 1"]
+        assert order == [*expected, "tokens 1"]
+    finally:
+        suite.close()
+
+
 def test_a_stop_token_inside_a_chain_of_steps_sent_ahead_changes_nothing(tiny_llama_dir: Path,
                                                                          reference: list[int]) -> None:
     """The step after a stop token was sent before the stop was known: its token is dropped, and
