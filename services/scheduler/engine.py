@@ -269,8 +269,8 @@ class Engine:
         step runs while they stream. The order of events is the loop's: commands, expiry, plan.
         """
         binding = self.binding
-        if not binding.bound or binding.suspect or binding.renewal_due():
-            return  # the loop's checks first (re-bind, peer check, keep-alive)
+        if self._stop.is_set() or not binding.bound or binding.suspect or binding.renewal_due():
+            return  # stopping, or the loop's checks first (re-bind, peer check, keep-alive)
         self._apply_commands()
         self._expire()
         if self.scheduler.has_work:
