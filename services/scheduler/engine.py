@@ -254,12 +254,20 @@ class Engine:
         self.outputs.record_step(sched, step, len(events))
         if sched.offload is not None:  # a prefill replica's prompts, before their first token leaves
             sched.offload.publish_prompts([ev.request for ev in events], sched.block_size)
-        if self._in_flight is None:
-            self._send_next_synchronous()
-        self.outputs.push(events)
-        self.outputs.publish_queues(sched)
+        pushed = False
 
-    def _send_next_synchronous(self) -> None:
+        def push() -> None:
+            nonlocal pushed
+            if not pushed:
+                pushed = True
+                self.outputs.push(events)
+                self.outputs.publish_queues(sched)
+
+        if self._in_flight is None:
+            self._send_next_synchronous(before_failure=push)
+        push()
+
+    def _send_next_synchronous(self, before_failure: Callable[[], None]) -> None:
         """With nothing in flight after a step, plans and sends the next one (a synchronous step)
         before the step's tokens are streamed, where the loop's checks would let it run at once.
 
@@ -267,6 +275,8 @@ class Engine:
         send, the engine thread waited for the GIL through its kv-cache-manager call and the
         runner's send, with the runner idle (docs/design.md, "Async scheduling"). Sent first, the
         step runs while they stream. The order of events is the loop's: commands, expiry, plan.
+        ``before_failure`` (the tokens' push) runs before a failed planning is handled, so a
+        re-bind or a failure of every request comes after the tokens already computed, as before.
         """
         binding = self.binding
         if self._stop.is_set() or not binding.bound or binding.suspect or binding.renewal_due():
@@ -274,20 +284,26 @@ class Engine:
         self._apply_commands()
         self._expire()
         if self.scheduler.has_work:
-            self._in_flight = self._schedule_and_send(idle_wait=False)
+            self._in_flight = self._schedule_and_send(idle_wait=False, before_failure=before_failure)
 
-    def _schedule_and_send(self, idle_wait: bool = True) -> _InFlight | None:
+    def _schedule_and_send(self, idle_wait: bool = True,
+                           before_failure: Callable[[], None] | None = None) -> _InFlight | None:
         """A synchronous step (nothing in flight): allocates it and sends it; None when nothing runs
-        or the planning failed (handled here). ``idle_wait``: when nothing can run, wait a moment
-        for a command before returning (the loop's pace while requests wait for blocks)."""
+        or the planning failed (handled here, after ``before_failure``). ``idle_wait``: when nothing
+        can run, wait a moment for a command before returning (the loop's pace while requests wait
+        for blocks)."""
         sched = self.scheduler
         waiting_before = [r for r in sched.waiting if r.in_admission_queue]
         try:
             step = sched.schedule()
         except FailedPrecondition as exc:  # the kv-cache-manager restarted or was taken over
+            if before_failure is not None:
+                before_failure()
             self.binding.rebind(exc)
             return None
         except Exception as exc:
+            if before_failure is not None:
+                before_failure()
             self._fail_all(exc)
             return None
         for req in waiting_before:

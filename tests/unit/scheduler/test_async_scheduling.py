@@ -122,6 +122,39 @@ def test_a_synchronous_step_is_sent_before_the_tokens_of_the_step_before_it_stre
         suite.close()
 
 
+def test_the_tokens_computed_go_out_before_a_failed_synchronous_planning_ends_the_request(
+        tiny_llama_dir: Path, reference: list[int]) -> None:
+    """The kv-cache-manager fails the third step's planning: the second step's token still reaches
+    the stream before the error that ends it (the push runs before the failure is handled), and
+    every block is freed after."""
+    from shared.errors import KVMeshError
+
+    suite = _suite(tiny_llama_dir, async_scheduling=False)
+    kv = suite.engine.scheduler.kv
+    kv_step, calls = kv.step, [0]
+
+    def failing_step(*args: object) -> object:
+        calls[0] += 1
+        if calls[0] == 3:
+            raise RuntimeError("kv-cache-manager fault (test)")
+        return kv_step(*args)  # type: ignore[arg-type]
+
+    kv.step = failing_step  # type: ignore[method-assign,assignment]
+    try:
+        spec = build_spec(suite.engine, PROMPT, SamplingParams(ignore_eos=True), MAX_TOKENS, request_id="f")
+        received: list[Chunk] = []
+        with pytest.raises(KVMeshError):
+            for chunk in OutputStream(suite.engine, spec, suite.tokenizer):
+                received.append(chunk)
+        assert _tokens(received) == reference[:2]
+        kv.step = kv_step  # type: ignore[method-assign]
+        _wait_idle(suite)
+        assert suite.manager.stats().num_requests == 0
+        suite.manager.check_integrity()
+    finally:
+        suite.close()
+
+
 def test_a_stop_token_inside_a_chain_of_steps_sent_ahead_changes_nothing(tiny_llama_dir: Path,
                                                                          reference: list[int]) -> None:
     """The step after a stop token was sent before the stop was known: its token is dropped, and
