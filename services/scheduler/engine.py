@@ -263,9 +263,11 @@ class Engine:
                 self.outputs.push(events)
                 self.outputs.publish_queues(sched)
 
-        if self._in_flight is None:
-            self._send_next_synchronous(before_failure=push)
-        push()
+        try:
+            if self._in_flight is None:
+                self._send_next_synchronous(before_failure=push)
+        finally:
+            push()  # the step's tokens go out whatever the planning of the next one met
 
     def _send_next_synchronous(self, before_failure: Callable[[], None]) -> None:
         """With nothing in flight after a step, plans and sends the next one (a synchronous step)
