@@ -33,10 +33,10 @@ class ForwardContext:
             attention layers then rotate Q, K, V and the output, ``attention/int4.py``); else None.
         streaming: the attention-sinks mode's attention (``attention/streaming.py``): keys are
             then written unrotated and attended by it; None in every other mode.
-        output_rows: ``[N]`` int64 rows, ascending, whose final hidden states the caller reads
-            (the rows a step samples from); the forward then returns those rows only, and a layer
-            stack that can skips the last layer's work past the K/V writes for the others
-            (``native/decode_stack.c``). None: every row.
+        output_rows: ``[N]`` int64 rows, ascending (the native stack refuses others), whose final
+            hidden states the caller reads (the rows a step samples from); the forward then
+            returns those rows only, and a layer stack that can skips the last layer's work past
+            the K/V writes for the others (``native/decode_stack.c``). None: every row.
     """
 
     kv_cache: torch.Tensor

@@ -152,8 +152,10 @@ class NativeDecodeStack:
         slots = ctx.meta.slot_mapping
         if slots.dtype != torch.int64 or not slots.is_contiguous():
             return None
-        # the rows the C code runs the last layer for alone and puts first, if any
-        fronted = _fronted(ctx.output_rows, tokens)
+        # the rows the C code runs the last layer for alone and puts first (it checks them)
+        rows = ctx.output_rows
+        if rows is not None:
+            rows = rows.to(device="cpu", dtype=torch.int64).contiguous()
         self._bind_cache(cache, plan.window)
         out, residual = x, torch.empty_like(x)  # x is this forward's own embedding: overwritten
         scratch = self._scratch_rows(tokens)
@@ -163,16 +165,14 @@ class NativeDecodeStack:
             plan.seq_lens.data_ptr(), plan.rows.data_ptr(), plan.tables.stride(0), plan.max_len,
             out.data_ptr(), residual.data_ptr(), *(t.data_ptr() for t in scratch),
             plan.rows.shape[0], len(plan.chunks), spans.data_ptr(), chunk_tables.data_ptr(), chunk_tables.stride(0),
-            -1 if fronted is None else fronted.shape[0], 0 if fronted is None else fronted.data_ptr(),
+            -1 if rows is None else rows.shape[0], 0 if rows is None else rows.data_ptr(),
         )  # fmt: skip
         status = self._fn(self._layers, self._num_layers, ctypes.byref(self._shape), ctypes.byref(step))
         if status != 0:
             raise RuntimeError(f"native decode stack failed with status {status}")
-        if fronted is not None:
-            return out[: fronted.shape[0]], residual[: fronted.shape[0]]
-        if ctx.output_rows is not None:  # every row ran
-            return out[ctx.output_rows], residual[ctx.output_rows]
-        return out, residual
+        if rows is None:
+            return out, residual
+        return out[: rows.shape[0]], residual[: rows.shape[0]]  # all the rows, or the rows put first
 
     def _scratch_rows(self, tokens: int) -> list[torch.Tensor]:
         """The C code's per-row buffers (norm output, qkv, rotated q/k, attention, gate_up, SwiGLU)
@@ -209,18 +209,6 @@ class NativeDecodeStack:
 
 
 _NO_SPANS, _NO_TABLES = torch.zeros(0, 3, dtype=torch.int64), torch.zeros(0, 1, dtype=torch.int32)
-
-
-def _fronted(rows: torch.Tensor | None, tokens: int) -> torch.Tensor | None:
-    """``rows`` as the C code takes them (CPU int64) when the stack runs its last layer for them
-    alone (``KvmDecodeStep.out_rows``): they are fewer than the step's ``tokens``, ascending and in
-    range, as a step's sampled rows always are. None: every row runs (the rows are taken after)."""
-    if rows is None or rows.shape[0] >= tokens:
-        return None
-    rows = rows.to(device="cpu", dtype=torch.int64).contiguous()
-    if rows.shape[0] and (int(rows[0]) < 0 or int(rows[-1]) >= tokens or not bool((rows[1:] > rows[:-1]).all())):
-        return None
-    return rows
 
 
 def _chunk_arrays(plan: NativeDecodePlan, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:

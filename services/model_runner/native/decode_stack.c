@@ -130,8 +130,9 @@ static int attend(const KvmStackShape *shape, const KvmLayer *w, const KvmDecode
     return 0;
 }
 
-/* Whether the last layer runs for step->out_rows alone (1), every row (0), or the rows are not
- * ascending rows of the step (-1: nothing runs). */
+/* Whether the last layer runs for step->out_rows alone (1: fewer rows than the step's), every row
+ * (0: no rows given, or all of them, in order), or the rows are not ascending rows of the step (-1:
+ * nothing runs). The one check of the rows: the caller passes them as given. */
 static int out_rows_only(const KvmDecodeStep *step)
 {
     const int64_t n = step->num_out, *r = step->out_rows;
@@ -139,7 +140,7 @@ static int out_rows_only(const KvmDecodeStep *step)
     if (n > step->tokens) return -1;
     for (int64_t i = 0; i < n; i++)
         if (r[i] < 0 || r[i] >= step->tokens || (i > 0 && r[i] <= r[i - 1])) return -1;
-    return 1;
+    return n < step->tokens;
 }
 
 /* The first of step->out_rows at or after row `from` (num_out when none). */
