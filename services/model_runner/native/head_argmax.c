@@ -24,7 +24,7 @@
 
 #define PANEL BF16_PANEL /* gemm.c's width too (kvmesh_linear_panel_width) */
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 
 int64_t kvmesh_linear_argmax_available(void) { return 1; }
@@ -35,6 +35,8 @@ typedef struct {
     int64_t col;
     int nan;
 } RowBest;
+
+#if defined(__AVX512F__)
 
 /* Folds the block's `len` logits of one row (column col0 onwards) into *rb. */
 static void fold_row(const float *v, int64_t len, int64_t col0, RowBest *rb)
@@ -66,6 +68,60 @@ static void fold_row(const float *v, int64_t len, int64_t col0, RowBest *rb)
         rb->col = col0 + at;
     }
 }
+
+#else
+
+/* fold_row in 8 lanes (AVX2): whole vectors as the AVX-512 loop, each lane keeping its first
+ * maximum; then, among the lanes holding the maximum, the first column; the last len % 8 columns
+ * one at a time after them (strictly greater: a later column never takes a tie). */
+static void fold_row(const float *v, int64_t len, int64_t col0, RowBest *rb)
+{
+    if (rb->nan) return;
+    const __m256i step = _mm256_set1_epi32(8);
+    __m256 bv = _mm256_set1_ps(-INFINITY);
+    __m256i bi = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), cur = bi;
+    int64_t i = 0;
+    for (; i + 8 <= len; i += 8, cur = _mm256_add_epi32(cur, step)) {
+        const __m256 x = _mm256_loadu_ps(v + i);
+        const int nan = _mm256_movemask_ps(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+        if (nan) {  /* the first NaN of the row: nothing before it was one */
+            rb->nan = 1;
+            rb->col = col0 + i + __builtin_ctz((unsigned)nan);
+            return;
+        }
+        const __m256 gt = _mm256_cmp_ps(x, bv, _CMP_GT_OQ);
+        bv = _mm256_blendv_ps(bv, x, gt);
+        bi = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(bi), _mm256_castsi256_ps(cur), gt));
+    }
+    float lane_best[8];
+    int32_t lane_col[8];
+    _mm256_storeu_ps(lane_best, bv);
+    _mm256_storeu_si256((__m256i *)lane_col, bi);
+    /* lanes left at -inf keep their own index, so a row of -inf only gives its first column */
+    float best = lane_best[0];
+    for (int l = 1; l < 8; l++) best = lane_best[l] > best ? lane_best[l] : best;
+    int64_t at = INT64_MAX;
+    for (int l = 0; l < 8; l++)
+        if (lane_best[l] == best && lane_col[l] < at) at = lane_col[l];
+    for (; i < len; i++) {
+        const float x = v[i];
+        if (x != x) {
+            rb->nan = 1;
+            rb->col = col0 + i;
+            return;
+        }
+        if (x > best) {
+            best = x;
+            at = i;
+        }
+    }
+    if (best > rb->best) {  /* an earlier block keeps a tie; a row of -inf only keeps column 0 */
+        rb->best = best;
+        rb->col = col0 + at;
+    }
+}
+
+#endif
 
 /* out[r] = the argmax of row r of x W^T + bias over the n columns, W packed for gemm.c (bf16 0) or
  * gemm_bf16.c (bf16 1); scratch holds [m, block_cols] fp32, block_cols a multiple of the panel
@@ -108,7 +164,7 @@ int kvmesh_linear_argmax(const float *x, int64_t x_stride, int64_t m, int64_t k,
 
 int64_t kvmesh_linear_argmax_available(void) { return 0; }
 
-/* Without AVX-512 the caller takes the logits and numpy's argmax (sampler.greedy_tokens). */
+/* Without AVX-512 or AVX2 the caller takes the logits and numpy's argmax (sampler.greedy_tokens). */
 int kvmesh_linear_argmax(const float *x, int64_t x_stride, int64_t m, int64_t k, const void *packed, int64_t n,
                          const float *bias, int64_t bf16, float *scratch, int64_t block_cols, int64_t *out)
 {

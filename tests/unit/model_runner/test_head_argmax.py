@@ -15,7 +15,7 @@ from shared.sampling_params import SamplingParams
 
 KERNELS = load_kernels()
 pytestmark = pytest.mark.skipif(KERNELS is None or KERNELS.linear_argmax is None,
-                                reason="no AVX-512 build of the native kernels here")  # fmt: skip
+                                reason="no AVX-512 or AVX2 build of the native kernels here")  # fmt: skip
 
 
 def _dtypes() -> list[str]:
