@@ -164,13 +164,7 @@ static inline __attribute__((always_inline)) void tile_passes_avx2(
             pf->countdown = pf_countdown;
         }
         const __m256 acc[ROW_TILE][2] = {{c00, c01}, {c10, c11}, {c20, c21}, {c30, c31}, {c40, c41}, {c50, c51}};
-        float tmp[16];
-        for (int r = 0; r < mr; r++) {
-            _mm256_storeu_ps(tmp, acc[r][0]);
-            _mm256_storeu_ps(tmp + 8, acc[r][1]);
-            float *o = out + r * out_stride + h * 16;
-            for (int64_t j2 = 0; j2 < n; j2++) o[j2] = tmp[j2] + (bias != NULL ? bias[h * 16 + j2] : 0.0f);
-        }
+        pass_store_avx2(acc, mr, n, bias != NULL ? bias + h * 16 : NULL, out + h * 16, out_stride);
     }
 }
 
@@ -202,9 +196,7 @@ static void tile_dispatch(const float *x, int64_t x_stride, int64_t k, const flo
             const __m256 a = _mm256_broadcast_ss(x + kk);
             for (int j = 0; j < 6; j++) c[j] = _mm256_fmadd_ps(a, _mm256_loadu_ps(b + j * 8), c[j]);
         }
-        float tmp[PANEL];
-        for (int j = 0; j < 6; j++) _mm256_storeu_ps(tmp + j * 8, c[j]);
-        for (int64_t j2 = 0; j2 < cols; j2++) out[j2] = tmp[j2] + (bias != NULL ? bias[j2] : 0.0f);
+        row_store_avx2(c, cols, bias, out);
         return;
     }
 #define PASSES_CASE(n) \

@@ -36,6 +36,7 @@
 #include "kernels.h"
 #include "pairs.h"
 #include "panel_prefetch.h"
+#include "tile_store.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -118,9 +119,7 @@ static inline __attribute__((always_inline)) void row_panel(const float *x, int6
             for (int j = 0; j < 6; j++) c[j] = _mm256_fmadd_ps(a, w[j], c[j]);
         }
     }
-    float tmp[PANEL];
-    for (int j = 0; j < 6; j++) _mm256_storeu_ps(tmp + 8 * j, c[j]);
-    for (int64_t j = 0; j < cols; j++) out[j] = tmp[j] + (bias != NULL ? bias[j] : 0.0f);
+    row_store_avx2(c, cols, bias, out);
 }
 
 #endif
