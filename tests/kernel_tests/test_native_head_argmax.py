@@ -92,6 +92,9 @@ def test_ties_nan_and_minus_infinity_as_numpy(build: str, mode: str, monkeypatch
 
 
 def test_other_modes_and_empty_steps() -> None:
+    plain = load_kernels(plain=True)  # no AVX2: the caller keeps the logits path
+    assert plain is not None and plain.linear_argmax is None
+    assert PackedWeight(torch.randn(96, 32), None, "native", plain).argmax(torch.randn(2, 32)) is None
     weight = torch.randn(96, 32)
     assert PackedWeight(weight, None, "native_q8_0", KERNELS).argmax(torch.randn(2, 32)) is None
     assert PackedWeight(weight, None, "native", KERNELS).argmax(torch.randn(0, 32)).tolist() == []
