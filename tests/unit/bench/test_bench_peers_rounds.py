@@ -127,3 +127,19 @@ def test_the_report_says_the_engines_ran_in_rounds() -> None:
     report.meta["interleave"] = False
     assert "Engines ran one after the other, each in its own process and venv." in render(
         report, "kvmesh-suite-fp32", "kvmesh-suite-fp32", eng.LLAMA)
+
+
+def test_the_report_says_other_processes_competed_only_when_the_load_passed_the_core_count() -> None:
+    w = Workload("single", 1, 4, 4)
+    res = {"ok": True, "resolved": {"dtype": "float32", "backend": "b"}, "startup_s": 1.0, "rss_idle_mib": 1.0,
+           "rss_peak_mib": 1.0, "versions": {}, "workloads": {"single": {"seconds": [1.0], "token_ids": [[[1] * 4]]}}}
+    results = {"kvmesh-suite-fp32": res}
+    machine: dict[str, Any] = {"cpu_count": 2, "load_start": (0.92, 0.97, 0.99), "load_end": (1.10, 1.14, 1.19)}
+    meta: dict[str, Any] = {"command": "c", "threads": 1, "repeats": 1, "machine": machine}
+    report = build_report([w], list(results), {"kvmesh-suite-fp32": "K"}, results, eng.reference(results),
+                          eng.BASELINE, eng.FP32_BASELINE, meta)
+    text = render(report, "kvmesh-suite-fp32", "kvmesh-suite-fp32", eng.LLAMA)
+    assert "0.92 / 0.97 / 0.99 at the start, 1.10 / 1.14 / 1.19 at the end (within the core count)." in text
+    machine["load_end"] = (2.40, 1.50, 1.20)
+    text = render(report, "kvmesh-suite-fp32", "kvmesh-suite-fp32", eng.LLAMA)
+    assert "at the end (above the core count: other processes competed for the cores)." in text
