@@ -164,7 +164,8 @@ static inline __attribute__((always_inline)) void tile_passes_avx2(
             pf->countdown = pf_countdown;
         }
         const __m256 acc[ROW_TILE][2] = {{c00, c01}, {c10, c11}, {c20, c21}, {c30, c31}, {c40, c41}, {c50, c51}};
-        pass_store_avx2(acc, mr, n, bias != NULL ? bias + h * 16 : NULL, out + h * 16, out_stride);
+        for (int r = 0; r < mr; r++)
+            row_store_avx2(acc[r], 2, n, bias != NULL ? bias + h * 16 : NULL, out + r * out_stride + h * 16);
     }
 }
 
@@ -196,7 +197,7 @@ static void tile_dispatch(const float *x, int64_t x_stride, int64_t k, const flo
             const __m256 a = _mm256_broadcast_ss(x + kk);
             for (int j = 0; j < 6; j++) c[j] = _mm256_fmadd_ps(a, _mm256_loadu_ps(b + j * 8), c[j]);
         }
-        row_store_avx2(c, cols, bias, out);
+        row_store_avx2(c, 6, cols, bias, out);
         return;
     }
 #define PASSES_CASE(n) \

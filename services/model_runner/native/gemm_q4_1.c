@@ -119,7 +119,7 @@ static inline __attribute__((always_inline)) void row_panel(const float *x, int6
             for (int j = 0; j < 6; j++) c[j] = _mm256_fmadd_ps(a, w[j], c[j]);
         }
     }
-    row_store_avx2(c, cols, bias, out);
+    row_store_avx2(c, 6, cols, bias, out);
 }
 
 #endif

@@ -35,45 +35,23 @@ static inline __attribute__((always_inline)) void tile_store(__m512 c[][3], cons
 #include <stdint.h>
 #include <stddef.h>
 
-/* The epilogue of one 16-column pass: acc[r] + the bias (a zero vector without one: x + 0.0f, as
- * the AVX-512 tile_store adds) into row r's first n columns. A whole pass in vector adds and stores;
- * a panel's last columns past n (a weight whose n is not a multiple of 48) through a buffer. Whole
- * passes had gone through that buffer too: a 32-byte store read back as 4-byte loads, per row and
- * pass (docs/model_runner.md, "AVX2 machines, fifth round", has what it cost). */
-static inline __attribute__((always_inline)) void pass_store_avx2(const __m256 acc[][2], const int mr, int64_t n,
-                                                                  const float *bias, float *out, int64_t out_stride)
+/* One row's epilogue on AVX2: c[j] (columns 8 j ..) + the bias (a zero vector without one: x + 0.0f,
+ * as tile_store adds) into out's first cols columns; whole 8 nv columns (nv a compile-time
+ * constant once inlined: 2 for a 16-column pass of gemm.c's tiles, 6 for a one-row panel) in
+ * vector adds and stores, fewer (a panel's part columns) through a buffer. Whole passes had gone
+ * through that buffer too: a 32-byte store read back as 4-byte loads, per row and pass
+ * (docs/model_runner.md, "AVX2 machines, fifth round", has what it cost). */
+static inline __attribute__((always_inline)) void row_store_avx2(const __m256 *c, const int nv, int64_t cols,
+                                                                 const float *bias, float *out)
 {
-    if (n == 16) {
-        const __m256 b0 = bias != NULL ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
-        const __m256 b1 = bias != NULL ? _mm256_loadu_ps(bias + 8) : _mm256_setzero_ps();
-        for (int r = 0; r < mr; r++) {
-            _mm256_storeu_ps(out + r * out_stride, _mm256_add_ps(acc[r][0], b0));
-            _mm256_storeu_ps(out + r * out_stride + 8, _mm256_add_ps(acc[r][1], b1));
-        }
-        return;
-    }
-    float tmp[16];
-    for (int r = 0; r < mr; r++) {
-        _mm256_storeu_ps(tmp, acc[r][0]);
-        _mm256_storeu_ps(tmp + 8, acc[r][1]);
-        float *o = out + r * out_stride;
-        for (int64_t j2 = 0; j2 < n; j2++) o[j2] = tmp[j2] + (bias != NULL ? bias[j2] : 0.0f);
-    }
-}
-
-/* The one-row epilogue: c[j] (columns 8 j ..) + the bias into out's first cols columns, a whole
- * panel (48) in vector adds and stores, a part panel through a buffer. */
-static inline __attribute__((always_inline)) void row_store_avx2(const __m256 c[6], int64_t cols, const float *bias,
-                                                                 float *out)
-{
-    if (cols == 48) {
-        for (int j = 0; j < 6; j++)
+    if (cols == 8 * nv) {
+        for (int j = 0; j < nv; j++)
             _mm256_storeu_ps(out + j * 8, _mm256_add_ps(c[j], bias != NULL ? _mm256_loadu_ps(bias + j * 8)
                                                                             : _mm256_setzero_ps()));
         return;
     }
     float tmp[48];
-    for (int j = 0; j < 6; j++) _mm256_storeu_ps(tmp + j * 8, c[j]);
+    for (int j = 0; j < nv; j++) _mm256_storeu_ps(tmp + j * 8, c[j]);
     for (int64_t j = 0; j < cols; j++) out[j] = tmp[j] + (bias != NULL ? bias[j] : 0.0f);
 }
 #endif

@@ -16,7 +16,7 @@ from typing import Any
 from bench.peerbench import engines as eng
 from bench.peerbench.orchestrate import RunConfig, load_result, merge_rounds, round_prompts, run_rounds
 from bench.peerbench.render import render
-from bench.peerbench.table import build_report
+from bench.peerbench.table import Report, build_report
 from bench.peerbench.workloads import Workload, build_prompts
 
 WORKER = '''
@@ -113,14 +113,18 @@ def test_rounds_start_every_engine_afresh_and_merge_what_they_measured(tmp_path:
     assert job["workloads"][0]["repeats"][0] == [list(x) for x in prompts[0].repeats[2]]
 
 
-def test_the_report_says_the_engines_ran_in_rounds() -> None:
+def _one_engine_report(meta: dict[str, Any]) -> Report:
+    """A report of one kvmesh engine's one-repeat single-stream result, with the given meta."""
     w = Workload("single", 1, 4, 4)
     res = {"ok": True, "resolved": {"dtype": "float32", "backend": "b"}, "startup_s": 1.0, "rss_idle_mib": 1.0,
            "rss_peak_mib": 1.0, "versions": {}, "workloads": {"single": {"seconds": [1.0], "token_ids": [[[1] * 4]]}}}
     results = {"kvmesh-suite-fp32": res}
-    meta: dict[str, Any] = {"command": "c", "threads": 1, "repeats": 1, "interleave": True}
-    report = build_report([w], list(results), {"kvmesh-suite-fp32": "K"}, results, eng.reference(results),
-                          eng.BASELINE, eng.FP32_BASELINE, meta)
+    return build_report([w], list(results), {"kvmesh-suite-fp32": "K"}, results, eng.reference(results),
+                        eng.BASELINE, eng.FP32_BASELINE, {"command": "c", "threads": 1, "repeats": 1, **meta})
+
+
+def test_the_report_says_the_engines_ran_in_rounds() -> None:
+    report = _one_engine_report({"interleave": True})
     text = render(report, "kvmesh-suite-fp32", "kvmesh-suite-fp32", eng.LLAMA)
     assert "Engines ran in rounds: in each round every engine in turn, started afresh" in text
     assert "one after the other" not in text
@@ -130,14 +134,8 @@ def test_the_report_says_the_engines_ran_in_rounds() -> None:
 
 
 def test_the_report_says_other_processes_competed_only_when_the_load_passed_the_core_count() -> None:
-    w = Workload("single", 1, 4, 4)
-    res = {"ok": True, "resolved": {"dtype": "float32", "backend": "b"}, "startup_s": 1.0, "rss_idle_mib": 1.0,
-           "rss_peak_mib": 1.0, "versions": {}, "workloads": {"single": {"seconds": [1.0], "token_ids": [[[1] * 4]]}}}
-    results = {"kvmesh-suite-fp32": res}
     machine: dict[str, Any] = {"cpu_count": 2, "load_start": (0.92, 0.97, 0.99), "load_end": (1.10, 1.14, 1.19)}
-    meta: dict[str, Any] = {"command": "c", "threads": 1, "repeats": 1, "machine": machine}
-    report = build_report([w], list(results), {"kvmesh-suite-fp32": "K"}, results, eng.reference(results),
-                          eng.BASELINE, eng.FP32_BASELINE, meta)
+    report = _one_engine_report({"machine": machine})
     text = render(report, "kvmesh-suite-fp32", "kvmesh-suite-fp32", eng.LLAMA)
     assert "0.92 / 0.97 / 0.99 at the start, 1.10 / 1.14 / 1.19 at the end (within the core count)." in text
     machine["load_end"] = (2.40, 1.50, 1.20)
