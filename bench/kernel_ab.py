@@ -20,7 +20,8 @@ mode's (the 30 layers, gate_up fused with SwiGLU as a prefill runs it; 208 MB): 
 them from memory, as a real step does (the per-layer rows above reuse one weight from cache).
 
 Run: ``python bench/kernel_ab.py --base bb72a9b [--repeats 9] [--rows 512] [--step-rows 32 64 512]``;
-``--parts decode-attention [--contexts 192 512] [--in-cache]`` for the decode kernel.
+``--parts decode-attention [--contexts 192 512] [--in-cache]`` for the decode kernel;
+``--parts q4_1 [--step-rows 1]`` for the grouped (Q4_1 / Q8_0) GEMMs of a single-stream step.
 """
 
 from __future__ import annotations
@@ -43,7 +44,13 @@ import torch  # noqa: E402
 
 from services.model_runner import native  # noqa: E402
 from services.model_runner.factory import cpu_flags  # noqa: E402
-from services.model_runner.model.packed import pack_panels, pack_panels_bf16  # noqa: E402
+from services.model_runner.model.packed import (  # noqa: E402
+    pack_panels,
+    pack_panels_bf16,
+    pack_q_groups,
+    quantize_q4_1,
+    quantize_q8_0,
+)
 
 NATIVE = "services/model_runner/native"
 WINDOW = 256  # a sliding window (keys) for the windowed attention cases
@@ -89,6 +96,7 @@ def _compile(sources: Sequence[Path], out: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(out))
     lib.kvmesh_linear_bf16.argtypes = [_P, _I, _I, _I, _P, _I, _P, _P, _I]
     lib.kvmesh_linear_f32.argtypes = [_P, _I, _I, _I, _P, _I, _P, _P, _I]
+    lib.kvmesh_linear_q4_1.argtypes = lib.kvmesh_linear_q8_0.argtypes = lib.kvmesh_linear_f32.argtypes
     lib.kvmesh_linear_bf16_swiglu.argtypes = [_P, _I, _I, _I, _P, _I, _P, _P, _I]
     lib.kvmesh_prefill_attention_f32.argtypes = [_P, _I, _P, _P, _I, _P, _I, _I, _P, _I, _I, _I, _I, _I,
                                                  ctypes.c_float, _I]  # fmt: skip
@@ -201,6 +209,42 @@ def step_gemms_bf16(libs: dict[str, ctypes.CDLL], rows: Sequence[int], repeats: 
         print(f"bf16 step GEMMs, {m} rows, {len(weights)} weights streamed: base {base * 1e3:.1f} ms "
               f"({flops / base / 1e9:.0f} GFLOP/s), new {new * 1e3:.1f} ms ({flops / new / 1e9:.0f}), "
               f"new/base {new / base:.3f}, bitwise {bitwise}")  # fmt: skip
+
+
+def step_gemms_q4_1(libs: dict[str, ctypes.CDLL], rows: Sequence[int], repeats: int) -> None:
+    """The grouped GEMMs of a whole SmolLM2-135M step under ``quantization=q4_1`` (what ``auto``
+    runs on the embedded checkpoint without bf16 hardware): 30 layers' qkv, o, gate_up and down in
+    Q4_1, the tied head in Q8_0, at each row count (1: a single stream's decode step). Once with
+    the 121 weights streamed from memory (106M + 28M weights, 115 MB), once with the first
+    layer's four weights repeated (3 MB, from L3) and the head left out: the kernel's own rate."""
+    shapes = [(576, 960), (576, 576), (576, 3072), (1536, 576)] * 30 + [(576, 49152)]
+    gen = torch.Generator().manual_seed(0)
+
+    def packed(k: int, n: int, bits: int) -> torch.Tensor:
+        weight = torch.randn(n, k, generator=gen) * 0.05
+        quantized = quantize_q4_1(weight, 32) if bits == 4 else quantize_q8_0(weight, 32)
+        return pack_q_groups(*quantized, bits=bits, width=48, group=32)
+
+    weights = [(packed(k, n, 4 if i < len(shapes) - 1 else 8), k, n) for i, (k, n) in enumerate(shapes)]
+    cases = {"streamed": weights, "in cache": weights[:4] * 30}
+    for m in rows:
+        x = torch.randn(m, 1536, generator=gen)
+        for case, ws in cases.items():
+            outs = {name: [torch.empty(m, n) for _, _, n in ws] for name in libs}
+
+            def step(lib: ctypes.CDLL, outs: list[torch.Tensor], m: int = m, x: torch.Tensor = x,
+                     ws: list[tuple[torch.Tensor, int, int]] = ws) -> None:
+                for i, ((w, k, n), out) in enumerate(zip(ws, outs, strict=True)):
+                    fn = lib.kvmesh_linear_q8_0 if i == len(shapes) - 1 else lib.kvmesh_linear_q4_1
+                    fn(x.data_ptr(), x.stride(0), m, k, w.data_ptr(), n, None, out.data_ptr(), n)
+
+            med = race({name: (step, (lib, outs[name])) for name, lib in libs.items()}, repeats)
+            count = sum(k * n for _, k, n in ws)
+            bitwise = all(torch.equal(a, b) for a, b in zip(outs["base"], outs["new"], strict=True))
+            base, new = med["base"], med["new"]
+            print(f"q4_1 step GEMMs, {m} rows, {case}: base {base * 1e3:.2f} ms ({count / base / 1e9:.1f} G "
+                  f"weights/s), new {new * 1e3:.2f} ms ({count / new / 1e9:.1f}), new/base {new / base:.3f}, "
+                  f"bitwise {bitwise}")  # fmt: skip
 
 
 def attention(libs: dict[str, ctypes.CDLL], repeats: int) -> None:
@@ -347,7 +391,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--step-rows", type=int, nargs="*", default=[],
                         help="also a whole step's fp32 GEMMs, weights streamed, at these row counts")  # fmt: skip
     parser.add_argument("--parts", default="peaks,gemms,attention",
-                        help="which of peaks,gemms,attention,bf16-attention,decode-attention to run")
+                        help="which of peaks,gemms,q4_1,attention,bf16-attention,decode-attention to run")
     parser.add_argument("--contexts", type=int, nargs="*", default=[192, 512],
                         help="decode-attention: the batch's context lengths")
     parser.add_argument("--in-cache", action="store_true",
@@ -363,6 +407,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             gemms(libs, args.rows, args.repeats)
             step_gemms(libs, args.step_rows, args.repeats)
             step_gemms_bf16(libs, args.step_rows, args.repeats)
+        if "q4_1" in parts:
+            step_gemms_q4_1(libs, args.step_rows or [1], args.repeats)
         if "attention" in parts:
             attention(libs, args.repeats)
         if "bf16-attention" in parts:
