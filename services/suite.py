@@ -2,7 +2,8 @@
 
 kv-cache-manager and model-runner first (the runner loads the model and sizes the pool), then
 the offload-store, then the scheduler, which sizes the kv-cache-manager from the runner's pool,
-then (when asked) the HTTP gateway in front of the scheduler.
+then (when asked) the HTTP gateway in front of the scheduler. A runner given fewer threads than
+the machine has CPUs runs on CPUs of its own (``runner_placement``).
 Each is a ``kvmesh serve <name>`` child; this process waits for each to answer health checks,
 prints where it listens, and stops them in reverse order (SIGTERM, graceful drain) on exit.
 
@@ -21,6 +22,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from services.model_runner.cpu_bind import AUTO, allowed_cpus, split_for_suite
 from services.scheduler.config import DEFAULT_PORT
 from shared.grpc_server import check_port_free
 from shared.launcher import ServiceProcess, ServiceStartError
@@ -57,6 +59,22 @@ class SuiteConfig:
     stable_seconds: float = 60.0
 
 
+def runner_placement(env: Mapping[str, str]) -> tuple[dict[str, str], tuple[int, ...]]:
+    """The model-runner's CPUs in a suite on one machine (``cpu_bind.split_for_suite``): the
+    runner's extra environment and the CPUs of the other services (empty: unplaced).
+
+    A runner whose team is smaller than the machine (``KVMESH_RUNNER_NUM_THREADS``) under
+    ``KVMESH_RUNNER_CPU_BIND=auto`` gets the last CPUs, and the scheduler, kv-cache-manager,
+    offload-store and gateway the others, so none of them preempts a compute thread; this
+    launcher starts the one runner, so it knows no other runner claims those CPUs."""
+    split = split_for_suite(env.get("KVMESH_RUNNER_CPU_BIND", AUTO),
+                            int(env.get("KVMESH_RUNNER_NUM_THREADS", "0") or 0), allowed_cpus())
+    if split is None:
+        return {}, ()
+    runner_cpus, others = split
+    return {"KVMESH_RUNNER_CPU_BIND": runner_cpus}, others
+
+
 class Suite:
     """The running services; use as a context manager or call :meth:`stop`.
 
@@ -88,9 +106,10 @@ class Suite:
             check_port_free(config.host, config.scheduler_port)
         log_dir = config.log_dir or None
         base = {"KVMESH_MODEL_DIR": config.model_dir, **config.extra_env}
+        runner_env, self._others_cpus = runner_placement({**os.environ, **base})
         try:
             self._start("kv-cache-manager", config.kvm_port, base, log_dir)
-            self._start("model-runner", config.runner_port, base, log_dir)
+            self._start("model-runner", config.runner_port, {**base, **runner_env}, log_dir)
             if config.with_offload and os.path.exists(Path(__file__).parent / "offload_store" / "main.py"):
                 data = Path(log_dir or self.services["model-runner"].log_path.parent) / "offload-data"
                 env = {"KVMESH_OFFLOAD_DATA_DIR": str(data), **base}
@@ -125,7 +144,8 @@ class Suite:
         started = time.monotonic()
         self.services[name] = ServiceProcess(name, env=env, host=self.config.host, port=port,
                                              startup_timeout=self._timeout, log_dir=log_dir,
-                                             cancel=self._stopping)
+                                             cancel=self._stopping,
+                                             cpus=() if name == "model-runner" else self._others_cpus)
         self.restarts.setdefault(name, 0)
         if self._progress is not None:
             self._progress(f"kvmesh: {name} up on {self.services[name].address} in "
@@ -152,7 +172,7 @@ class Suite:
             return
         try:
             proc = ServiceProcess(name, env=dead.env, host=dead.host, port=dead.port, startup_timeout=self._timeout,
-                                  log_dir=str(dead.log_path.parent), cancel=self._stopping)
+                                  log_dir=str(dead.log_path.parent), cancel=self._stopping, cpus=dead.cpus)
         except (ServiceStartError, TimeoutError, OSError) as exc:
             log.warning("kvmesh: restarting %s failed: %s", name, str(exc).splitlines()[0])
             return  # the dead entry stays: the next round tries again, after a longer backoff

@@ -13,7 +13,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import grpc
@@ -123,12 +123,16 @@ class ServiceProcess:
             keeps its predecessor's lines).
         cancel: set by another thread (e.g. a signal handler) to abandon the start-up: the child
             is stopped and :class:`ServiceStartError` raised.
+        cpus: the CPUs the child may run on: its affinity, set as soon as it exists, while its
+            interpreter is still starting (CPython starts no thread of its own; every thread
+            created later inherits the mask); empty: those of this process.
     """
 
     def __init__(self, name: str, env: Mapping[str, str] | None = None, host: str = "127.0.0.1",
                  port: int = 0, startup_timeout: float = 60.0, log_dir: str | None = None,
-                 cancel: threading.Event | None = None) -> None:
+                 cancel: threading.Event | None = None, cpus: Sequence[int] = ()) -> None:
         self.name = name
+        self.cpus = tuple(cpus)
         self.host = host
         self._cancel = cancel
         self.env = dict(env or {})
@@ -149,6 +153,8 @@ class ServiceProcess:
             [sys.executable, "-m", "services.cli", "serve", name],
             env=child_env, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
         )
+        if self.cpus:
+            os.sched_setaffinity(self.proc.pid, self.cpus)
         # NOTE: a child that reported its port and then died (e.g. a later bind failed) used to
         # leave the launcher polling a dead address until startup_timeout (300 s under `kvmesh up`).
         def exited() -> bool:

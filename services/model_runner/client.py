@@ -12,12 +12,12 @@ by re-binding (docs/reliability.md).
 from __future__ import annotations
 
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import grpc
 
+from services.model_runner.compute_thread import ComputeThread
 from services.model_runner.config import RunnerConfig
 from services.model_runner.convert import model_info_from_proto, output_from_proto, step_to_proto
 from services.model_runner.factory import build_runner
@@ -103,10 +103,11 @@ class InProcessRunner:
 
     def __init__(self, core: ModelRunner) -> None:
         self.core = core
-        # One worker: submitted steps run one at a time in submission order, so a step sent ahead
+        # One thread: submitted steps run one at a time in submission order, so a step sent ahead
         # runs right after the one it follows (whose failure leaves the runner's state unchanged,
-        # so the step sent ahead is then refused by the runner's own validation).
-        self._worker: ThreadPoolExecutor | None = None
+        # so the step sent ahead is then refused by the runner's own validation). The core's
+        # compute thread where the factory gave it one (sized and bound), else a plain one.
+        self._own: ComputeThread | None = None
 
     @classmethod
     def from_config(cls, config: RunnerConfig) -> InProcessRunner:
@@ -117,18 +118,24 @@ class InProcessRunner:
         return RunnerInfo.from_model_info(self.core.model_info())
 
     def execute(self, step: StepInput) -> StepOutput:
-        return self.core.execute(step)
+        return self._thread().run(self.core.execute, step)
 
     def submit(self, step: StepInput) -> Callable[[], StepOutput]:
-        if self._worker is None:
-            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvmesh-runner-step")
-        return self._worker.submit(self.execute, step).result
+        return self._thread().submit(self.core.execute, step).result
+
+    def _thread(self) -> ComputeThread:
+        if self.core.compute is not None:
+            return self.core.compute
+        if self._own is None:
+            self._own = ComputeThread(0)
+        return self._own
 
     def close(self) -> None:
-        """Ends the step worker (after the step it runs, if any)."""
-        if self._worker is not None:
-            self._worker.shutdown(wait=True)
-            self._worker = None
+        """Ends a step thread of its own (after the step it runs, if any); the core's compute
+        thread is the core's, which may serve another engine after this one."""
+        if self._own is not None:
+            self._own.close()
+            self._own = None
 
     def bind(self, pool_id: str) -> None:
         return None  # one process: the pool cannot restart under the engine

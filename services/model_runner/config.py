@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from services.model_runner.cpu_bind import check_setting as check_cpu_bind
+
 # RunnerConfig.quantization's values (model/packed.py packs for each)
 QUANTIZATIONS = ("auto", "none", "int8", "fp16", "int8_weight_only", "q4_1")
 WEIGHT_ONLY = ("int8_weight_only", "q4_1")  # packed once from fp32 weights for a native GEMM of their own
@@ -38,7 +40,12 @@ class RunnerConfig:
             ``torch`` (the reference), ``triton`` or ``cpu`` (the native C kernels; fp32 or bf16
             mode, CPU).
         device: ``auto``, ``cpu`` or ``cuda[:N]``.
-        num_threads: torch intra-op threads on CPU; 0 keeps torch's default.
+        num_threads: the compute thread's team on CPU (its OpenMP and torch intra-op threads,
+            which the native kernels use too); 0 keeps the default, one per CPU.
+        cpu_bind: where the compute threads run (cpu_bind.py): ``auto`` (one thread bound to each
+            CPU this process may use when the team takes them all, else unbound; ``kvmesh up``
+            gives a smaller team the last CPUs and its other services the rest), ``none``, or a
+            CPU list such as ``3`` or ``0-3`` (one thread per CPU listed, in order).
         warmup: run a dummy step at start.
         quantization: ``auto`` (default: ``q4_1`` where the runner computes in float32 on the native
             kernels and every loaded weight already lies on its grid, checked at load — lossless
@@ -82,6 +89,7 @@ class RunnerConfig:
     attention_backend: str = "auto"
     device: str = "auto"
     num_threads: int = 0
+    cpu_bind: str = "auto"
     warmup: bool = True
     quantization: str = "auto"
     pack_tied_head: bool = True
@@ -90,6 +98,7 @@ class RunnerConfig:
     streaming_window: int = 0
 
     def __post_init__(self) -> None:
+        check_cpu_bind(self.cpu_bind, self.num_threads)
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
         if self.quantization in WEIGHT_ONLY and (self.dtype not in ("auto", "float32")

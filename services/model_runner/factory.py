@@ -16,7 +16,10 @@ from pathlib import Path
 import torch
 
 from services.model_runner.attention.base import AttentionBackend
+from services.model_runner.compute_thread import ComputeThread
 from services.model_runner.config import WEIGHT_ONLY, RunnerConfig
+from services.model_runner.cpu_bind import allowed_cpus
+from services.model_runner.cpu_bind import resolve as resolve_cpus
 from services.model_runner.kv_pool import KVPool, kv_dtype_for
 from services.model_runner.loader import load_model, parse_dtype
 from services.model_runner.model.config import ModelConfig
@@ -282,11 +285,24 @@ def build_runner(config: RunnerConfig, flags: Iterable[str] | None = None, vendo
         attention_backend_reason=backend_reason, gemm_dtype="bfloat16" if native_bf16 else "float32",
         streaming_sinks=config.streaming_sinks, streaming_window=config.streaming_window,
     )
+    core.compute = compute_thread(config, device)
+    log.info("%s", core.compute.describe())
     if pool.is_fp8:
         core.calibrate_kv_scales()
     if config.warmup:
-        core.warmup()
+        core.compute.run(core.warmup)  # the team every step will use: started, sized and bound first
     return core
+
+
+def compute_thread(config: RunnerConfig, device: torch.device) -> ComputeThread:
+    """The runner's compute thread: ``num_threads`` and ``cpu_bind`` applied (CPU binding on the
+    CPU only: a CUDA runner's thread only launches kernels).
+
+    Raises:
+        ValueError: ``cpu_bind`` lists a CPU this process may not run on.
+    """
+    cpus = resolve_cpus(config.cpu_bind, config.num_threads, allowed_cpus()) if device.type == "cpu" else ()
+    return ComputeThread(config.num_threads, cpus, load_kernels() if cpus else None)
 
 
 def select_quantization(requested: str, native_fp32: bool, on_grid: Callable[[], bool]) -> Choice:

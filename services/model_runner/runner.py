@@ -25,6 +25,7 @@ import torch
 
 from services.model_runner.attention.base import AttentionBackend, AttentionMetadata
 from services.model_runner.attention.streaming import StreamingAttention
+from services.model_runner.compute_thread import ComputeThread
 from services.model_runner.input_batch import (
     PoolGeometry,
     ScheduledRequest,
@@ -118,6 +119,8 @@ class ModelRunner:
         self.config: ModelConfig = model.config
         self.pool = pool
         self.backend = backend
+        # the thread the service runs every step on (factory.build_runner sets it; None: the caller's thread)
+        self.compute: ComputeThread | None = None
         self.model_id = model_id
         self.device = pool.tensor.device
         self.max_model_len = min(max_model_len or self.config.max_model_len, self.config.max_model_len)

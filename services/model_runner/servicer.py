@@ -1,7 +1,8 @@
 """``kvmesh.v1.ModelRunner``: a thin adapter from protobuf to :class:`ModelRunner`.
 
-Steps run one at a time under a lock (the model and the pool are not re-entrant); a bad step
-raises ``InvalidArgument`` from the core before anything changed, and the runner keeps serving.
+Steps run one at a time under a lock (the model and the pool are not re-entrant), on the runner's
+compute thread (compute_thread.py), not on the gRPC thread that took the call; a bad step raises
+``InvalidArgument`` from the core before anything changed, and the runner keeps serving.
 
 Incarnation: ``pool_id`` (the pool's generation, new at every start) is in ``GetModelInfo`` and in
 every ``Execute`` reply, and a step naming another ``expected_pool_id`` is refused with
@@ -16,6 +17,8 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+from collections.abc import Callable
+from typing import TypeVar
 
 import grpc
 
@@ -28,6 +31,8 @@ from shared.errors import FailedPrecondition
 from shared.grpc_server import ServiceName
 from shared.pb.kvmesh.v1 import common_pb2, model_runner_pb2, model_runner_pb2_grpc
 from shared.tensor_handle import handle_from_proto, handle_to_proto
+
+T = TypeVar("T")
 
 SERVICE = ServiceName.of("model-runner", model_runner_pb2, "ModelRunner")
 
@@ -48,7 +53,7 @@ class ModelRunnerServicer(model_runner_pb2_grpc.ModelRunnerServicer):
     def Warmup(self, request: model_runner_pb2.WarmupRequest, context: grpc.ServicerContext
                ) -> model_runner_pb2.WarmupResponse:
         with self._lock:
-            return model_runner_pb2.WarmupResponse(seconds=self.core.warmup())
+            return model_runner_pb2.WarmupResponse(seconds=self._compute(self.core.warmup))
 
     def Execute(self, request: model_runner_pb2.ExecuteRequest, context: grpc.ServicerContext
                 ) -> model_runner_pb2.ExecuteResponse:
@@ -65,7 +70,7 @@ class ModelRunnerServicer(model_runner_pb2_grpc.ModelRunnerServicer):
                 if request.reset_requests:  # a (re)bound scheduler: forget every earlier request
                     step = dataclasses.replace(
                         step, finished_request_ids=(*self.core.request_ids, *step.finished_request_ids))
-                out = self.core.execute(step)
+                out = self._compute(self.core.execute, step)
                 ok = True
             finally:
                 self._order.done(step.step_id, ok)
@@ -76,6 +81,11 @@ class ModelRunnerServicer(model_runner_pb2_grpc.ModelRunnerServicer):
         reply = output_to_proto(out)
         reply.pool_id = pool_id
         return reply
+
+    def _compute(self, fn: Callable[..., T], *args: object) -> T:
+        """``fn(*args)`` on the runner's compute thread (compute_thread.py), where it has one."""
+        compute = self.core.compute
+        return fn(*args) if compute is None else compute.run(fn, *args)
 
     def GetKVPoolHandle(self, request: model_runner_pb2.GetKVPoolHandleRequest, context: grpc.ServicerContext
                         ) -> common_pb2.SharedTensorHandle:

@@ -47,6 +47,8 @@ What is here, and why torch alone was not enough (measurements in docs/model_run
 * ``int4_kv.c`` — the INT4 KV cache's slot writes (quantize + pack, byte for byte
   ``attention/int4.py``) and paged attention reading the packed rows in place (decodes and prefill
   rows alike, each row as the decode of its position);
+* ``thread_team.c`` — the calling thread's OpenMP team: its size, and each member bound to a CPU
+  (the model-runner's compute thread, ``compute_thread.py``);
 * ``exp_math.h`` — the exponential they use; ``kernels.h`` — the entry points' declarations;
   ``gemm_bf16.h`` — what the two bf16 GEMM files share; ``prefill_tiles.h`` — what the two tiled
   prefill attention kernels share; ``pairs.h`` — how the GEMM and decode
@@ -273,6 +275,8 @@ class NativeKernels:
     # kvmesh_linear_argmax: each row's argmax over a packed fp32 or bf16 GEMM's columns without writing
     # the logits (greedy decoding's head); None unless built for AVX-512
     linear_argmax: Any | None = None
+    team_size: Any = None  # kvmesh_team_size(): threads of a parallel region the calling thread opens
+    bind_team: Any = None  # kvmesh_bind_team(cpus int64 [n], n): the calling thread's team, member i on cpus[i]
 
 
     @property
@@ -415,4 +419,6 @@ def load_kernels(portable: bool = False, no_amx: bool = False, plain: bool = Fal
             _PTR, _I64, _PTR, _I64,  # packed (pack_panels or pack_panels_bf16), n, bias (or NULL), bf16
             _PTR, _I64, _PTR,  # scratch [m, block_cols] fp32, block_cols, out [m] int64
         ]) if _bind(lib, "kvmesh_linear_argmax_available", _I64, [])() else None,
+        team_size=_bind(lib, "kvmesh_team_size", _I64, []),
+        bind_team=_bind(lib, "kvmesh_bind_team", ctypes.c_int, [_PTR, _I64]),
     )  # fmt: skip

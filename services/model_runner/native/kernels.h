@@ -76,5 +76,8 @@ int64_t kvmesh_bf16_dots_for(int64_t num_heads, int64_t head_dim, int64_t block_
 int64_t kvmesh_kv_amx_for(int64_t num_heads, int64_t head_dim, int64_t block_size);
 /* 1 where decode attention prefetches the next K/V block into L2 (KVMESH_KV_PREFETCH_L2), else 0 (L1) */
 int64_t kvmesh_kv_prefetch_l2(void);
+/* thread_team.c: the calling thread's OpenMP team size, and its members bound one to a CPU */
+int64_t kvmesh_team_size(void);
+int kvmesh_bind_team(const int64_t *cpus, int64_t n);
 
 #endif
