@@ -101,9 +101,11 @@ static inline __attribute__((always_inline)) void dequant_row(const uint8_t *row
  * chains of FMAs in k order from zero, then the bias) on the same weights widen_panel writes. */
 static inline __attribute__((always_inline)) void row_panel(const float *x, int64_t k, const uint8_t *panel,
                                                             const int bits, const float *bias, float *out,
-                                                            int64_t cols, PanelPrefetch *pf)
+                                                            int64_t cols, PacedPrefetch pf)
 {
     const int64_t rb = code_row_bytes(bits);
+    const char *line = pf.line;
+    int64_t countdown = pf.countdown;
     __m256 c[6];
     for (int j = 0; j < 6; j++) c[j] = _mm256_setzero_ps();
     for (int64_t g = 0; g * GROUP < k; g++) {
@@ -112,7 +114,7 @@ static inline __attribute__((always_inline)) void row_panel(const float *x, int6
         const uint8_t *codes = gr.codes;
         const int64_t rows = gr.rows;
         for (int64_t kk = 0; kk < rows; kk++) {
-            panel_prefetch_step(pf);
+            paced_prefetch_step(&line, &countdown, pf.every);
             __m256 w[6];
             dequant_row(codes + kk * rb, d, mn, bits, w);
             const __m256 a = _mm256_broadcast_ss(x + g * GROUP + kk);
@@ -176,11 +178,14 @@ static int linear_grouped(const float *x, int64_t x_stride, int64_t m, int64_t k
 #if Q_VECTOR
                 if (in_registers) {
                     const int64_t next = paired_run_after(&run, p);
-                    /* steps: k, or 2 k for Q4_1's two passes per group */
-                    PanelPrefetch pf = panel_prefetch(next >= 0 ? packed + next * panel_size : NULL, panel_size,
-                                                      k);
-                    if (bits == 4) row_panel(x + r0 * x_stride, k, panel, 4, bp, o, cols, &pf);
-                    else row_panel(x + r0 * x_stride, k, panel, 8, bp, o, cols, &pf);
+                    /* the next panel's lines paced over this one's k rows, one every few rows from a
+                     * countdown in a register: a loop per row asking whether a line is due cost
+                     * more than the prefetch itself (docs/model_runner.md, "The one-row Q4_1 GEMM's
+                     * prefetch") */
+                    const PacedPrefetch pf = paced_prefetch(next >= 0 ? packed + next * panel_size : NULL,
+                                                            panel_size, k);
+                    if (bits == 4) row_panel(x + r0 * x_stride, k, panel, 4, bp, o, cols, pf);
+                    else row_panel(x + r0 * x_stride, k, panel, 8, bp, o, cols, pf);
                     continue;
                 }
 #endif
