@@ -37,11 +37,14 @@ class ComputeThread:
         cpus: member ``i`` of the team bound to ``cpus[i]`` (``cpu_bind.resolve``); empty: unbound.
         kernels: the native kernels, which bind the team's other members (without them only the
             compute thread itself is bound).
+        device: a CUDA device becomes the thread's current device (the one its kernels launch on).
     """
 
-    def __init__(self, num_threads: int, cpus: Sequence[int] = (), kernels: NativeKernels | None = None) -> None:
+    def __init__(self, num_threads: int, cpus: Sequence[int] = (), kernels: NativeKernels | None = None,
+                 device: torch.device | None = None) -> None:
         self.team = num_threads or len(cpus)
         self.cpus = tuple(cpus)
+        self._device = device
         self.bound: tuple[int, ...] = ()  # the CPUs bound, once the thread has started
         self._kernels = kernels
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvmesh-compute",
@@ -49,6 +52,8 @@ class ComputeThread:
         self._pool.submit(lambda: None).result()  # started and prepared before any step
 
     def _prepare(self) -> None:
+        if self._device is not None and self._device.type == "cuda":
+            torch.cuda.set_device(self._device)
         if self.team:
             torch.set_num_threads(self.team)  # this thread's OpenMP count (the native kernels' too) and torch's
         if not self.cpus:

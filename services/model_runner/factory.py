@@ -18,7 +18,7 @@ import torch
 from services.model_runner.attention.base import AttentionBackend
 from services.model_runner.compute_thread import ComputeThread
 from services.model_runner.config import WEIGHT_ONLY, RunnerConfig
-from services.model_runner.cpu_bind import allowed_cpus
+from services.model_runner.cpu_bind import AUTO, NONE, allowed_cpus, parse_cpu_list
 from services.model_runner.cpu_bind import resolve as resolve_cpus
 from services.model_runner.kv_pool import KVPool, kv_dtype_for
 from services.model_runner.loader import load_model, parse_dtype
@@ -298,11 +298,17 @@ def compute_thread(config: RunnerConfig, device: torch.device) -> ComputeThread:
     """The runner's compute thread: ``num_threads`` and ``cpu_bind`` applied (CPU binding on the
     CPU only: a CUDA runner's thread only launches kernels).
 
+    The team: ``num_threads``, else a CPU list's length, else torch's default on this thread (one
+    per physical core: with SMT fewer than the CPUs, so ``auto`` then binds nothing), set on the
+    compute thread explicitly: a new thread's OpenMP default is one per logical CPU.
+
     Raises:
         ValueError: ``cpu_bind`` lists a CPU this process may not run on.
     """
-    cpus = resolve_cpus(config.cpu_bind, config.num_threads, allowed_cpus()) if device.type == "cpu" else ()
-    return ComputeThread(config.num_threads, cpus, load_kernels() if cpus else None)
+    listed = config.cpu_bind not in (AUTO, NONE)
+    team = config.num_threads or (len(parse_cpu_list(config.cpu_bind)) if listed else torch.get_num_threads())
+    cpus = resolve_cpus(config.cpu_bind, team, allowed_cpus()) if device.type == "cpu" else ()
+    return ComputeThread(team, cpus, load_kernels() if cpus else None, device=device)
 
 
 def select_quantization(requested: str, native_fp32: bool, on_grid: Callable[[], bool]) -> Choice:

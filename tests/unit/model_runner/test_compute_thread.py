@@ -8,6 +8,7 @@ import threading
 from pathlib import Path
 
 import pytest
+import torch
 
 from services.model_runner.compute_thread import ComputeThread
 from services.model_runner.config import RunnerConfig
@@ -95,6 +96,13 @@ def test_the_factory_gives_the_runner_a_compute_thread_of_num_threads(tiny_llama
     assert core.compute is not None
     assert core.compute.run(kernels.team_size) == 1
     assert core.compute.bound == ()
+    # the default team: torch's count (one per physical core), set on the compute thread itself,
+    # whose own OpenMP default would be one per logical CPU
+    core = build_runner(RunnerConfig(model_dir=str(tiny_llama_dir), kv_cache_memory_bytes=1 << 20))
+    assert core.compute is not None
+    assert core.compute.team == torch.get_num_threads()
+    assert core.compute.run(kernels.team_size) == torch.get_num_threads()
+    assert core.compute.bound == (ALLOWED if torch.get_num_threads() == len(ALLOWED) else ())
     if len(ALLOWED) >= 2:
         core = build_runner(RunnerConfig(model_dir=str(tiny_llama_dir), num_threads=1, cpu_bind=str(ALLOWED[-1]),
                                          kv_cache_memory_bytes=1 << 20))
