@@ -7,7 +7,8 @@ binds its OpenMP threads to cores for the same reason (``VLLM_CPU_OMP_THREADS_BI
 default). The rule here (docs/model_runner.md, "The compute thread and its CPUs"):
 
 - ``auto``: bind one thread to each CPU this process may use (its affinity mask) when the team
-  takes all of them (``num_threads`` 0 or equal to their count): then nothing else is displaced.
+  takes all of them (the factory passes the team's size: ``num_threads``, else torch's count, one
+  per physical core, so a machine with SMT siblings is left unbound): nothing else is displaced.
   With fewer threads than CPUs the runner alone cannot know which CPUs are free of other runners
   (two replicas on one machine would both pick the same ones), so it binds nothing; a launcher
   that knows, ``kvmesh up``, gives it an explicit list and keeps its other services off those CPUs
