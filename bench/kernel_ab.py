@@ -55,6 +55,8 @@ from services.model_runner.model.packed import (  # noqa: E402
 NATIVE = "services/model_runner/native"
 WINDOW = 256  # a sliding window (keys) for the windowed attention cases
 LAYERS = {"qkv": (576, 832), "o": (576, 576), "gate_up": (576, 3072), "down": (1536, 576)}  # (in, out)
+# A whole step's weights: SmolLM2-135M's 30 layers (qkv: 9 query + 2 x 3 KV heads of 64), then the tied head; (in, out)
+STEP_SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)] * 30 + [(576, 49152)]
 # The peaks on a CPU without AVX-512: the fp32 FMA rate in 8 lanes (no bf16 dot products there).
 PEAK_AVX2_C = r"""
 #include <immintrin.h>
@@ -158,10 +160,8 @@ def gemms(libs: dict[str, ctypes.CDLL], rows: int, repeats: int) -> None:
 
 
 def step_gemms(libs: dict[str, ctypes.CDLL], rows: Sequence[int], repeats: int) -> None:
-    # SmolLM2-135M's 30 layers (qkv: 9 query + 2 x 3 KV heads of 64), then the tied head; (in, out)
-    shapes = [(576, 960), (576, 576), (576, 3072), (1536, 576)] * 30 + [(576, 49152)]
     gen = torch.Generator().manual_seed(0)
-    weights = [(pack_panels(torch.randn(n, k, generator=gen) * 0.05, 48), k, n) for k, n in shapes]
+    weights = [(pack_panels(torch.randn(n, k, generator=gen) * 0.05, 48), k, n) for k, n in STEP_SHAPES]
     for m in rows:
         x = torch.randn(m, 1536, generator=gen)
         outs = {name: [torch.empty(m, n) for _, _, n in weights] for name in libs}
@@ -217,29 +217,29 @@ def step_gemms_q4_1(libs: dict[str, ctypes.CDLL], rows: Sequence[int], repeats: 
     Q4_1, the tied head in Q8_0, at each row count (1: a single stream's decode step). Once with
     the 121 weights streamed from memory (106M + 28M weights, 115 MB), once with the first
     layer's four weights repeated (3 MB, from L3) and the head left out: the kernel's own rate."""
-    shapes = [(576, 960), (576, 576), (576, 3072), (1536, 576)] * 30 + [(576, 49152)]
     gen = torch.Generator().manual_seed(0)
 
-    def packed(k: int, n: int, bits: int) -> torch.Tensor:
+    def packed(k: int, n: int, entry: str) -> tuple[torch.Tensor, int, int, str]:
         weight = torch.randn(n, k, generator=gen) * 0.05
-        quantized = quantize_q4_1(weight, 32) if bits == 4 else quantize_q8_0(weight, 32)
-        return pack_q_groups(*quantized, bits=bits, width=48, group=32)
+        bits, quantize = (4, quantize_q4_1) if entry == "kvmesh_linear_q4_1" else (8, quantize_q8_0)
+        return pack_q_groups(*quantize(weight, 32), bits=bits, width=48, group=32), k, n, entry
 
-    weights = [(packed(k, n, 4 if i < len(shapes) - 1 else 8), k, n) for i, (k, n) in enumerate(shapes)]
+    head = len(STEP_SHAPES) - 1
+    weights = [packed(k, n, "kvmesh_linear_q8_0" if i == head else "kvmesh_linear_q4_1")
+               for i, (k, n) in enumerate(STEP_SHAPES)]
     cases = {"streamed": weights, "in cache": weights[:4] * 30}
     for m in rows:
         x = torch.randn(m, 1536, generator=gen)
         for case, ws in cases.items():
-            outs = {name: [torch.empty(m, n) for _, _, n in ws] for name in libs}
+            outs = {name: [torch.empty(m, n) for _, _, n, _ in ws] for name in libs}
 
             def step(lib: ctypes.CDLL, outs: list[torch.Tensor], m: int = m, x: torch.Tensor = x,
-                     ws: list[tuple[torch.Tensor, int, int]] = ws) -> None:
-                for i, ((w, k, n), out) in enumerate(zip(ws, outs, strict=True)):
-                    fn = lib.kvmesh_linear_q8_0 if i == len(shapes) - 1 else lib.kvmesh_linear_q4_1
-                    fn(x.data_ptr(), x.stride(0), m, k, w.data_ptr(), n, None, out.data_ptr(), n)
+                     ws: list[tuple[torch.Tensor, int, int, str]] = ws) -> None:
+                for (w, k, n, entry), out in zip(ws, outs, strict=True):
+                    getattr(lib, entry)(x.data_ptr(), x.stride(0), m, k, w.data_ptr(), n, None, out.data_ptr(), n)
 
             med = race({name: (step, (lib, outs[name])) for name, lib in libs.items()}, repeats)
-            count = sum(k * n for _, k, n in ws)
+            count = sum(k * n for _, k, n, _ in ws)
             bitwise = all(torch.equal(a, b) for a, b in zip(outs["base"], outs["new"], strict=True))
             base, new = med["base"], med["new"]
             print(f"q4_1 step GEMMs, {m} rows, {case}: base {base * 1e3:.2f} ms ({count / base / 1e9:.1f} G "

@@ -58,19 +58,19 @@ class ComputeThread:
             torch.set_num_threads(self.team)  # this thread's OpenMP count (the native kernels' too) and torch's
         if not self.cpus:
             return
-        kernels = self._kernels
+        bind_team = self._kernels.bind_team if self._kernels is not None else None
+        cpus = self.cpus if bind_team is not None else self.cpus[:1]  # without it: this thread alone
+        listed = torch.tensor(cpus, dtype=torch.int64)  # alive through the call that reads it
         try:
-            if kernels is not None and kernels.bind_team is not None:
-                cpus = torch.tensor(self.cpus, dtype=torch.int64)
-                if kernels.bind_team(cpus.data_ptr(), len(self.cpus)) != 0:
-                    raise OSError("the OpenMP team could not be bound")
-            else:
-                os.sched_setaffinity(0, {self.cpus[0]})  # pid 0: this thread; the team's others stay unbound
+            if bind_team is None:
+                os.sched_setaffinity(0, set(cpus))  # pid 0: this thread
+            elif bind_team(listed.data_ptr(), len(cpus)) != 0:
+                raise OSError("the OpenMP team could not be bound")
         except OSError as exc:
             log.warning("compute thread: binding to CPUs %s failed (%s); left to the OS",
                         format_cpu_list(self.cpus), exc)
             return
-        self.bound = self.cpus if kernels is not None and kernels.bind_team is not None else self.cpus[:1]
+        self.bound = cpus
 
     def submit(self, fn: Callable[..., T], *args: object) -> Future[T]:
         """Queues ``fn(*args)``; it runs after everything submitted before it."""
