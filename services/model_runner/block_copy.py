@@ -6,12 +6,12 @@ The offload store swaps blocks through a staging tensor of rows, one block per r
     pool:    [num_layers, planes, num_blocks, block_size, kv_heads, head_dim]   (planes: 2, 1 for MLA)
 
 Everything is checked before anything is copied, so a bad request changes nothing. It is the
-``CopyBlocksOut`` / ``CopyBlocksIn`` RPCs' work, kept out of the servicer (which only converts).
+``CopyBlocksOut`` / ``CopyBlocksIn`` RPCs' work, kept out of the servicer (which only converts and
+runs it on the runner's compute thread, between steps: the pool is shared with the forward pass).
 """
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Sequence
 
 import torch
@@ -28,7 +28,6 @@ def copy_blocks(
     rows: Sequence[int],
     *,
     into_pool: bool,
-    lock: contextlib.AbstractContextManager[object] | None = None,
 ) -> int:
     """Copies pool block ``block_ids[i]`` to or from staging row ``rows[i]``.
 
@@ -38,7 +37,6 @@ def copy_blocks(
         block_ids: pool blocks, never the null block 0.
         rows: one staging row per block id.
         into_pool: True copies staging rows into the pool, False pool blocks into the rows.
-        lock: held around the copy itself (the pool is shared with the forward pass).
 
     Returns:
         The bytes copied (``len(block_ids) * pool.bytes_per_block``).
@@ -62,11 +60,10 @@ def copy_blocks(
         raise InvalidArgument(f"staging_rows: must lie in [0, {tensor.shape[0]})")
     idx = torch.tensor(ids, dtype=torch.long, device=pool.tensor.device)
     ridx = torch.tensor(rows, dtype=torch.long, device=tensor.device)
-    with lock if lock is not None else contextlib.nullcontext():
-        if into_pool:
-            pool.tensor.index_copy_(2, idx, tensor.index_select(0, ridx).permute(1, 2, 0, 3, 4, 5)
-                                    .to(pool.tensor.device))  # fmt: skip
-        else:
-            tensor.index_copy_(0, ridx, pool.tensor.index_select(2, idx).permute(2, 0, 1, 3, 4, 5)
-                               .to(tensor.device))  # fmt: skip
+    if into_pool:
+        pool.tensor.index_copy_(2, idx, tensor.index_select(0, ridx).permute(1, 2, 0, 3, 4, 5)
+                                .to(pool.tensor.device))  # fmt: skip
+    else:
+        tensor.index_copy_(0, ridx, pool.tensor.index_select(2, idx).permute(2, 0, 1, 3, 4, 5)
+                           .to(tensor.device))  # fmt: skip
     return len(ids) * pool.bytes_per_block

@@ -1,7 +1,8 @@
 """``kvmesh.v1.ModelRunner``: a thin adapter from protobuf to :class:`ModelRunner`.
 
-Steps run one at a time under a lock (the model and the pool are not re-entrant), on the runner's
-compute thread (compute_thread.py), not on the gRPC thread that took the call; a bad step raises
+Steps, warm-ups and block copies run one at a time, in the order they were queued, on the runner's
+compute thread (compute_thread.py), not on the gRPC thread that took the call: the model and the
+pool are not re-entrant, and that one thread is what keeps them apart. A bad step raises
 ``InvalidArgument`` from the core before anything changed, and the runner keeps serving.
 
 Incarnation: ``pool_id`` (the pool's generation, new at every start) is in ``GetModelInfo`` and in
@@ -9,8 +10,8 @@ every ``Execute`` reply, and a step naming another ``expected_pool_id`` is refus
 ``FAILED_PRECONDITION`` before it runs: block ids planned against a dead runner's pool never read
 this pool's (zeroed) blocks as if they were a cached prefix.
 
-A step sent ahead (``after_step_id``, async scheduling) waits for the step it follows to run
-(step_order.py).
+A step sent ahead (``after_step_id``, async scheduling) is queued right behind the step it follows
+and runs only if that one succeeded (step_order.py).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 from typing import TypeVar
 
 import grpc
@@ -27,6 +30,7 @@ from services.model_runner.convert import model_info_to_proto, output_to_proto, 
 from services.model_runner.metrics import RunnerMetrics
 from services.model_runner.runner import ModelRunner
 from services.model_runner.step_order import StepOrder
+from services.model_runner.types import StepInput, StepOutput
 from shared.errors import FailedPrecondition
 from shared.grpc_server import ServiceName
 from shared.pb.kvmesh.v1 import common_pb2, model_runner_pb2, model_runner_pb2_grpc
@@ -43,8 +47,12 @@ class ModelRunnerServicer(model_runner_pb2_grpc.ModelRunnerServicer):
     def __init__(self, core: ModelRunner, metrics: RunnerMetrics | None = None) -> None:
         self.core = core
         self.metrics = metrics
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the order of queueing, not the work itself
         self._order = StepOrder(self._lock)
+        # a core built without the factory has no compute thread: one of ours keeps the work serial
+        self._own: ThreadPoolExecutor | None = None
+        if core.compute is None:
+            self._own = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvmesh-runner-serial")
 
     def GetModelInfo(self, request: model_runner_pb2.GetModelInfoRequest, context: grpc.ServicerContext
                      ) -> model_runner_pb2.ModelInfo:
@@ -52,40 +60,54 @@ class ModelRunnerServicer(model_runner_pb2_grpc.ModelRunnerServicer):
 
     def Warmup(self, request: model_runner_pb2.WarmupRequest, context: grpc.ServicerContext
                ) -> model_runner_pb2.WarmupResponse:
-        with self._lock:
-            return model_runner_pb2.WarmupResponse(seconds=self._compute(self.core.warmup))
+        return model_runner_pb2.WarmupResponse(seconds=self._submit(self.core.warmup).result())
 
     def Execute(self, request: model_runner_pb2.ExecuteRequest, context: grpc.ServicerContext
                 ) -> model_runner_pb2.ExecuteResponse:
         step = step_from_proto(request)
-        pool_id = self.core.pool.generation
         with self._lock:
-            ok = False
-            try:
-                if request.after_step_id:  # sent ahead: runs right after the step it follows
-                    self._order.wait_turn(request.after_step_id, context.time_remaining())
-                if request.expected_pool_id and request.expected_pool_id != pool_id:
-                    raise FailedPrecondition(f"pool incarnation mismatch: the step was planned for pool "
-                                             f"{request.expected_pool_id}, this runner's is {pool_id}")
-                if request.reset_requests:  # a (re)bound scheduler: forget every earlier request
-                    step = dataclasses.replace(
-                        step, finished_request_ids=(*self.core.request_ids, *step.finished_request_ids))
-                out = self._compute(self.core.execute, step)
-                ok = True
-            finally:
-                self._order.done(step.step_id, ok)
+            deadline = 0.0
+            if request.after_step_id:  # sent ahead: queued right behind the step it follows
+                deadline = self._order.wait_queued(request.after_step_id, context.time_remaining())
+            done = self._submit(self._run_step, request, step, deadline)
+            self._order.queued(step.step_id)
+        out = done.result()
         if self.metrics is not None:
             tokens = sum(r.num_new_tokens for r in step.new_requests) + sum(
                 r.num_new_tokens for r in step.cached_requests)
             self.metrics.observe_step(out.forward_seconds, tokens)
         reply = output_to_proto(out)
-        reply.pool_id = pool_id
+        reply.pool_id = self.core.pool.generation
         return reply
 
-    def _compute(self, fn: Callable[..., T], *args: object) -> T:
-        """``fn(*args)`` on the runner's compute thread (compute_thread.py), where it has one."""
+    def _run_step(self, request: model_runner_pb2.ExecuteRequest, step: StepInput, deadline: float) -> StepOutput:
+        """One step, on the compute thread: refused unless the step it follows (if any) ran and
+        succeeded, and the pool is the one the step was planned for."""
+        ok = False
+        try:
+            if request.after_step_id:
+                self._order.check_turn(request.after_step_id, deadline)
+            pool_id = self.core.pool.generation
+            if request.expected_pool_id and request.expected_pool_id != pool_id:
+                raise FailedPrecondition(f"pool incarnation mismatch: the step was planned for pool "
+                                         f"{request.expected_pool_id}, this runner's is {pool_id}")
+            if request.reset_requests:  # a (re)bound scheduler: forget every earlier request
+                step = dataclasses.replace(
+                    step, finished_request_ids=(*self.core.request_ids, *step.finished_request_ids))
+            out = self.core.execute(step)
+            ok = True
+            return out
+        finally:
+            self._order.ran(step.step_id, ok)
+
+    def _submit(self, fn: Callable[..., T], *args: object) -> Future[T]:
+        """Queues ``fn(*args)`` on the runner's compute thread (compute_thread.py), behind what was
+        queued before it."""
         compute = self.core.compute
-        return fn(*args) if compute is None else compute.run(fn, *args)
+        if compute is not None:
+            return compute.submit(fn, *args)
+        assert self._own is not None  # made in __init__ when the core had no compute thread
+        return self._own.submit(fn, *args)
 
     def GetKVPoolHandle(self, request: model_runner_pb2.GetKVPoolHandleRequest, context: grpc.ServicerContext
                         ) -> common_pb2.SharedTensorHandle:
@@ -93,8 +115,9 @@ class ModelRunnerServicer(model_runner_pb2_grpc.ModelRunnerServicer):
 
     def _copy(self, request: model_runner_pb2.CopyBlocksRequest, into_pool: bool
               ) -> model_runner_pb2.CopyBlocksResponse:
-        num_bytes = copy_blocks(self.core.pool, handle_from_proto(request.staging), request.block_ids,
-                                request.staging_rows, into_pool=into_pool, lock=self._lock)
+        copy = partial(copy_blocks, into_pool=into_pool)
+        num_bytes = self._submit(copy, self.core.pool, handle_from_proto(request.staging), request.block_ids,
+                                 request.staging_rows).result()
         return model_runner_pb2.CopyBlocksResponse(num_blocks=len(request.block_ids), num_bytes=num_bytes)
 
     def CopyBlocksOut(self, request: model_runner_pb2.CopyBlocksRequest, context: grpc.ServicerContext

@@ -2,7 +2,7 @@
 
 Block ``b`` of the pool is ``pool[:, :, b]``; staging row ``r`` is ``staging[r]``, the same
 ``[layers, 2, block_size, kv_heads, head_dim]`` values. Every bad request raises before anything
-is copied, and before the lock is taken.
+is copied.
 """
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from pathlib import Path
-from types import TracebackType
 
 import pytest
 import torch
@@ -22,19 +21,6 @@ from shared.tensor_handle import SharedTensorHandle, dtype_name
 
 LAYERS, BLOCK, KV_HEADS, HEAD_DIM, NUM_BLOCKS = 2, 2, 1, 4, 8
 ROW = (LAYERS, 2, BLOCK, KV_HEADS, HEAD_DIM)
-
-
-class CountingLock:
-    """A lock stand-in that counts how often it was taken."""
-
-    def __init__(self) -> None:
-        self.entered = 0
-
-    def __enter__(self) -> None:
-        self.entered += 1
-
-    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
-        return None
 
 
 @pytest.fixture
@@ -59,9 +45,7 @@ def _staging(tmp_path: Path, rows: int, dtype: torch.dtype = torch.float32,
 
 def test_copy_out_puts_each_block_in_its_row(pool: KVPool, tmp_path: Path) -> None:
     staging, handle = _staging(tmp_path, 3)
-    lock = CountingLock()
-    assert copy_blocks(pool, handle, [5, 2], [2, 0], into_pool=False, lock=lock) == 2 * pool.bytes_per_block == 256
-    assert lock.entered == 1
+    assert copy_blocks(pool, handle, [5, 2], [2, 0], into_pool=False) == 2 * pool.bytes_per_block == 256
     assert torch.equal(staging[2], pool.tensor[:, :, 5]) and torch.equal(staging[0], pool.tensor[:, :, 2])
     assert torch.equal(staging[1], torch.zeros(ROW))  # untouched
     # layer 1, K, slot 1, head 0, dim 3 of block 5: the row keeps the pool's element order
@@ -90,11 +74,9 @@ def test_bad_ids_or_rows_copy_nothing(pool: KVPool, tmp_path: Path, ids: list[in
     staging, handle = _staging(tmp_path, 2)
     staging.fill_(3.0)
     before = pool.tensor.clone()
-    lock = CountingLock()
     for into_pool in (True, False):
         with pytest.raises(InvalidArgument, match=message):
-            copy_blocks(pool, handle, ids, rows, into_pool=into_pool, lock=lock)
-    assert lock.entered == 0
+            copy_blocks(pool, handle, ids, rows, into_pool=into_pool)
     assert torch.equal(pool.tensor, before) and torch.equal(staging, torch.full_like(staging, 3.0))
 
 
@@ -119,12 +101,10 @@ def test_staging_outside_the_pools_folder_is_refused_and_untouched(pool: KVPool,
     staging, handle = _staging(elsewhere, 2)
     staging.fill_(3.0)
     before = pool.tensor.clone()
-    lock = CountingLock()
     for into_pool in (False, True):
         with pytest.raises(InvalidArgument, match="not in the allowed directory"):
-            copy_blocks(pool, handle, [2], [0], into_pool=into_pool, lock=lock)
+            copy_blocks(pool, handle, [2], [0], into_pool=into_pool)
     assert torch.equal(pool.tensor, before) and torch.equal(staging, torch.full_like(staging, 3.0))
-    assert lock.entered == 0
 
 
 def test_an_mla_pool_copies_its_one_plane(tmp_path: Path) -> None:
