@@ -66,10 +66,13 @@ class ModelRunnerServicer(model_runner_pb2_grpc.ModelRunnerServicer):
                 ) -> model_runner_pb2.ExecuteResponse:
         step = step_from_proto(request)
         with self._lock:
-            deadline = 0.0
+            deadline, refused = 0.0, None
             if request.after_step_id:  # sent ahead: queued right behind the step it follows
-                deadline = self._order.wait_queued(request.after_step_id, context.time_remaining())
-            done = self._submit(self._run_step, request, step, deadline)
+                try:
+                    deadline = self._order.wait_queued(request.after_step_id, context.time_remaining())
+                except FailedPrecondition as exc:  # queued all the same, as a failed step: the
+                    refused = exc                   # step sent behind this one is refused at once
+            done = self._submit(self._run_step, request, step, deadline, refused)
             self._order.queued(step.step_id)
         out = done.result()
         if self.metrics is not None:
@@ -80,11 +83,15 @@ class ModelRunnerServicer(model_runner_pb2_grpc.ModelRunnerServicer):
         reply.pool_id = self.core.pool.generation
         return reply
 
-    def _run_step(self, request: model_runner_pb2.ExecuteRequest, step: StepInput, deadline: float) -> StepOutput:
-        """One step, on the compute thread: refused unless the step it follows (if any) ran and
-        succeeded, and the pool is the one the step was planned for."""
+    def _run_step(self, request: model_runner_pb2.ExecuteRequest, step: StepInput, deadline: float,
+                  refused: FailedPrecondition | None) -> StepOutput:
+        """One step, on the compute thread: refused unless the step it follows (if any) was queued
+        in time (``refused`` None), ran and succeeded, and the pool is the one the step was
+        planned for."""
         ok = False
         try:
+            if refused is not None:
+                raise refused
             if request.after_step_id:
                 self._order.check_turn(request.after_step_id, deadline)
             pool_id = self.core.pool.generation

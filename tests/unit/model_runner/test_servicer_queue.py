@@ -181,3 +181,16 @@ def test_a_block_copy_waits_for_the_step_queued_before_it(core: ModelRunner) -> 
     finally:
         os.unlink(path)
 
+
+
+def test_a_step_after_one_whose_predecessor_never_came_is_refused_as_failed(core: ModelRunner) -> None:
+    """Step 22 names a step 21 that never arrives: refused at its deadline. Step 23, sent ahead
+    behind 22, is refused at its turn because 22 failed, not left waiting for its own deadline;
+    the runner's state is still step 20's."""
+    servicer = ModelRunnerServicer(core)
+    servicer.Execute(_new(20), context())
+    with pytest.raises(FailedPrecondition, match="step 21, which this step follows, did not run in time"):
+        servicer.Execute(_decode(22, 11, after=21), context(0.05))
+    with pytest.raises(FailedPrecondition, match="step 22, which this step follows, failed"):
+        servicer.Execute(_decode(23, 12, after=22), context(60.0))
+    assert servicer.Execute(_decode(24, 10), context()).sampled[0].request_id == "d"
