@@ -126,6 +126,107 @@ static inline __attribute__((always_inline)) void row_panel(const float *x, int6
 
 #endif
 
+#if Q_VECTOR && !defined(__AVX512F__)
+/* AVX2 builds: a chunk's first row tile dequantizes the panel itself (first_tile) instead of
+ * widen_panel doing it before the tiles run. */
+#define FUSED_FIRST_TILE 1
+#define FIRST_TILE_MAX 6  /* gemm.c's AVX2 row tile: 6 rows x 16 columns, 12 ymm accumulators */
+
+/* Columns 8j..8j+7 of one k row: dequant_row's w[j] alone (j a constant after inlining). */
+static inline __attribute__((always_inline)) __m256 dequant_vec(const uint8_t *row, const float *d, const float *mn,
+                                                                const int bits, const int j)
+{
+    if (bits == 4) {
+        const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(row + 8 * (j % 3))));
+        const __m256i q = j < 3 ? _mm256_and_si256(v, _mm256_set1_epi32(0x0F)) : _mm256_srli_epi32(v, 4);
+        return _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), _mm256_loadu_ps(d + 8 * j), _mm256_loadu_ps(mn + 8 * j));
+    }
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(row + 8 * j)))),
+                         _mm256_loadu_ps(d + 8 * j));
+}
+
+/* Pass h (columns 16h..16h+15) of the first tile: mr rows (2..6; both constants after inlining). */
+static inline __attribute__((always_inline)) void first_tile_pass(
+    const float *x, int64_t x_stride, int64_t k, const uint8_t *panel, const int bits, const int mr, const int h,
+    float *wf, const float *bias, float *out, int64_t out_stride, int64_t cols)
+{
+    const int64_t left = cols - h * 16;
+    if (left <= 0) return;
+    const int64_t rb = code_row_bytes(bits), n = left < 16 ? left : 16;
+    /* named accumulators, the rows past mr dead code: gemm.c's tile_passes_avx2, register for register */
+    __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
+    __m256 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
+    const float *x0 = x, *x1 = x + x_stride, *x2 = x + 2 * x_stride, *x3 = x + 3 * x_stride,
+                *x4 = x + 4 * x_stride, *x5 = x + 5 * x_stride;
+    for (int64_t g = 0; g * GROUP < k; g++) {
+        const Group gr = group_at(panel, g, bits, k);
+        for (int64_t kk = 0, kr = g * GROUP; kk < gr.rows; kk++, kr++) {
+            const uint8_t *row = gr.codes + kk * rb;
+            const __m256 b0 = dequant_vec(row, gr.d, gr.mn, bits, 2 * h);
+            const __m256 b1 = dequant_vec(row, gr.d, gr.mn, bits, 2 * h + 1);
+            _mm256_storeu_ps(wf + kr * PANEL + 16 * h, b0);
+            _mm256_storeu_ps(wf + kr * PANEL + 16 * h + 8, b1);
+            __m256 a = _mm256_broadcast_ss(x0 + kr);
+            c00 = _mm256_fmadd_ps(a, b0, c00); c01 = _mm256_fmadd_ps(a, b1, c01);
+            a = _mm256_broadcast_ss(x1 + kr);
+            c10 = _mm256_fmadd_ps(a, b0, c10); c11 = _mm256_fmadd_ps(a, b1, c11);
+            if (mr > 2) {
+                a = _mm256_broadcast_ss(x2 + kr);
+                c20 = _mm256_fmadd_ps(a, b0, c20); c21 = _mm256_fmadd_ps(a, b1, c21);
+            }
+            if (mr > 3) {
+                a = _mm256_broadcast_ss(x3 + kr);
+                c30 = _mm256_fmadd_ps(a, b0, c30); c31 = _mm256_fmadd_ps(a, b1, c31);
+            }
+            if (mr > 4) {
+                a = _mm256_broadcast_ss(x4 + kr);
+                c40 = _mm256_fmadd_ps(a, b0, c40); c41 = _mm256_fmadd_ps(a, b1, c41);
+            }
+            if (mr > 5) {
+                a = _mm256_broadcast_ss(x5 + kr);
+                c50 = _mm256_fmadd_ps(a, b0, c50); c51 = _mm256_fmadd_ps(a, b1, c51);
+            }
+        }
+    }
+    const __m256 acc[FIRST_TILE_MAX][2] = {{c00, c01}, {c10, c11}, {c20, c21}, {c30, c31}, {c40, c41}, {c50, c51}};
+    for (int r = 0; r < mr; r++)
+        row_store_avx2(acc[r], 2, n, bias != NULL ? bias + h * 16 : NULL, out + r * out_stride + h * 16);
+}
+
+static inline __attribute__((always_inline)) void first_tile_rows(
+    const float *x, int64_t x_stride, int64_t k, const uint8_t *panel, const int bits, const int mr, float *wf,
+    const float *bias, float *out, int64_t out_stride, int64_t cols)
+{
+    first_tile_pass(x, x_stride, k, panel, bits, mr, 0, wf, bias, out, out_stride, cols);
+    first_tile_pass(x, x_stride, k, panel, bits, mr, 1, wf, bias, out, out_stride, cols);
+    first_tile_pass(x, x_stride, k, panel, bits, mr, 2, wf, bias, out, out_stride, cols);
+}
+
+/* A chunk's first row tile (mr rows, 2..6) over a panel of codes: each pass dequantizes its 16
+ * columns of every k row in registers, stores them into wf ([k][PANEL], widen_panel's layout) for
+ * the chunk's other tiles, and multiplies them at once. The FMAs are gemm.c's AVX2 tile's (k order
+ * from zero, then the bias) over the same weights, so the bits are widen_panel + gemm.c's. Why:
+ * at decode batch sizes widening a panel before the tiles cost about a tenth of the tiles' time
+ * (docs/model_runner.md, "Q4_1 at batch 32: the first tile dequantizes"). */
+static void first_tile(const float *x, int64_t x_stride, int64_t k, const uint8_t *panel, int bits, int mr,
+                       float *wf, const float *bias, float *out, int64_t out_stride, int64_t cols)
+{
+#define FIRST_CASE(n) \
+    case n: \
+        if (bits == 4) first_tile_rows(x, x_stride, k, panel, 4, n, wf, bias, out, out_stride, cols); \
+        else first_tile_rows(x, x_stride, k, panel, 8, n, wf, bias, out, out_stride, cols); \
+        break;
+    switch (mr) {
+    FIRST_CASE(6) FIRST_CASE(5) FIRST_CASE(4) FIRST_CASE(3)
+    default: FIRST_CASE(2)
+    }
+#undef FIRST_CASE
+}
+#else
+#define FUSED_FIRST_TILE 0
+#endif
+
+#if !FUSED_FIRST_TILE
 /* One panel's weights, dequantized into wf [k][PANEL] (gemm.c's panel layout): the rows of a
  * chunk of more than one row then run gemm.c's tiles over it. */
 static void widen_panel(const uint8_t *panel, int64_t k, int bits, float *wf)
@@ -150,6 +251,7 @@ static void widen_panel(const uint8_t *panel, int64_t k, int bits, float *wf)
         }
     }
 }
+#endif
 
 /* out[m, n] (rows out_stride apart) = x[m, k] (rows x_stride apart) W^T + bias (NULL: none), W
  * in `bits`-bit groups as laid out above. Returns 0, or -1 when a scratch panel cannot be had. */
@@ -189,8 +291,17 @@ static int linear_grouped(const float *x, int64_t x_stride, int64_t m, int64_t k
                     continue;
                 }
 #endif
+#if FUSED_FIRST_TILE
+                /* the first tile's rows as gemm.c splits a chunk (rows spread evenly over its tiles) */
+                const int64_t tiles = (rows + FIRST_TILE_MAX - 1) / FIRST_TILE_MAX, first = (rows + tiles - 1) / tiles;
+                first_tile(x + r0 * x_stride, x_stride, k, panel, bits, (int)first, wf, bp, o, out_stride, cols);
+                if (rows > first)
+                    kvmesh_linear_f32_panel(x + (r0 + first) * x_stride, x_stride, rows - first, k, wf, bp,
+                                            o + first * out_stride, out_stride, cols);
+#else
                 widen_panel(panel, k, bits, wf);
                 kvmesh_linear_f32_panel(x + r0 * x_stride, x_stride, rows, k, wf, bp, o, out_stride, cols);
+#endif
             }
             free(wf);
         }
