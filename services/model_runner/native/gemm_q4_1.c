@@ -206,8 +206,9 @@ static inline __attribute__((always_inline)) void first_tile_rows(
  * columns of every k row in registers, stores them into wf ([k][PANEL], widen_panel's layout) for
  * the chunk's other tiles, and multiplies them at once. The FMAs are gemm.c's AVX2 tile's (k order
  * from zero, then the bias) over the same weights, so the bits are widen_panel + gemm.c's. Why:
- * at decode batch sizes widening a panel before the tiles cost about a tenth of the tiles' time
- * (docs/model_runner.md, "Q4_1 at batch 32: the first tile dequantizes"). */
+ * widening a panel before the tiles ran did its dequantizing beside no FMA at all, a visible share
+ * of a decode chunk's few tiles (docs/model_runner.md, "Q4_1 at batch 32: the first tile
+ * dequantizes"). */
 static void first_tile(const float *x, int64_t x_stride, int64_t k, const uint8_t *panel, int bits, int mr,
                        float *wf, const float *bias, float *out, int64_t out_stride, int64_t cols)
 {
