@@ -53,7 +53,8 @@ What is here, and why torch alone was not enough (measurements in docs/model_run
   ``gemm_bf16.h`` — what the two bf16 GEMM files share; ``prefill_tiles.h`` — what the two tiled
   prefill attention kernels share; ``pairs.h`` — how the GEMM and decode
   attention split work over threads; ``panel_prefetch.h`` — the GEMMs' prefetch of the next
-  weight panel.
+  weight panel; ``tile_avx2.h`` — the AVX2 fp32 row tile's registers and k step (``gemm.c``, and
+  ``gemm_q4_1.c``'s first tile).
 
 The sources are built together into one shared object in a cache folder
 (``$KVMESH_NATIVE_CACHE``, else ``$KVMESH_CACHE_DIR/native``, else ``~/.cache/kvmesh/native``),

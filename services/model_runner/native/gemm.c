@@ -36,6 +36,7 @@
 #include "kernels.h"
 #include "pairs.h"
 #include "panel_prefetch.h"
+#include "tile_avx2.h"
 #include "tile_store.h"
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
@@ -46,7 +47,7 @@
 #if defined(__AVX512F__) || !(defined(__AVX2__) && defined(__FMA__))
 #define ROW_TILE 8
 #else
-#define ROW_TILE 6  /* AVX2: 6 rows x 16 columns = 12 ymm accumulators, 2 for the panel, 1 for x */
+#define ROW_TILE TILE_AVX2_ROWS  /* tile_avx2.h */
 #endif
 #define ROW_CHUNK 256
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
@@ -126,46 +127,20 @@ static inline __attribute__((always_inline)) void tile_passes_avx2(
         if (left <= 0) break;
         const int64_t n = left < 16 ? left : 16;
         const float *b = panel + h * 16;
-        /* Named accumulators, the rows past mr dead code once mr is a constant: an array of them
-         * was stored to the stack after every FMA (GCC 12 does not keep it in registers). */
-        __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
-        __m256 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
-        const float *x0 = x, *x1 = x + x_stride, *x2 = x + 2 * x_stride, *x3 = x + 3 * x_stride,
-                    *x4 = x + 4 * x_stride, *x5 = x + 5 * x_stride;
+        TILE_AVX2_BEGIN(x, x_stride);
         const char *pf_line = prefetch ? pf->line : NULL;
         int64_t pf_countdown = prefetch ? pf->countdown : 0;
         const int64_t pf_every = prefetch ? pf->every : 0;
         for (int64_t kk = 0; kk < k; kk++, b += PANEL) {
             if (prefetch) paced_prefetch_step(&pf_line, &pf_countdown, pf_every);
             const __m256 b0 = _mm256_loadu_ps(b), b1 = _mm256_loadu_ps(b + 8);
-            __m256 a = _mm256_broadcast_ss(x0 + kk);
-            c00 = _mm256_fmadd_ps(a, b0, c00); c01 = _mm256_fmadd_ps(a, b1, c01);
-            a = _mm256_broadcast_ss(x1 + kk);
-            c10 = _mm256_fmadd_ps(a, b0, c10); c11 = _mm256_fmadd_ps(a, b1, c11);
-            if (mr > 2) {
-                a = _mm256_broadcast_ss(x2 + kk);
-                c20 = _mm256_fmadd_ps(a, b0, c20); c21 = _mm256_fmadd_ps(a, b1, c21);
-            }
-            if (mr > 3) {
-                a = _mm256_broadcast_ss(x3 + kk);
-                c30 = _mm256_fmadd_ps(a, b0, c30); c31 = _mm256_fmadd_ps(a, b1, c31);
-            }
-            if (mr > 4) {
-                a = _mm256_broadcast_ss(x4 + kk);
-                c40 = _mm256_fmadd_ps(a, b0, c40); c41 = _mm256_fmadd_ps(a, b1, c41);
-            }
-            if (mr > 5) {
-                a = _mm256_broadcast_ss(x5 + kk);
-                c50 = _mm256_fmadd_ps(a, b0, c50); c51 = _mm256_fmadd_ps(a, b1, c51);
-            }
+            TILE_AVX2_STEP(mr, kk, b0, b1);
         }
         if (prefetch) {
             pf->line = pf_line;
             pf->countdown = pf_countdown;
         }
-        const __m256 acc[ROW_TILE][2] = {{c00, c01}, {c10, c11}, {c20, c21}, {c30, c31}, {c40, c41}, {c50, c51}};
-        for (int r = 0; r < mr; r++)
-            row_store_avx2(acc[r], 2, n, bias != NULL ? bias + h * 16 : NULL, out + r * out_stride + h * 16);
+        TILE_AVX2_END(mr, n, bias != NULL ? bias + h * 16 : NULL, out + h * 16, out_stride);
     }
 }
 

@@ -36,6 +36,7 @@
 #include "kernels.h"
 #include "pairs.h"
 #include "panel_prefetch.h"
+#include "tile_avx2.h"
 #include "tile_store.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -130,7 +131,7 @@ static inline __attribute__((always_inline)) void row_panel(const float *x, int6
 /* AVX2 builds: a chunk's first row tile dequantizes the panel itself (first_tile) instead of
  * widen_panel doing it before the tiles run. */
 #define FUSED_FIRST_TILE 1
-#define FIRST_TILE_MAX 6  /* gemm.c's AVX2 row tile: 6 rows x 16 columns, 12 ymm accumulators */
+#define FIRST_TILE_MAX TILE_AVX2_ROWS  /* gemm.c's AVX2 row tile (tile_avx2.h) */
 
 /* Columns 8j..8j+7 of one k row: dequant_row's w[j] alone (j a constant after inlining). */
 static inline __attribute__((always_inline)) __m256 dequant_vec(const uint8_t *row, const float *d, const float *mn,
@@ -153,11 +154,7 @@ static inline __attribute__((always_inline)) void first_tile_pass(
     const int64_t left = cols - h * 16;
     if (left <= 0) return;
     const int64_t rb = code_row_bytes(bits), n = left < 16 ? left : 16;
-    /* named accumulators, the rows past mr dead code: gemm.c's tile_passes_avx2, register for register */
-    __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
-    __m256 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
-    const float *x0 = x, *x1 = x + x_stride, *x2 = x + 2 * x_stride, *x3 = x + 3 * x_stride,
-                *x4 = x + 4 * x_stride, *x5 = x + 5 * x_stride;
+    TILE_AVX2_BEGIN(x, x_stride);  /* gemm.c's tile, register for register */
     for (int64_t g = 0; g * GROUP < k; g++) {
         const Group gr = group_at(panel, g, bits, k);
         for (int64_t kk = 0, kr = g * GROUP; kk < gr.rows; kk++, kr++) {
@@ -166,31 +163,10 @@ static inline __attribute__((always_inline)) void first_tile_pass(
             const __m256 b1 = dequant_vec(row, gr.d, gr.mn, bits, 2 * h + 1);
             _mm256_storeu_ps(wf + kr * PANEL + 16 * h, b0);
             _mm256_storeu_ps(wf + kr * PANEL + 16 * h + 8, b1);
-            __m256 a = _mm256_broadcast_ss(x0 + kr);
-            c00 = _mm256_fmadd_ps(a, b0, c00); c01 = _mm256_fmadd_ps(a, b1, c01);
-            a = _mm256_broadcast_ss(x1 + kr);
-            c10 = _mm256_fmadd_ps(a, b0, c10); c11 = _mm256_fmadd_ps(a, b1, c11);
-            if (mr > 2) {
-                a = _mm256_broadcast_ss(x2 + kr);
-                c20 = _mm256_fmadd_ps(a, b0, c20); c21 = _mm256_fmadd_ps(a, b1, c21);
-            }
-            if (mr > 3) {
-                a = _mm256_broadcast_ss(x3 + kr);
-                c30 = _mm256_fmadd_ps(a, b0, c30); c31 = _mm256_fmadd_ps(a, b1, c31);
-            }
-            if (mr > 4) {
-                a = _mm256_broadcast_ss(x4 + kr);
-                c40 = _mm256_fmadd_ps(a, b0, c40); c41 = _mm256_fmadd_ps(a, b1, c41);
-            }
-            if (mr > 5) {
-                a = _mm256_broadcast_ss(x5 + kr);
-                c50 = _mm256_fmadd_ps(a, b0, c50); c51 = _mm256_fmadd_ps(a, b1, c51);
-            }
+            TILE_AVX2_STEP(mr, kr, b0, b1);
         }
     }
-    const __m256 acc[FIRST_TILE_MAX][2] = {{c00, c01}, {c10, c11}, {c20, c21}, {c30, c31}, {c40, c41}, {c50, c51}};
-    for (int r = 0; r < mr; r++)
-        row_store_avx2(acc[r], 2, n, bias != NULL ? bias + h * 16 : NULL, out + r * out_stride + h * 16);
+    TILE_AVX2_END(mr, n, bias != NULL ? bias + h * 16 : NULL, out + h * 16, out_stride);
 }
 
 static inline __attribute__((always_inline)) void first_tile_rows(
