@@ -19,13 +19,14 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from functools import partial
 from typing import TypeVar
 
 import grpc
 
 from services.model_runner.block_copy import copy_blocks
+from services.model_runner.compute_thread import ComputeThread
 from services.model_runner.convert import model_info_to_proto, output_to_proto, step_from_proto
 from services.model_runner.metrics import RunnerMetrics
 from services.model_runner.runner import ModelRunner
@@ -49,10 +50,8 @@ class ModelRunnerServicer(model_runner_pb2_grpc.ModelRunnerServicer):
         self.metrics = metrics
         self._lock = threading.Lock()  # the order of queueing, not the work itself
         self._order = StepOrder(self._lock)
-        # a core built without the factory has no compute thread: one of ours keeps the work serial
-        self._own: ThreadPoolExecutor | None = None
-        if core.compute is None:
-            self._own = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvmesh-runner-serial")
+        # a core built without the factory has no compute thread: one of our own keeps the work serial
+        self._compute = core.compute if core.compute is not None else ComputeThread(0)
 
     def GetModelInfo(self, request: model_runner_pb2.GetModelInfoRequest, context: grpc.ServicerContext
                      ) -> model_runner_pb2.ModelInfo:
@@ -110,11 +109,7 @@ class ModelRunnerServicer(model_runner_pb2_grpc.ModelRunnerServicer):
     def _submit(self, fn: Callable[..., T], *args: object) -> Future[T]:
         """Queues ``fn(*args)`` on the runner's compute thread (compute_thread.py), behind what was
         queued before it."""
-        compute = self.core.compute
-        if compute is not None:
-            return compute.submit(fn, *args)
-        assert self._own is not None  # made in __init__ when the core had no compute thread
-        return self._own.submit(fn, *args)
+        return self._compute.submit(fn, *args)
 
     def GetKVPoolHandle(self, request: model_runner_pb2.GetKVPoolHandleRequest, context: grpc.ServicerContext
                         ) -> common_pb2.SharedTensorHandle:

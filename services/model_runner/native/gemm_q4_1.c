@@ -78,24 +78,25 @@ static inline float code_at(const uint8_t *row, int64_t c, int bits)
 
 #if Q_VECTOR
 
+/* Columns 8j..8j+7 of one k row (j a constant after inlining): Q4_1 columns 0-23 are the low
+ * nibbles of bytes 0-23, columns 24-47 their high nibbles. */
+static inline __attribute__((always_inline)) __m256 dequant_vec(const uint8_t *row, const float *d, const float *mn,
+                                                                const int bits, const int j)
+{
+    if (bits == 4) {
+        const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(row + 8 * (j % 3))));
+        const __m256i q = j < 3 ? _mm256_and_si256(v, _mm256_set1_epi32(0x0F)) : _mm256_srli_epi32(v, 4);
+        return _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), _mm256_loadu_ps(d + 8 * j), _mm256_loadu_ps(mn + 8 * j));
+    }
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(row + 8 * j)))),
+                         _mm256_loadu_ps(d + 8 * j));
+}
+
 /* The 48 weights of one k row as 6 x 8 fp32 lanes, columns in order (w[j]: columns 8j..8j+7). */
 static inline __attribute__((always_inline)) void dequant_row(const uint8_t *row, const float *d, const float *mn,
                                                               const int bits, __m256 w[6])
 {
-    if (bits == 4) {
-        const __m256i low = _mm256_set1_epi32(0x0F);
-        for (int h = 0; h < 3; h++) {
-            const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(row + 8 * h)));
-            w[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v, low)), _mm256_loadu_ps(d + 8 * h),
-                                   _mm256_loadu_ps(mn + 8 * h));
-            w[3 + h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4)), _mm256_loadu_ps(d + 24 + 8 * h),
-                                       _mm256_loadu_ps(mn + 24 + 8 * h));
-        }
-    } else {
-        for (int j = 0; j < 6; j++)
-            w[j] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(row + 8 * j)))),
-                                 _mm256_loadu_ps(d + 8 * j));
-    }
+    for (int j = 0; j < 6; j++) w[j] = dequant_vec(row, d, mn, bits, j);
 }
 
 /* One row of x times one panel, dequantizing in registers: gemm.c's one-row arithmetic (six
@@ -132,19 +133,6 @@ static inline __attribute__((always_inline)) void row_panel(const float *x, int6
  * widen_panel doing it before the tiles run. */
 #define FUSED_FIRST_TILE 1
 #define FIRST_TILE_MAX TILE_AVX2_ROWS  /* gemm.c's AVX2 row tile (tile_avx2.h) */
-
-/* Columns 8j..8j+7 of one k row: dequant_row's w[j] alone (j a constant after inlining). */
-static inline __attribute__((always_inline)) __m256 dequant_vec(const uint8_t *row, const float *d, const float *mn,
-                                                                const int bits, const int j)
-{
-    if (bits == 4) {
-        const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(row + 8 * (j % 3))));
-        const __m256i q = j < 3 ? _mm256_and_si256(v, _mm256_set1_epi32(0x0F)) : _mm256_srli_epi32(v, 4);
-        return _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), _mm256_loadu_ps(d + 8 * j), _mm256_loadu_ps(mn + 8 * j));
-    }
-    return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(row + 8 * j)))),
-                         _mm256_loadu_ps(d + 8 * j));
-}
 
 /* Pass h (columns 16h..16h+15) of the first tile: mr rows (2..6; both constants after inlining). */
 static inline __attribute__((always_inline)) void first_tile_pass(
