@@ -279,7 +279,7 @@ def build_runner(config: RunnerConfig, flags: Iterable[str] | None = None, vendo
         model, pool, make_backend(backend_choice.value, device, config.batch_invariant, mla=mla),
         model_id=config.model_id or Path(config.model_dir).name,
         max_model_len=config.max_model_len or None, quantization=quant_choice.value,
-        pack_tied_head=config.pack_tied_head,
+        pack_tied_head=config.pack_tied_head, screen_head=config.screen_head,
         dtype_reason=dtype_choice.reason + (_bf16_gemm_note() if native_bf16 else "") + (
             f"; {quant_choice.reason}" if config.quantization == "auto" and quant_choice.value != "none" else ""),
         attention_backend_reason=backend_reason, gemm_dtype="bfloat16" if native_bf16 else "float32",

@@ -79,6 +79,7 @@ class ModelRunner:
         max_model_len: int | None = None,
         quantization: str = "none",
         pack_tied_head: bool = True,
+        screen_head: bool = True,
         dtype_reason: str = "",
         attention_backend_reason: str = "",
         gemm_dtype: str = "float32",
@@ -95,6 +96,7 @@ class ModelRunner:
             max_model_len: longest sequence; default and cap: the model's.
             quantization: ``none``, ``fp16`` or ``int8`` (``RunnerConfig.quantization``).
             pack_tied_head: see :func:`prepare_model` (``RunnerConfig.pack_tied_head``).
+            screen_head: see :func:`prepare_model` (``RunnerConfig.screen_head``).
             dtype_reason, attention_backend_reason: why the factory chose the model's dtype and
                 the backend (reported by :meth:`model_info`).
             gemm_dtype: ``bfloat16`` for bf16 mode on the native kernels (fp32 weights as
@@ -114,7 +116,8 @@ class ModelRunner:
                 f"([layers, {planes}, blocks, block_size, {heads}, {dim}])")
         # NOTE: a backend on the native kernels ("cpu") brings the native norms, rotary, SwiGLU
         # and GEMMs with it: the model is prepared for the kernels the backend runs on.
-        prepare_model(model, quantization, pack_tied_head, kernels=backend.native_kernels, gemm_dtype=gemm_dtype)
+        prepare_model(model, quantization, pack_tied_head, kernels=backend.native_kernels, gemm_dtype=gemm_dtype,
+                      screen_head=screen_head)
         self.model = model
         self.config: ModelConfig = model.config
         self.pool = pool

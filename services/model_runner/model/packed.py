@@ -39,7 +39,7 @@ linears (private, hence :func:`onednn_available`).
 from __future__ import annotations
 
 import warnings
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -79,6 +79,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
+class ArgmaxScreen(Protocol):
+    """What ``PackedWeight.argmax`` asks first where a head has one (``model/head_screen.py``): each
+    row's greedy token written into ``out`` (True), or False for the full head to run instead."""
+
+    def argmax(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, scratch: torch.Tensor,
+               block: int, out: torch.Tensor) -> bool: ...
+
+
 class PackedWeight:
     """A ``[out, in]`` weight (and bias) packed for one kernel; ``packed(x)`` is ``x W^T + b``.
 
@@ -116,6 +124,8 @@ class PackedWeight:
                 raise ValueError("the native int8 GEMM is not built here (the CPU has no AVX512-BF16)")
         self.mode = mode
         self._scratch = torch.empty(0)  # argmax's logit blocks
+        # a head's cheaper copy that screens the columns of argmax (``transforms.prepare_model``)
+        self.screen: ArgmaxScreen | None = None
         weight = weight.detach().contiguous()
         self.bias = None if bias is None else bias.detach().float().contiguous()
         self.out_features, self.in_features = weight.shape
@@ -179,6 +189,8 @@ class PackedWeight:
             self._scratch = torch.empty(rows * block, dtype=torch.float32)
         packed = self.packed
         assert isinstance(packed, torch.Tensor)
+        if self.screen is not None and self.screen.argmax(x, packed, self.bias, self._scratch, block, tokens):
+            return tokens
         status = kernels.linear_argmax(
             x.data_ptr(), x.stride(0), x.shape[0], self.in_features, packed.data_ptr(), self.out_features,
             None if self.bias is None else self.bias.data_ptr(), int(self.mode == "native_bf16"),

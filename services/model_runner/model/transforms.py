@@ -9,7 +9,8 @@ from __future__ import annotations
 import torch
 
 from services.model_runner.config import QUANTIZATIONS
-from services.model_runner.model.huge_pages import move_to_huge_pages
+from services.model_runner.model.head_screen import HeadScreen, screens
+from services.model_runner.model.huge_pages import HoldsPacked, move_to_huge_pages
 from services.model_runner.model.layers import Linear
 from services.model_runner.model.native_layers import use_native_kernels
 from services.model_runner.model.packed import (
@@ -25,7 +26,7 @@ from services.model_runner.native import NativeKernels
 
 def prepare_model(
     model: CausalLM, quantization: str = "none", pack_tied_head: bool = True, kernels: NativeKernels | None = None,
-    gemm_dtype: str = "float32",
+    gemm_dtype: str = "float32", screen_head: bool = True,
 ) -> None:
     """Packs the loaded weights for the CPU kernels of ``quantization`` (see ``model/packed.py``).
 
@@ -54,6 +55,10 @@ def prepare_model(
     ``q4_1`` (with ``kernels``, fp32 weights as loaded) packs every projection in llama.cpp's Q4_1
     groups and the head (tied or not) in Q8_0 for ``gemm_q4_1.c``, whose GEMMs are fp32 over the
     dequantized weights (docs/model_runner.md, "Weight-only Q4_1"); everything else is fp32 mode.
+
+    ``screen_head`` (fp32 mode on the native kernels, where the bf16 GEMM runs ``vdpbf16ps`` or AMX)
+    gives the packed head a bf16 copy that screens greedy decoding's columns (``model/head_screen.py``):
+    the same tokens, most of the vocabulary's fp32 logits never computed.
 
     Raises:
         ValueError: an unknown ``quantization``, another one than the model was prepared
@@ -86,19 +91,31 @@ def prepare_model(
     else:
         mode = "native_bf16" if bf16 else "native" if kernels is not None else "fp32"
     linears = [m for m in model.modules() if isinstance(m, Linear)]
+    embedding = model.model.embed_tokens.weight
+    # before packing frees an untied head's dense weight; a tied head's survivors come from the embedding
+    head_weight = model.lm_head.weight if model.lm_head is not None else embedding
+    screen = None
+    if screen_head and mode == "native" and kernels is not None and screens(head_weight, kernels):
+        tied = model.lm_head is None and embedding.is_contiguous()
+        screen = HeadScreen(head_weight, kernels, dense=embedding.data if tied else None)
     if quantization != "none" or bf16 or all(PackedWeight.supported(m.weight, mode) for m in linears):
         for module in linears:
             module.pack(_head_mode(mode) if module is model.lm_head else mode, kernels)
-    embedding = model.model.embed_tokens.weight
     # NOTE: bf16 mode always packs a tied head: the logits' GEMM is then bf16 like every other;
     # int8_weight_only quantizes it too: it is a fifth of a small model's weight bytes per token
     pack_head = quantization != "none" or bf16 or (pack_tied_head and PackedWeight.supported(embedding, mode))
     if model.lm_head is None and pack_head:
         model.packed_head = PackedWeight(embedding, None, _head_mode(mode), kernels)
+    head = model.lm_head.packed if model.lm_head is not None else model.packed_head
+    if head is not None and head.mode == "native":
+        head.screen = screen
+    else:
+        screen = None
     if kernels is not None:
         # before use_native_kernels: the decode stack takes the weights' addresses
         packs = [m.packed for m in linears] + [model.packed_head]
-        move_to_huge_pages([p for p in packs if p is not None and p.mode in NATIVE_MODES])
+        owners: list[HoldsPacked] = [p for p in packs if p is not None and p.mode in NATIVE_MODES]
+        move_to_huge_pages(owners + ([screen] if screen is not None else []))
         use_native_kernels(model, kernels)
     model.prepared = quantization
     model.compute_dtype = "bfloat16" if bf16 else {"native_int8": "int8", "native_q4_1": "q4_1"}.get(mode)

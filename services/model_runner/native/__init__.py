@@ -276,6 +276,11 @@ class NativeKernels:
     # kvmesh_linear_argmax: each row's argmax over a packed fp32 or bf16 GEMM's columns without writing
     # the logits (greedy decoding's head); None unless built for AVX-512
     linear_argmax: Any | None = None
+    # kvmesh_head_screen_argmax: linear_argmax's fp32 result, the columns scored in bf16 first and only
+    # those that could be a row's maximum computed in fp32 (head_screen.c); None unless built for
+    # AVX512-BF16. head_screen_work_bytes(m, k, n, cap): the workspace it needs
+    head_screen: Any | None = None
+    head_screen_work_bytes: Any = None
     team_size: Any = None  # kvmesh_team_size(): threads of a parallel region the calling thread opens
     bind_team: Any = None  # kvmesh_bind_team(cpus int64 [n], n): the calling thread's team, member i on cpus[i]
 
@@ -420,6 +425,13 @@ def load_kernels(portable: bool = False, no_amx: bool = False, plain: bool = Fal
             _PTR, _I64, _PTR, _I64,  # packed (pack_panels or pack_panels_bf16), n, bias (or NULL), bf16
             _PTR, _I64, _PTR,  # scratch [m, block_cols] fp32, block_cols, out [m] int64
         ]) if _bind(lib, "kvmesh_linear_argmax_available", _I64, [])() else None,
+        head_screen=_bind(lib, "kvmesh_head_screen_argmax", ctypes.c_int, [
+            _PTR, _I64, _I64, _I64,  # x (fp32), x_stride, m, k
+            _PTR, _PTR, _I64, _PTR,  # packed (pack_panels), dense [n, k] rows (or NULL), n, bias (or NULL)
+            _PTR, _PTR,  # screen (pack_panels_bf16 of the same weight), norm [n] fp32
+            _PTR, _I64, _PTR, _I64, _PTR,  # scratch [m, block_cols] fp32, block_cols, work, cap, out [m] int64
+        ]) if _bind(lib, "kvmesh_head_screen_available", _I64, [])() else None,
+        head_screen_work_bytes=_bind(lib, "kvmesh_head_screen_work_bytes", _I64, [_I64, _I64, _I64, _I64]),
         team_size=_bind(lib, "kvmesh_team_size", _I64, []),
         bind_team=_bind(lib, "kvmesh_bind_team", ctypes.c_int, [_PTR, _I64]),
     )  # fmt: skip

@@ -18,6 +18,10 @@ import torch.nn.functional as F
 
 from services.model_runner.attention.base import AttentionMetadata
 from services.model_runner.attention.torch_backend import TorchAttentionBackend
+from services.model_runner.loader import load_model
+from services.model_runner.model.head_screen import screen_applies
+from services.model_runner.model.transforms import prepare_model
+from services.model_runner.native import load_kernels
 
 ARCHS = ["llama", "qwen2", "mistral", "llama3"]
 
@@ -76,6 +80,43 @@ def test_greedy_matches_generate_with_arrivals_and_chunks(
         c_chunks = [r.num_new_tokens for s in steps for r in (*s.new_requests, *s.cached_requests)
                     if r.request_id == "c"]  # fmt: skip
         assert c_chunks[: math.ceil(23 / chunk)] == [chunk] * (23 // chunk) + ([23 % chunk] if 23 % chunk else [])
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2"])  # an untied head; a tied one, gathered from the embedding
+def test_screened_fp32_head_matches_generate(
+    name: str, checkpoint: Any, hf_model: Any, make_runner: Any, mini_scheduler: Any, sim_request: Any,
+    reference_greedy: Any, monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """fp32 mode on the native kernels screens greedy rows' columns in bf16 where that pays
+    (model/head_screen.py): the runner's head carries the screen, and the tokens are generate()'s.
+    Off with ``screen_head=False`` and in bf16 mode (whose head is bf16 already)."""
+    kernels = load_kernels()
+    if not screen_applies(kernels):
+        pytest.skip("no AVX512-BF16 (vdpbf16ps or AMX) build of the native kernels here")
+    folder = checkpoint(name)
+    runner = make_runner(folder, num_blocks=96, backend="cpu")
+    head = runner.model.lm_head.packed if runner.model.lm_head is not None else runner.model.packed_head
+    assert head is not None and head.mode == "native" and head.screen is not None
+    assert (head.screen.dense is not None) == (name == "qwen2")
+    screened: list[bool] = []  # each call's outcome: True where the screen gave the tokens itself
+    screen_argmax = head.screen.argmax
+
+    def spy(*args: Any) -> bool:
+        screened.append(screen_argmax(*args))
+        return screened[-1]
+
+    monkeypatch.setattr(head.screen, "argmax", spy)
+    sched = mini_scheduler(runner, chunk=5)
+    sched.add(sim_request("a", _prompt(10, 11), max_new_tokens=12))
+    sched.add(sim_request("b", _prompt(11, 7), max_new_tokens=8, arrival_step=2))
+    sched.add(sim_request("c", _prompt(12, 9), max_new_tokens=6, arrival_step=3))
+    _check_against_generate(runner, sched, folder, hf_model, reference_greedy)
+    assert len(screened) >= 12 and all(screened)  # every step sampled through it, none handed over
+    for gemm_dtype, screen_head in (("float32", False), ("bfloat16", True)):
+        model, _ = load_model(folder)
+        prepare_model(model, "none", kernels=kernels, gemm_dtype=gemm_dtype, screen_head=screen_head)
+        other = model.lm_head.packed if model.lm_head is not None else model.packed_head
+        assert other is not None and other.screen is None
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

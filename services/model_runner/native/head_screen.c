@@ -1,0 +1,269 @@
+/*
+ * Greedy decoding's fp32 head, screened in bf16: each row's argmax over x W^T + b, the same column
+ * head_argmax.c takes from gemm.c's fp32 logits, with most columns' fp32 logits never computed.
+ *
+ * Why: in fp32 mode the vocabulary projection is a fifth of a small model's GEMM work at batch 32
+ * (SmolLM2: 49,152 x 576 of 134 M weights), and greedy decoding keeps one of its 49,152 columns a
+ * row. A CPU with AVX512-BF16 (or AMX) multiplies bf16 at twice fp32's rate or more, and from
+ * half the bytes. So every column is scored in bf16 first, with a bound on how far each score can
+ * lie from its fp32 logit, and only the columns that could still be a row's maximum are computed in
+ * fp32 (docs/model_runner.md, "The fp32 head screened in bf16").
+ *
+ * Steps, per call:
+ *   1. Scores: gemm_bf16.c's GEMM over a bf16 copy of W (packed as every bf16 weight is), block
+ *      by block so the [m, block] scores stay in L2 (head_argmax.c's blocking). For row r and
+ *      column v, e = a_r N_v + B_v bounds |score - fp32 logit| (below).
+ *   2. floor_r = max_v (score - e) is at most the row's largest fp32 logit, so a column with
+ *      score + e < floor_r is below it: neither the argmax nor tied with it. The others survive;
+ *      every column that holds the maximum does (its score + e >= its logit >= floor_r).
+ *   3. The union of the rows' survivors, gathered from gemm.c's fp32 panels into panels of their
+ *      own, goes through gemm.c with all m rows: each logit is sum_k x[k] w[k] in k order with
+ *      FMA, plus the bias, whatever the column's panel or lane (gemm.c's numerics), so these are
+ *      the bits of the full call.
+ *   4. Each row's first maximum over its survivors, in column order: numpy's argmax of the full
+ *      row, as head_argmax.c takes it.
+ *
+ * The bound. With y = x (the row), S_v = sum_i |y_i w_vi| <= ||y||_2 ||w_v||_2 = ||y|| N_v:
+ *   - bf16 rounds y and w to nearest (relative error 2^-8 each), so the exact sum of the bf16
+ *     products is within (2^-7 + 2^-16) S_v of the exact fp32 one;
+ *   - the two fp32 sums (the score's, in any order and with round-to-nearest or toward zero, as an
+ *     AMX unit may; the logit's, in k order) each add at most 2 (k + 1) u (1 + 2^-7) S_v, u = 2^-24;
+ *   - the bias, added once to each, at most 4 u (S_v + |b_v|) more; flushed denormals (the bf16
+ *     conversion and dot product's DAZ / FTZ) at most k 2^-126 (1 + max |w|) <= 2^-100 (1 + N_v)
+ *     for k < 2^20.
+ * So e = ((2^-7 + 2^-15 + 8 (k + 2) u) ||y|| + 2^-100) N_v + 16 u |b_v| + 2^-100 bounds it, and
+ * a margin of 2^-8 on a_r (|| y || is computed in double and rounded up, N_v rounded up by the
+ * caller) covers the fp32 rounding of e, score - e and score + e themselves (each at most u times
+ * ||y|| N_v + |b_v|, 2^-7 below the margin). A non-finite x, score or survivor's logit makes the
+ * call return 1 and the caller take the full path (head_argmax.c), as do more survivors than
+ * ROW_CAP in a row or than the caller's cap in all.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "gemm_bf16.h"
+#include "kernels.h"
+
+#define PANEL BF16_PANEL /* gemm.c's width too */
+#define ROW_CAP 256      /* survivors a row keeps between compactions */
+
+/* The call's workspace, carved from the caller's buffer (kvmesh_head_screen_work_bytes). */
+typedef struct {
+    int32_t *col;  /* [m][ROW_CAP] survivors, ascending */
+    float *hi;     /* [m][ROW_CAP] their score + e */
+    int32_t *count;
+    float *floor;  /* [m] */
+    float *a;      /* [m] the rows' bound factor */
+    uint8_t *mark; /* [n] union membership */
+    int32_t *cols; /* [cap] the union, ascending */
+    float *bias;   /* [cap] its biases */
+    float *panels; /* [ceil(cap / PANEL)][k][PANEL] the union's fp32 weights, gathered */
+    float *exact;  /* [m][cap] the union's fp32 logits */
+} Work;
+
+static size_t up64(size_t bytes) { return (bytes + 63) / 64 * 64; }
+
+/* The bytes a call with these sizes needs as `work` (64-byte aligned by the caller). */
+int64_t kvmesh_head_screen_work_bytes(int64_t m, int64_t k, int64_t n, int64_t cap)
+{
+    const size_t rows = (size_t)m;
+    return (int64_t)(up64(rows * ROW_CAP * 4) * 2 + up64(rows * 4) * 3 + up64((size_t)n) + up64((size_t)cap * 4) * 2 +
+                     up64((size_t)((cap + PANEL - 1) / PANEL) * (size_t)k * PANEL * 4) + up64(rows * (size_t)cap * 4));
+}
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512DQ__)
+#include <immintrin.h>
+
+int64_t kvmesh_head_screen_available(void) { return 1; }
+
+static Work carve(char *base, int64_t m, int64_t k, int64_t n, int64_t cap)
+{
+    Work w;
+    const size_t rows = (size_t)m;
+    w.col = (int32_t *)base, base += up64(rows * ROW_CAP * 4);
+    w.hi = (float *)base, base += up64(rows * ROW_CAP * 4);
+    w.count = (int32_t *)base, base += up64(rows * 4);
+    w.floor = (float *)base, base += up64(rows * 4);
+    w.a = (float *)base, base += up64(rows * 4);
+    w.mark = (uint8_t *)base, base += up64((size_t)n);
+    w.cols = (int32_t *)base, base += up64((size_t)cap * 4);
+    w.bias = (float *)base, base += up64((size_t)cap * 4);
+    w.panels = (float *)base, base += up64((size_t)((cap + PANEL - 1) / PANEL) * (size_t)k * PANEL * 4);
+    w.exact = (float *)base;
+    return w;
+}
+
+/* a_r for row x (k floats), rounded up; 0 and *bad set where x is not finite. */
+static float row_factor(const float *x, int64_t k, int *bad)
+{
+    double sq = 0.0;
+    for (int64_t i = 0; i < k; i++) sq += (double)x[i] * (double)x[i];
+    const double norm = sqrt(sq);
+    if (!isfinite(norm)) {
+        *bad = 1;
+        return 0.0f;
+    }
+    const double u = ldexp(1.0, -24);
+    const double rel = ldexp(1.0, -7) + ldexp(1.0, -15) + 8.0 * (double)(k + 2) * u;
+    const float a = (float)((rel * norm * (1.0 + 1e-9) + ldexp(1.0, -100)) * (1.0 + ldexp(1.0, -8)));
+    return nextafterf(a, INFINITY);
+}
+
+/* Keeps row r's survivors with hi >= its floor; returns the count left. */
+static int32_t compact(Work *w, int64_t r)
+{
+    int32_t *col = w->col + r * ROW_CAP;
+    float *hi = w->hi + r * ROW_CAP;
+    const float floor = w->floor[r];
+    int32_t kept = 0;
+    for (int32_t i = 0; i < w->count[r]; i++)
+        if (hi[i] >= floor) {
+            col[kept] = col[i];
+            hi[kept++] = hi[i];
+        }
+    w->count[r] = kept;
+    return kept;
+}
+
+/* Folds one row's block of scores (len columns from col0) into its floor and survivors. Returns 0,
+ * or 1 where a score is not finite or the survivors outgrow ROW_CAP. */
+static int screen_row(Work *w, int64_t r, const float *s, const float *norm, const float *bias, int64_t col0,
+                      int64_t len)
+{
+    const __m512 a = _mm512_set1_ps(w->a[r]);
+    const __m512 tiny = _mm512_set1_ps(0x1p-100f);
+    const __m512 bias_rel = _mm512_set1_ps(0x1p-20f);  /* 16 u */
+    __m512 lo_max = _mm512_set1_ps(-INFINITY);
+    for (int64_t i = 0; i < len; i += 16) {
+        const __mmask16 live = len - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (len - i)) - 1u);
+        const __m512 v = _mm512_maskz_loadu_ps(live, s + i);
+        if (_mm512_mask_fpclass_ps_mask(live, v, 0x99)) return 1;  /* NaN or +-inf */
+        __m512 b = tiny;
+        if (bias) b = _mm512_fmadd_ps(_mm512_abs_ps(_mm512_maskz_loadu_ps(live, bias + i)), bias_rel, tiny);
+        const __m512 e = _mm512_fmadd_ps(a, _mm512_maskz_loadu_ps(live, norm + i), b);
+        lo_max = _mm512_mask_max_ps(lo_max, live, lo_max, _mm512_sub_ps(v, e));
+    }
+    const float floor = _mm512_reduce_max_ps(lo_max);
+    if (floor > w->floor[r]) w->floor[r] = floor;
+    const __m512 fl = _mm512_set1_ps(w->floor[r]);
+    int32_t *col = w->col + r * ROW_CAP;
+    float *hi = w->hi + r * ROW_CAP;
+    const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (int64_t i = 0; i < len; i += 16) {
+        const __mmask16 live = len - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (len - i)) - 1u);
+        const __m512 v = _mm512_maskz_loadu_ps(live, s + i);
+        __m512 b = tiny;
+        if (bias) b = _mm512_fmadd_ps(_mm512_abs_ps(_mm512_maskz_loadu_ps(live, bias + i)), bias_rel, tiny);
+        const __m512 h = _mm512_add_ps(v, _mm512_fmadd_ps(a, _mm512_maskz_loadu_ps(live, norm + i), b));
+        const __mmask16 keep = _mm512_mask_cmp_ps_mask(live, h, fl, _CMP_GE_OQ);
+        if (!keep) continue;
+        const int add = __builtin_popcount(keep);
+        if (w->count[r] + add > ROW_CAP && compact(w, r) + add > ROW_CAP) return 1;
+        const __m512i c = _mm512_add_epi32(_mm512_set1_epi32((int32_t)(col0 + i)), iota);
+        _mm512_mask_compressstoreu_epi32(col + w->count[r], keep, c);
+        _mm512_mask_compressstoreu_ps(hi + w->count[r], keep, h);
+        w->count[r] += add;
+    }
+    return 0;
+}
+
+/* out[r] = the argmax of row r of x W^T + bias over the n columns (numpy's: the first maximum), W
+ * packed for gemm.c (`packed`; `dense`, where not NULL, the same weights as rows [n, k]) and, rounded
+ * to bf16, for gemm_bf16.c (`screen`); norm[v] >= the
+ * fp32 row v's 2-norm. scratch holds [m, block_cols] fp32 (block_cols a multiple of the panel
+ * width), work kvmesh_head_screen_work_bytes(m, k, n, cap) bytes, 64-byte aligned. Returns 0; 1 where
+ * the caller must take the full path (a non-finite value, too many survivors: out is not set);
+ * -1 for a bad block_cols, cap or n, -4 for 2^31 columns or more; 100 - the bf16 GEMM's (negative)
+ * failure status. */
+int kvmesh_head_screen_argmax(const float *x, int64_t x_stride, int64_t m, int64_t k, const float *packed,
+                              const float *dense, int64_t n, const float *bias, const uint16_t *screen, const float *norm,
+                              float *scratch, int64_t block_cols, void *work, int64_t cap, int64_t *out)
+{
+    if (block_cols <= 0 || block_cols % PANEL || cap <= 0 || n <= 0) return -1;
+    if (n >= ((int64_t)1 << 31)) return -4;
+    if (m <= 0) return 0;
+    Work w = carve((char *)work, m, k, n, cap);
+    int bad = 0;
+    for (int64_t r = 0; r < m; r++) {
+        w.a[r] = row_factor(x + r * x_stride, k, &bad);
+        w.floor[r] = -INFINITY;
+        w.count[r] = 0;
+    }
+    if (bad) return 1;
+    const int64_t screen_panel = (k + 1) / 2 * 2 * PANEL;  /* bf16 elements of one panel */
+    for (int64_t c0 = 0; c0 < n; c0 += block_cols) {
+        const int64_t cols = n - c0 < block_cols ? n - c0 : block_cols;
+        const int failed = kvmesh_linear_bf16(x, x_stride, m, k, screen + c0 / PANEL * screen_panel, cols,
+                                              bias ? bias + c0 : NULL, scratch, block_cols);
+        if (failed) return 100 - failed;
+        for (int64_t r = 0; r < m; r++)
+            if (screen_row(&w, r, scratch + r * block_cols, norm + c0, bias ? bias + c0 : NULL, c0, cols)) return 1;
+    }
+    /* the union, ascending */
+    memset(w.mark, 0, (size_t)n);
+    for (int64_t r = 0; r < m; r++) {
+        compact(&w, r);
+        for (int32_t i = 0; i < w.count[r]; i++) w.mark[w.col[r * ROW_CAP + i]] = 1;
+    }
+    int64_t u = 0;
+    for (int64_t v = 0; v < n; v++)
+        if (w.mark[v]) {
+            if (u == cap) return 1;
+            w.cols[u++] = (int32_t)v;
+        }
+    /* their fp32 weights in panels of their own (from the dense rows where the caller has them: a
+     * column's k floats side by side, where the packed panels hold them a line each), then all m
+     * rows in one call */
+    for (int64_t j = 0; j < u; j++) {
+        const int64_t v = w.cols[j];
+        float *dst = w.panels + j / PANEL * k * PANEL + j % PANEL;
+        if (dense) {
+            const float *src = dense + v * k;
+            for (int64_t kk = 0; kk < k; kk++) dst[kk * PANEL] = src[kk];
+        } else {
+            const float *src = packed + v / PANEL * k * PANEL + v % PANEL;
+            for (int64_t kk = 0; kk < k; kk++) dst[kk * PANEL] = src[kk * PANEL];
+        }
+        if (bias) w.bias[j] = bias[v];
+    }
+    if (u % PANEL)
+        for (int64_t kk = 0; kk < k; kk++)
+            memset(w.panels + u / PANEL * k * PANEL + kk * PANEL + u % PANEL, 0, sizeof(float) * (size_t)(PANEL - u % PANEL));
+    kvmesh_linear_f32(x, x_stride, m, k, w.panels, u, bias ? w.bias : NULL, w.exact, u);
+    /* each row's first maximum over its survivors (both lists ascending) */
+    for (int64_t r = 0; r < m; r++) {
+        const int32_t *col = w.col + r * ROW_CAP;
+        const float *exact = w.exact + r * u;
+        float best = -INFINITY;
+        int64_t at = -1;
+        for (int32_t i = 0, j = 0; i < w.count[r]; i++) {
+            while (w.cols[j] != col[i]) j++;
+            const float v = exact[j];
+            if (!isfinite(v)) return 1;
+            if (at < 0 || v > best) {
+                best = v;
+                at = col[i];
+            }
+        }
+        if (at < 0) return 1;  /* cannot happen: the floor's own column survives */
+        out[r] = at;
+    }
+    return 0;
+}
+
+#else
+
+int64_t kvmesh_head_screen_available(void) { return 0; }
+
+/* Without AVX512-BF16 there is no cheaper score: the caller runs head_argmax.c. */
+int kvmesh_head_screen_argmax(const float *x, int64_t x_stride, int64_t m, int64_t k, const float *packed,
+                              const float *dense, int64_t n, const float *bias, const uint16_t *screen, const float *norm,
+                              float *scratch, int64_t block_cols, void *work, int64_t cap, int64_t *out)
+{
+    (void)x, (void)x_stride, (void)m, (void)k, (void)packed, (void)dense, (void)n, (void)bias, (void)screen, (void)norm,
+        (void)scratch, (void)block_cols, (void)work, (void)cap, (void)out;
+    return -3;
+}
+
+#endif

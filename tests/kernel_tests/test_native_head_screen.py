@@ -1,0 +1,141 @@
+"""``native/head_screen.c`` through ``PackedWeight.argmax``: fp32 mode's greedy tokens with the
+vocabulary scored in bf16 first must be exactly the full fp32 head's (``sampler.greedy_tokens`` of
+the logits the same packed weight writes: the first maximum). The cases include rows whose bf16
+scores rank two columns the other way round from their fp32 logits, so a screen that trusted the
+scores, or bounded their error too tightly, fails here; ties, non-finite values and rows with too
+many columns left take the full head."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.model_runner.model.head_screen import HeadScreen, screen_applies
+from services.model_runner.model.packed import PackedWeight
+from services.model_runner.native import load_kernels
+from services.model_runner.sampler import greedy_tokens
+
+KERNELS = load_kernels()
+pytestmark = pytest.mark.skipif(
+    not screen_applies(KERNELS), reason="no AVX512-BF16 (vdpbf16ps or AMX) build of the native kernels here"
+)
+
+
+def _head(weight: torch.Tensor, bias: torch.Tensor | None = None, dense: bool = False) -> PackedWeight:
+    assert KERNELS is not None
+    head = PackedWeight(weight, bias, "native", KERNELS)
+    head.screen = HeadScreen(weight, KERNELS, dense=weight if dense else None)
+    return head
+
+
+def _screened(head: PackedWeight, x: torch.Tensor) -> torch.Tensor:
+    """The screen's own tokens (asserting it did not hand over to the full head), checked against
+    the full fp32 logits' greedy tokens and the head's argmax."""
+    assert head.screen is not None
+    packed = head.packed
+    assert isinstance(packed, torch.Tensor)
+    block = 48 * 8
+    scratch = torch.empty(x.shape[0] * block)
+    out = torch.full((x.shape[0],), -1, dtype=torch.int64)
+    assert head.screen.argmax(x, packed, head.bias, scratch, block, out), "the screen handed over to the full head"
+    assert torch.equal(out, greedy_tokens(head(x)))
+    assert torch.equal(head.argmax(x), out)  # type: ignore[arg-type]
+    return out
+
+
+def _flipped_pair(k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two weight rows whose fp32 dot products with x = (1, 1, 0, ...) order one way and whose
+    bf16-rounded ones the other: a = (1 + 2^-8 + d, same), rounded up to 1 + 2^-7 each, sums to
+    2.0078 (bf16: 2.0156); b = (1 + 2^-7 + 2^-8 - d, 1), rounded down to (1 + 2^-7, 1), sums to
+    2.0117 (bf16: 2.0078)."""
+    d = 2.0**-14
+    a, b = torch.zeros(k), torch.zeros(k)
+    a[0] = a[1] = 1 + 2.0**-8 + d
+    b[0], b[1] = 1 + 2.0**-7 + 2.0**-8 - d, 1.0
+    return a, b
+
+
+@pytest.mark.parametrize("dense", [False, True])
+def test_tokens_are_the_fp32_heads(dense: bool) -> None:
+    """Rows 1-40 (more than the GEMM's 8-row tile, a part tile), a vocabulary of part panels, an odd
+    k, with and without a bias, hidden states with a few large channels as a trained model's have;
+    the survivors gathered from the packed panels or from the dense rows."""
+    gen = torch.Generator().manual_seed(0)
+    for n, k in ((3001, 64), (1000, 37)):
+        weight, bias = torch.randn(n, k, generator=gen) * 0.05, torch.randn(n, generator=gen) * 0.1
+        for b in (None, bias):
+            head = _head(weight, b, dense)
+            for m in (1, 7, 8, 9, 40):
+                x = torch.randn(m, k, generator=gen)
+                x[:, 3] *= 20.0
+                _screened(head, x)
+
+
+def test_a_pair_ranked_the_other_way_in_bf16() -> None:
+    """Column 700 has the larger fp32 logit, column 300 the larger bf16 score: the bf16 head's own
+    argmax takes 300, the screen must still give 700 (it fails with a bound below bf16's rounding)."""
+    assert KERNELS is not None
+    k = 32
+    gen = torch.Generator().manual_seed(2)
+    weight = torch.randn(1024, k, generator=gen) * 0.01
+    weight[300], weight[700] = _flipped_pair(k)
+    x = torch.zeros(3, k)
+    x[:, 0] = x[:, 1] = 1.0
+    assert PackedWeight(weight, None, "native_bf16", KERNELS).argmax(x).tolist() == [300] * 3  # type: ignore[union-attr]
+    assert _screened(_head(weight), x).tolist() == [700] * 3
+
+
+def test_ties_take_the_first_column() -> None:
+    """Equal weight rows give equal fp32 logits: the first of them wins, whichever panel or lane
+    each sits in, and a row can tie in columns that other rows do not keep."""
+    gen = torch.Generator().manual_seed(1)
+    weight = torch.randn(500, 16, generator=gen) * 0.01
+    top = torch.full((16,), 0.5)
+    for col in (451, 130, 47, 48):
+        weight[col] = top
+    x = torch.ones(2, 16)
+    x[1] = -1.0
+    tokens = _screened(_head(weight), x)
+    assert tokens[0].item() == 47
+    assert tokens[1].item() != 47
+
+
+def test_non_finite_rows_and_overflow_take_the_full_head() -> None:
+    """A NaN or inf in x, or scores past fp32's range, hand the call to the full head: the tokens are
+    still numpy's over the full logits (a NaN logit counts as the maximum)."""
+    assert KERNELS is not None
+    gen = torch.Generator().manual_seed(3)
+    weight = torch.randn(200, 16, generator=gen)
+    weight[7, 5] = 4.0  # 3e38 times it is past fp32's range
+    head = _head(weight)
+    assert head.screen is not None
+    packed = head.packed
+    assert isinstance(packed, torch.Tensor)
+    for poison in (float("nan"), float("inf"), 3e38):
+        x = torch.randn(3, 16, generator=gen)
+        x[1, 5] = poison
+        out = torch.full((3,), -1, dtype=torch.int64)
+        assert not head.screen.argmax(x, packed, None, torch.empty(3 * 48), 48, out)
+        assert torch.equal(head.argmax(x), greedy_tokens(head(x)))  # type: ignore[arg-type]
+
+
+def test_a_flat_row_takes_the_full_head() -> None:
+    """Every column's logit equal: all of them survive, more than the screen computes (an eighth of
+    the vocabulary), so the full head runs and gives column 0."""
+    weight = torch.full((960, 8), 0.25)
+    head = _head(weight)
+    assert head.screen is not None and head.screen.cap == 960 // 8
+    packed = head.packed
+    assert isinstance(packed, torch.Tensor)
+    x = torch.ones(2, 8)
+    out = torch.full((2,), -1, dtype=torch.int64)
+    assert not head.screen.argmax(x, packed, None, torch.empty(2 * 96), 96, out)
+    assert head.argmax(x).tolist() == [0, 0]  # type: ignore[union-attr]
+
+
+def test_refuses_non_finite_weights() -> None:
+    assert KERNELS is not None
+    weight = torch.zeros(96, 8)
+    weight[5, 1] = float("inf")
+    with pytest.raises(ValueError, match="finite"):
+        HeadScreen(weight, KERNELS)
