@@ -63,11 +63,12 @@ class RunnerConfig:
         pack_tied_head: give a head tied to the embedding its own packed copy (fp32 on the CPU):
             a third faster vocabulary projection for ``vocab x hidden x 4`` more bytes
             (113 MB for SmolLM2-135M); off keeps one copy of the weight.
-        screen_head: in fp32 mode on the native kernels, where the bf16 GEMM runs ``vdpbf16ps`` or
-            AMX, greedy rows score the vocabulary in bf16 first and compute fp32 logits only for
-            the columns that could be their maximum (``model/head_screen.py``): the same tokens,
-            bit for bit, for a bf16 copy of the head (``vocab x hidden x 2`` bytes). Off: every
-            column's fp32 logit.
+        screen_head: greedy rows score the vocabulary in cheaper arithmetic first and compute
+            logits only for the columns that could be their maximum (``model/head_screen.py``):
+            the same tokens, bit for bit. fp32 mode on the native kernels scores in bf16 where the
+            bf16 GEMM runs ``vdpbf16ps`` or AMX (a bf16 copy of the head, ``vocab x hidden x 2``
+            bytes); bf16 mode in int8 groups where the CPU has AVX512-VNNI (``vocab x hidden``
+            bytes and two floats per 32 weights). Off: every column's logit.
         batch_invariant: every query row attended as a decode of its own position on the native
             kernels (needs them: fp32 or bf16 mode on the CPU, built): chunked prefill, prefix-cache hits and
             preemption then give bitwise a cold run's numbers, not only its greedy tokens, and

@@ -1,16 +1,23 @@
-"""``native/head_screen.c`` through ``PackedWeight.argmax``: fp32 mode's greedy tokens with the
-vocabulary scored in bf16 first must be exactly the full fp32 head's (``sampler.greedy_tokens`` of
-the logits the same packed weight writes: the first maximum). The cases include rows whose bf16
-scores rank two columns the other way round from their fp32 logits, so a screen that trusted the
-scores, or bounded their error too tightly, fails here; ties, non-finite values and rows with too
-many columns left take the full head."""
+"""``native/head_screen.c`` through ``PackedWeight.argmax``: greedy tokens with the vocabulary
+scored first in cheaper arithmetic (fp32 mode's head in bf16, bf16 mode's in int8 groups,
+``native/screen_int8.c``) must be exactly the full head's (``sampler.greedy_tokens`` of the logits
+the same packed weight writes: the first maximum). The cases include rows whose scores rank two
+columns the other way round from their logits, so a screen that trusted the scores, or bounded
+their error too tightly, fails here; ties, non-finite values and rows with too many columns left
+take the full head."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from services.model_runner.model.head_screen import HeadScreen, screen_applies
+from services.model_runner.model.head_screen import (
+    HeadScreen,
+    HeadScreenBf16,
+    pack_screen_int8,
+    screen_applies,
+    screen_bf16_applies,
+)
 from services.model_runner.model.packed import PackedWeight
 from services.model_runner.native import load_kernels
 from services.model_runner.sampler import greedy_tokens
@@ -21,10 +28,15 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _head(weight: torch.Tensor, bias: torch.Tensor | None = None, dense: bool = False) -> PackedWeight:
+BF16 = pytest.mark.skipif(not screen_bf16_applies(KERNELS), reason="no AVX512-VNNI beside the bf16 GEMM here")
+
+
+def _head(weight: torch.Tensor, bias: torch.Tensor | None = None, dense: bool = False,
+          mode: str = "native") -> PackedWeight:  # fmt: skip
     assert KERNELS is not None
-    head = PackedWeight(weight, bias, "native", KERNELS)
-    head.screen = HeadScreen(weight, KERNELS, dense=weight if dense else None)
+    head = PackedWeight(weight, bias, mode, KERNELS)
+    screen = HeadScreen if mode == "native" else HeadScreenBf16
+    head.screen = screen(weight, KERNELS, dense=weight if dense else None)
     return head
 
 
@@ -34,7 +46,7 @@ def _screened(head: PackedWeight, x: torch.Tensor) -> torch.Tensor:
     assert head.screen is not None
     packed = head.packed
     assert isinstance(packed, torch.Tensor)
-    block = 48 * 8
+    block = 48 * 8  # several blocks a row: the floor carried from block to block
     scratch = torch.empty(x.shape[0] * block)
     out = torch.full((x.shape[0],), -1, dtype=torch.int64)
     assert head.screen.argmax(x, packed, head.bias, scratch, block, out), "the screen handed over to the full head"
@@ -139,3 +151,57 @@ def test_refuses_non_finite_weights() -> None:
     weight[5, 1] = float("inf")
     with pytest.raises(ValueError, match="finite"):
         HeadScreen(weight, KERNELS)
+
+
+@BF16
+@pytest.mark.parametrize("dense", [False, True])
+def test_bf16_tokens_are_the_bf16_heads(dense: bool) -> None:
+    """bf16 mode's head, scored in int8 groups of 32: as the fp32 case, with a k that is no
+    multiple of the group (37: the codes padded) and one of several groups (96)."""
+    gen = torch.Generator().manual_seed(4)
+    for n, k in ((3001, 96), (1000, 37)):
+        weight, bias = torch.randn(n, k, generator=gen) * 0.05, torch.randn(n, generator=gen) * 0.1
+        for b in (None, bias):
+            head = _head(weight, b, dense, "native_bf16")
+            for m in (1, 5, 9, 40):
+                x = torch.randn(m, k, generator=gen)
+                x[:, 3] *= 20.0
+                _screened(head, x)
+
+
+@BF16
+def test_bf16_a_pair_ranked_the_other_way_in_int8() -> None:
+    """One group of 32, x = (1, 1, 0, ...) and a weight of 127/128 where x is 0 (the group's step
+    2^-7 for both columns): column 100 = (17, 17) x 2^-12, codes (1, 1), scores 2^-6 but logit
+    0.0083; column 900 = (47 x 2^-12, 0), codes (1, 0), score 2^-7 but logit 0.0115. int8 takes 100,
+    the screen must still give 900 (it fails with a bound cut below the codes' rounding)."""
+    assert KERNELS is not None
+    k = 32
+    weight = torch.randn(1024, k, generator=torch.Generator().manual_seed(5)) * 1e-4
+    weight[100, :2] = 17 * 2.0**-12
+    weight[900, 0], weight[900, 1] = 47 * 2.0**-12, 0.0
+    weight[100, 2] = weight[900, 2] = 127 / 128
+    x = torch.zeros(2, k)
+    x[:, 0] = x[:, 1] = 1.0
+    codes, step = pack_screen_int8(weight, KERNELS.panel_width)[:2]
+    w_hat = codes.transpose(1, 2).reshape(-1, k).double() * step.transpose(1, 2).reshape(-1, 1).double()
+    scores = x.double() @ w_hat[:1024].T
+    assert int(scores[0].argmax()) == 100  # the int8 scores' order
+    assert _screened(_head(weight, mode="native_bf16"), x).tolist() == [900, 900]
+
+
+@BF16
+def test_bf16_non_finite_and_flat_rows_take_the_full_head() -> None:
+    assert KERNELS is not None
+    gen = torch.Generator().manual_seed(6)
+    weight = torch.randn(960, 32, generator=gen)
+    head = _head(weight, mode="native_bf16")
+    flat = _head(torch.full((960, 32), 0.25), mode="native_bf16")
+    for h, x in ((head, torch.full((2, 32), float("nan"))), (head, torch.full((2, 32), float("inf"))),
+                 (flat, torch.ones(2, 32))):  # fmt: skip
+        assert h.screen is not None
+        packed = h.packed
+        assert isinstance(packed, torch.Tensor)
+        out = torch.full((2,), -1, dtype=torch.int64)
+        assert not h.screen.argmax(x, packed, None, torch.empty(2 * 96), 96, out)
+        assert torch.equal(h.argmax(x), greedy_tokens(h(x)))  # type: ignore[arg-type]

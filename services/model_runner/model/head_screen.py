@@ -1,11 +1,16 @@
-"""fp32 mode's greedy head, screened in bf16 (``native/head_screen.c``).
+"""Greedy heads screened by a cheaper copy (``native/head_screen.c``, ``native/screen_int8.c``).
 
-Greedy decoding keeps one column of the vocabulary projection a row. Where the CPU multiplies bf16
-faster than fp32 (AVX512-BF16's ``vdpbf16ps``, AMX), every column is scored in bf16 first, with a
-proven bound on how far a score can lie from its fp32 logit, and only the columns that could still
-be the row's maximum get their fp32 logits; the token is the one the full fp32 head gives, bit for
-bit (docs/model_runner.md, "The fp32 head screened in bf16"). The cost is a bf16 copy of the head
-(half its fp32 bytes) and one float per column.
+Greedy decoding keeps one column of the vocabulary projection a row. So every column is scored
+first in arithmetic the CPU runs faster than the head's own, with a proven bound on how far a score
+can lie from the column's logit, and only the columns that could still be the row's maximum get
+their logits; the token is the one the full head gives, bit for bit (docs/model_runner.md, "Greedy
+heads screened"):
+
+- :class:`HeadScreen`: fp32 mode's head, scored in bf16 (``vdpbf16ps`` or AMX, twice fp32's rate
+  or more); a bf16 copy of the head (half its fp32 bytes) and one float per column;
+- :class:`HeadScreenBf16`: bf16 mode's head, scored in int8 dot products (``vpdpbusd``, 4 k a lane
+  per instruction against ``vdpbf16ps``'s 2) in groups of 32 on both sides, as llama.cpp's Q8_0 x
+  Q8_0; int8 codes (a quarter of the fp32 bytes), two floats per column and group, two per column.
 """
 
 from __future__ import annotations
@@ -17,28 +22,86 @@ import torch
 from services.model_runner.model.packed import pack_panels_bf16
 from services.model_runner.native import NativeKernels
 
-# the most columns whose fp32 logits one call computes (a share of the vocabulary, at most UNION_MAX):
+# the most columns whose logits one call computes (a share of the vocabulary, at most UNION_MAX):
 # past it the screen has not paid and the call takes the full head (rows of near-equal logits)
 UNION_SHARE = 8
 UNION_MAX = 2048
 ALIGN = 64  # the workspace's alignment (head_screen.c carves it in 64-byte pieces)
+GROUP = 32  # screen_int8.h's SCREEN_GROUP: weights along k per int8 step, on both sides
+U = 2.0**-24  # fp32's unit roundoff
 
 
 def screen_applies(kernels: NativeKernels | None) -> bool:
-    """Whether a screen pays on this build: the bf16 GEMM runs ``vdpbf16ps`` or AMX tiles, not the
-    fp32 FMAs an Intel core without AMX runs bf16 mode on (no faster than fp32 there)."""
+    """Whether an fp32 head's bf16 screen pays on this build: the bf16 GEMM runs ``vdpbf16ps`` or
+    AMX tiles, not the fp32 FMAs an Intel core without AMX runs bf16 mode on (no faster there)."""
     return (kernels is not None and kernels.head_screen is not None and kernels.linear_bf16 is not None
             and not kernels.linear_bf16_fma)
 
 
-def screens(weight: torch.Tensor, kernels: NativeKernels | None) -> bool:
-    """Whether :class:`HeadScreen` takes this fp32 head on this build."""
-    return (screen_applies(kernels) and weight.dtype == torch.float32 and weight.device.type == "cpu"
-            and bool(torch.isfinite(weight).all()))
+def screen_bf16_applies(kernels: NativeKernels | None) -> bool:
+    """Whether a bf16 head's int8 screen runs on this build: AVX512-VNNI beside bf16 mode's
+    ``vdpbf16ps`` or AMX GEMM (not its FMA build, whose logits are not bf16 inputs')."""
+    return (kernels is not None and kernels.head_screen_bf16 is not None and kernels.linear_bf16 is not None
+            and not kernels.linear_bf16_fma)
 
 
-class HeadScreen:
-    """The bf16 copy of an fp32 head ``[n, k]`` and each column's 2-norm, rounded up.
+def _finite_cpu_fp32(weight: torch.Tensor) -> bool:
+    return weight.dtype == torch.float32 and weight.device.type == "cpu" and bool(torch.isfinite(weight).all())
+
+
+def screens(weight: torch.Tensor, kernels: NativeKernels | None, mode: str) -> bool:
+    """Whether a screen takes this fp32 (master) head packed for ``mode`` on this build."""
+    applies = {"native": screen_applies, "native_bf16": screen_bf16_applies}.get(mode)
+    return applies is not None and applies(kernels) and _finite_cpu_fp32(weight)
+
+
+def make_screen(weight: torch.Tensor, kernels: NativeKernels, mode: str,
+                dense: torch.Tensor | None = None) -> HeadScreen | HeadScreenBf16:
+    """The screen of a head packed for ``mode`` (``native`` or ``native_bf16``; see :func:`screens`)."""
+    return HeadScreen(weight, kernels, dense) if mode == "native" else HeadScreenBf16(weight, kernels, dense)
+
+
+def _up(values: torch.Tensor) -> torch.Tensor:
+    """float64 -> float32, never below the value."""
+    rounded = values.float()
+    return torch.where(rounded.double() < values, torch.nextafter(rounded, torch.full_like(rounded, math.inf)),
+                       rounded)
+
+
+class _Screen:
+    """What both screens share: the survivors' cap, the dense rows they may be gathered from, and
+    the call's workspace (kept between calls: no allocation, no page faults per step)."""
+
+    def __init__(self, weight: torch.Tensor, kernels: NativeKernels, dense: torch.Tensor | None):
+        if dense is not None and (dense.shape != weight.shape or not dense.is_contiguous()
+                                  or dense.dtype != torch.float32):
+            raise ValueError("dense must be the head's fp32 weights, contiguous")
+        self.kernels = kernels
+        self.dense = dense
+        self.n, self.k = weight.shape
+        self.cap = max(kernels.panel_width, min(UNION_MAX, self.n // UNION_SHARE))
+        self._work = torch.empty(0, dtype=torch.uint8)
+        self._work_rows = 0
+
+    def _workspace(self, rows: int) -> int:
+        if rows > self._work_rows:
+            size = int(self.kernels.head_screen_work_bytes(rows, self.k, self.n, self.cap))
+            self._work = torch.empty(size + ALIGN, dtype=torch.uint8)
+            self._work_rows = rows
+        return -(-self._work.data_ptr() // ALIGN) * ALIGN
+
+    def _dense_ptr(self) -> int | None:
+        return None if self.dense is None else self.dense.data_ptr()
+
+    @staticmethod
+    def _outcome(status: int) -> bool:
+        if status not in (0, 1):
+            raise RuntimeError(f"native head screen failed with status {status}")
+        return status == 0
+
+
+class HeadScreen(_Screen):
+    """fp32 mode's head ``[n, k]`` as bf16 panels, and each column's 2-norm, rounded up.
 
     ``packed`` is gemm_bf16.c's layout of the same weight (``pack_panels_bf16``), so it is moved
     onto huge pages with the other packed weights (``transforms.prepare_model``).
@@ -47,42 +110,85 @@ class HeadScreen:
     def __init__(self, weight: torch.Tensor, kernels: NativeKernels, dense: torch.Tensor | None = None):
         """``dense``: the same weights as fp32 rows that stay in memory anyway (a tied head's
         embedding), from which the survivors are gathered; None gathers them from the packed head."""
-        if not screens(weight, kernels):
+        if not screens(weight, kernels, "native"):
             raise ValueError("a bf16 screen needs finite fp32 weights and the native bf16 GEMM on vdpbf16ps or AMX")
-        self.kernels = kernels
+        super().__init__(weight, kernels, dense)
         weight = weight.detach()
         self.packed: object = pack_panels_bf16(weight, kernels.panel_width)  # a tensor (HoldsPacked)
-        norm = weight.double().norm(dim=1).float()
-        self.norm = torch.nextafter(norm, torch.full_like(norm, math.inf))  # never below the true norm
-        self.cap = max(kernels.panel_width, min(UNION_MAX, weight.shape[0] // UNION_SHARE))
-        if dense is not None and (dense.shape != weight.shape or not dense.is_contiguous()
-                                  or dense.dtype != torch.float32):
-            raise ValueError("dense must be the head's fp32 weights, contiguous")
-        self.dense = dense
-        self._work = torch.empty(0, dtype=torch.uint8)
-        self._work_rows = 0
+        self.norm = _up(weight.double().norm(dim=1))
 
     def argmax(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, scratch: torch.Tensor,
                block: int, out: torch.Tensor) -> bool:
         """Writes each row's greedy token into ``out`` and returns True; False where the caller must
         run the full head instead (a non-finite value, or too many columns left to compute)."""
-        n, k = self.norm.shape[0], x.shape[1]
-        rows = x.shape[0]
-        if rows > self._work_rows:  # kept between calls: no allocation, no page faults per step
-            size = int(self.kernels.head_screen_work_bytes(rows, k, n, self.cap))
-            self._work = torch.empty(size + ALIGN, dtype=torch.uint8)
-            self._work_rows = rows
-        work = -(-self._work.data_ptr() // ALIGN) * ALIGN
-        screen = self.packed
-        assert isinstance(screen, torch.Tensor)
-        kernel = self.kernels.head_screen
-        assert kernel is not None  # screens()
-        status = kernel(
-            x.data_ptr(), x.stride(0), rows, k, packed.data_ptr(),
-            None if self.dense is None else self.dense.data_ptr(), n, None if bias is None else bias.data_ptr(),
-            screen.data_ptr(), self.norm.data_ptr(), scratch.data_ptr(), block, work, self.cap,
-            out.data_ptr(),
-        )  # fmt: skip
-        if status not in (0, 1):
-            raise RuntimeError(f"native head screen failed with status {status}")
-        return status == 0
+        work = self._workspace(x.shape[0])
+        screen, kernel = self.packed, self.kernels.head_screen
+        assert isinstance(screen, torch.Tensor) and kernel is not None  # screens()
+        return self._outcome(kernel(
+            x.data_ptr(), x.stride(0), x.shape[0], self.k, packed.data_ptr(), self._dense_ptr(), self.n,
+            None if bias is None else bias.data_ptr(), screen.data_ptr(), self.norm.data_ptr(), scratch.data_ptr(),
+            block, work, self.cap, out.data_ptr(),
+        ))  # fmt: skip
+
+
+def pack_screen_int8(weight: torch.Tensor, width: int) -> tuple[torch.Tensor, ...]:
+    """bf16 mode's head ``[n, k]`` (fp32 master weights, rounded to bf16 as ``pack_panels_bf16``
+    rounds them) -> screen_int8.c's operands and head_screen.c's bound constants:
+
+    - codes ``[ceil(n / width), kq / 4, width, 4]`` int8: per group of :data:`GROUP` along k (kq = k
+      padded to it), round(w / step), step = the group's largest |w| / 127;
+    - scale, offset ``[ceil(n / width), kq / GROUP, width]`` fp32: the step, and 128 x step x the
+      group's code sum (the row's codes are unsigned, code + 128);
+    - c1, c2 ``[n]`` fp32, rounded up: ||w - w^|| and ||w^|| (w^ = step x code), each plus
+      rho x max(||w||, ||w^||) for the fp32 sums' rounding (head_screen.c's header comment).
+    """
+    n, k = weight.shape
+    kq, panels = -(-k // GROUP) * GROUP, -(-n // width)
+    w = torch.zeros(panels * width, kq)
+    w[:n, :k] = weight.detach().to(torch.bfloat16).float()
+    groups = w.view(panels * width, kq // GROUP, GROUP)
+    step = groups.abs().amax(dim=2) / 127.0  # fp32, as the kernel multiplies by it
+    safe = torch.where(step > 0, step, torch.ones_like(step))
+    codes = torch.where(step[..., None] > 0, torch.round(groups / safe[..., None]), 0.0).clamp(-127, 127)
+    offset = 128.0 * step * codes.sum(dim=2)
+    w_hat = (codes.double() * step.double()[..., None]).view(panels * width, kq)[:n]
+    exact = w.double()[:n]
+    rho = 4 * (k + 2) * U + 256 * U
+    scale_up = 1.0 + 2.0**-20
+    n_max = torch.maximum(exact.norm(dim=1), w_hat.norm(dim=1))
+    c1 = _up(((exact - w_hat).norm(dim=1) + rho * n_max) * scale_up)
+    c2 = _up((w_hat.norm(dim=1) + rho * n_max) * scale_up)
+    packed_codes = codes.to(torch.int8).view(panels, width, kq // 4, 4).transpose(1, 2).contiguous()
+    by_panel = (panels, width, kq // GROUP)
+    return (packed_codes, step.view(by_panel).transpose(1, 2).contiguous(),
+            offset.view(by_panel).transpose(1, 2).contiguous(), c1, c2)
+
+
+class HeadScreenBf16(_Screen):
+    """bf16 mode's head ``[n, k]`` as int8 codes in groups of 32 (``pack_screen_int8``).
+
+    ``packed`` (the codes) is moved onto huge pages with the other packed weights.
+    """
+
+    def __init__(self, weight: torch.Tensor, kernels: NativeKernels, dense: torch.Tensor | None = None):
+        """``dense``: the head's fp32 master rows that stay in memory anyway (a tied head's
+        embedding), from which the survivors are gathered and rounded to bf16; None gathers them
+        from the packed bf16 head."""
+        if not screens(weight, kernels, "native_bf16"):
+            raise ValueError("an int8 screen needs finite fp32 weights and AVX512-VNNI beside the bf16 GEMM")
+        super().__init__(weight, kernels, dense)
+        codes, self.scale, self.offset, self.c1, self.c2 = pack_screen_int8(weight, kernels.panel_width)
+        self.packed: object = codes  # a tensor (HoldsPacked)
+
+    def argmax(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, scratch: torch.Tensor,
+               block: int, out: torch.Tensor) -> bool:
+        """As :meth:`HeadScreen.argmax`, over bf16 mode's packed head."""
+        work = self._workspace(x.shape[0])
+        codes, kernel = self.packed, self.kernels.head_screen_bf16
+        assert isinstance(codes, torch.Tensor) and kernel is not None  # screens()
+        return self._outcome(kernel(
+            x.data_ptr(), x.stride(0), x.shape[0], self.k, packed.data_ptr(), self._dense_ptr(), self.n,
+            None if bias is None else bias.data_ptr(), codes.data_ptr(), self.scale.data_ptr(),
+            self.offset.data_ptr(), self.c1.data_ptr(), self.c2.data_ptr(), scratch.data_ptr(), block, work,
+            self.cap, out.data_ptr(),
+        ))  # fmt: skip

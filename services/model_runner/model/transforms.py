@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from services.model_runner.config import QUANTIZATIONS
-from services.model_runner.model.head_screen import HeadScreen, screens
+from services.model_runner.model.head_screen import make_screen, screens
 from services.model_runner.model.huge_pages import HoldsPacked, move_to_huge_pages
 from services.model_runner.model.layers import Linear
 from services.model_runner.model.native_layers import use_native_kernels
@@ -56,9 +56,10 @@ def prepare_model(
     groups and the head (tied or not) in Q8_0 for ``gemm_q4_1.c``, whose GEMMs are fp32 over the
     dequantized weights (docs/model_runner.md, "Weight-only Q4_1"); everything else is fp32 mode.
 
-    ``screen_head`` (fp32 mode on the native kernels, where the bf16 GEMM runs ``vdpbf16ps`` or AMX)
-    gives the packed head a bf16 copy that screens greedy decoding's columns (``model/head_screen.py``):
-    the same tokens, most of the vocabulary's fp32 logits never computed.
+    ``screen_head`` gives the packed head a cheaper copy that screens greedy decoding's columns
+    (``model/head_screen.py``): in fp32 mode a bf16 one, where the bf16 GEMM runs ``vdpbf16ps`` or
+    AMX; in bf16 mode int8 codes, where the CPU has AVX512-VNNI too. The same tokens, most of the
+    vocabulary's logits never computed.
 
     Raises:
         ValueError: an unknown ``quantization``, another one than the model was prepared
@@ -95,9 +96,9 @@ def prepare_model(
     # before packing frees an untied head's dense weight; a tied head's survivors come from the embedding
     head_weight = model.lm_head.weight if model.lm_head is not None else embedding
     screen = None
-    if screen_head and mode == "native" and kernels is not None and screens(head_weight, kernels):
+    if screen_head and kernels is not None and screens(head_weight, kernels, _head_mode(mode)):
         tied = model.lm_head is None and embedding.is_contiguous()
-        screen = HeadScreen(head_weight, kernels, dense=embedding.data if tied else None)
+        screen = make_screen(head_weight, kernels, _head_mode(mode), dense=embedding.data if tied else None)
     if quantization != "none" or bf16 or all(PackedWeight.supported(m.weight, mode) for m in linears):
         for module in linears:
             module.pack(_head_mode(mode) if module is model.lm_head else mode, kernels)
@@ -107,7 +108,7 @@ def prepare_model(
     if model.lm_head is None and pack_head:
         model.packed_head = PackedWeight(embedding, None, _head_mode(mode), kernels)
     head = model.lm_head.packed if model.lm_head is not None else model.packed_head
-    if head is not None and head.mode == "native":
+    if head is not None and head.mode in ("native", "native_bf16"):
         head.screen = screen
     else:
         screen = None

@@ -1,13 +1,14 @@
 /*
- * Greedy decoding's fp32 head, screened in bf16: each row's argmax over x W^T + b, the same column
- * head_argmax.c takes from gemm.c's fp32 logits, with most columns' fp32 logits never computed.
+ * Greedy heads screened in cheaper arithmetic. fp32 mode's, scored in bf16 (described first):
+ * each row's argmax over x W^T + b, the same column head_argmax.c takes from gemm.c's fp32 logits,
+ * with most columns' fp32 logits never computed. bf16 mode's, scored in int8 (at the end).
  *
  * Why: in fp32 mode the vocabulary projection is a fifth of a small model's GEMM work at batch 32
  * (SmolLM2: 49,152 x 576 of 134 M weights), and greedy decoding keeps one of its 49,152 columns a
  * row. A CPU with AVX512-BF16 (or AMX) multiplies bf16 at twice fp32's rate or more, and from
  * half the bytes. So every column is scored in bf16 first, with a bound on how far each score can
  * lie from its fp32 logit, and only the columns that could still be a row's maximum are computed in
- * fp32 (docs/model_runner.md, "The fp32 head screened in bf16").
+ * fp32 (docs/model_runner.md, "Greedy heads screened").
  *
  * Steps, per call:
  *   1. Scores: gemm_bf16.c's GEMM over a bf16 copy of W (packed as every bf16 weight is), block
@@ -37,6 +38,17 @@
  * ||y|| N_v + |b_v|, 2^-7 below the margin). A non-finite x, score or survivor's logit makes the
  * call return 1 and the caller take the full path (head_argmax.c), as do more survivors than
  * ROW_CAP in a row or than the caller's cap in all.
+ *
+ * bf16 mode (kvmesh_head_screen_bf16_argmax): the logits are gemm_bf16.c's, y = bf16(x) times the
+ * bf16 weights w, so the score must be cheaper than bf16: int8 codes in groups of 32 on both sides
+ * (screen_int8.c). With y's codes y^ = s_g q (e = y - y^) and the column's w^ = t_g c (r = w - w^),
+ * y.w - y^.w^ = y.r + e.w^, so |y.w - y^.w^| <= ||y|| R_v + ||e|| Q_v with R_v = ||r||, Q_v = ||w^||
+ * (the caller's, rounded up, each with rho N'_v added, N'_v >= ||w|| and ||w^||, for the two fp32
+ * sums, the logit's and the score's: its group sums and its offset's cancellation, all within
+ * 4 (k + 2) u + 256 u of ||y|| N'_v or ||e|| N'_v). Here a1 = ||y||, a2 = ||e|| (double, rounded
+ * up, with the 2^-8 margin) and e = a1 C1_v + a2 C2_v + B_v; the rest is as above, the survivors'
+ * logits computed by gemm_bf16.c over gathered bf16 panels (its result per column is a function of
+ * the row and the column's weights alone: gemm_bf16.c's batch invariance).
  */
 #include <math.h>
 #include <stdint.h>
@@ -44,6 +56,7 @@
 
 #include "gemm_bf16.h"
 #include "kernels.h"
+#include "screen_int8.h"
 
 #define PANEL BF16_PANEL /* gemm.c's width too */
 #define ROW_CAP 256      /* survivors a row keeps between compactions */
@@ -54,21 +67,27 @@ typedef struct {
     float *hi;     /* [m][ROW_CAP] their score + e */
     int32_t *count;
     float *floor;  /* [m] */
-    float *a;      /* [m] the rows' bound factor */
+    float *a;      /* [m] the rows' bound factors: e = a C1_v (+ a2 C2_v) + B_v */
+    float *a2;     /* [m] */
+    uint8_t *qx;   /* [m][kq] bf16 mode: the rows' unsigned int8 codes */
+    float *sx;     /* [m][kq / SCREEN_GROUP] their group steps */
     uint8_t *mark; /* [n] union membership */
     int32_t *cols; /* [cap] the union, ascending */
     float *bias;   /* [cap] its biases */
-    float *panels; /* [ceil(cap / PANEL)][k][PANEL] the union's fp32 weights, gathered */
+    void *panels;  /* the union's weights, gathered: [ceil(cap / PANEL)][k][PANEL] fp32 or [..][kp][PANEL][2] bf16 */
     float *exact;  /* [m][cap] the union's fp32 logits */
 } Work;
 
 static size_t up64(size_t bytes) { return (bytes + 63) / 64 * 64; }
 
 /* The bytes a call with these sizes needs as `work` (64-byte aligned by the caller). */
+static size_t kq_of(int64_t k) { return (size_t)((k + SCREEN_GROUP - 1) / SCREEN_GROUP * SCREEN_GROUP); }
+
 int64_t kvmesh_head_screen_work_bytes(int64_t m, int64_t k, int64_t n, int64_t cap)
 {
     const size_t rows = (size_t)m;
-    return (int64_t)(up64(rows * ROW_CAP * 4) * 2 + up64(rows * 4) * 3 + up64((size_t)n) + up64((size_t)cap * 4) * 2 +
+    return (int64_t)(up64(rows * ROW_CAP * 4) * 2 + up64(rows * 4) * 4 + up64(rows * kq_of(k)) +
+                     up64(rows * kq_of(k) / SCREEN_GROUP * 4) + up64((size_t)n) + up64((size_t)cap * 4) * 2 +
                      up64((size_t)((cap + PANEL - 1) / PANEL) * (size_t)k * PANEL * 4) + up64(rows * (size_t)cap * 4));
 }
 
@@ -86,10 +105,13 @@ static Work carve(char *base, int64_t m, int64_t k, int64_t n, int64_t cap)
     w.count = (int32_t *)base, base += up64(rows * 4);
     w.floor = (float *)base, base += up64(rows * 4);
     w.a = (float *)base, base += up64(rows * 4);
+    w.a2 = (float *)base, base += up64(rows * 4);
+    w.qx = (uint8_t *)base, base += up64(rows * kq_of(k));
+    w.sx = (float *)base, base += up64(rows * kq_of(k) / SCREEN_GROUP * 4);
     w.mark = (uint8_t *)base, base += up64((size_t)n);
     w.cols = (int32_t *)base, base += up64((size_t)cap * 4);
     w.bias = (float *)base, base += up64((size_t)cap * 4);
-    w.panels = (float *)base, base += up64((size_t)((cap + PANEL - 1) / PANEL) * (size_t)k * PANEL * 4);
+    w.panels = (void *)base, base += up64((size_t)((cap + PANEL - 1) / PANEL) * (size_t)k * PANEL * 4);
     w.exact = (float *)base;
     return w;
 }
@@ -126,119 +148,77 @@ static int32_t compact(Work *w, int64_t r)
     return kept;
 }
 
-/* Folds one row's block of scores (len columns from col0) into its floor and survivors. Returns 0,
+/* Folds one row's block of scores (len columns from col0) into its floor and survivors, with
+ * e = a C1 + a2 C2 (C2 NULL: none) + B, in one pass: each lane keeps its own running floor (never
+ * above the row's), and a column survives its lane's; the final floor prunes the rest. Returns 0,
  * or 1 where a score is not finite or the survivors outgrow ROW_CAP. */
-static int screen_row(Work *w, int64_t r, const float *s, const float *norm, const float *bias, int64_t col0,
-                      int64_t len)
+static int screen_row(Work *w, int64_t r, const float *s, const float *c1, const float *c2, const float *bias,
+                      int64_t col0, int64_t len)
 {
-    const __m512 a = _mm512_set1_ps(w->a[r]);
+    const __m512 a = _mm512_set1_ps(w->a[r]), a2 = _mm512_set1_ps(c2 ? w->a2[r] : 0.0f);
     const __m512 tiny = _mm512_set1_ps(0x1p-100f);
     const __m512 bias_rel = _mm512_set1_ps(0x1p-20f);  /* 16 u */
-    __m512 lo_max = _mm512_set1_ps(-INFINITY);
+    const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __m512 floor = _mm512_set1_ps(w->floor[r]);
+    int32_t *col = w->col + r * ROW_CAP;
+    float *hi = w->hi + r * ROW_CAP;
     for (int64_t i = 0; i < len; i += 16) {
         const __mmask16 live = len - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (len - i)) - 1u);
         const __m512 v = _mm512_maskz_loadu_ps(live, s + i);
         if (_mm512_mask_fpclass_ps_mask(live, v, 0x99)) return 1;  /* NaN or +-inf */
         __m512 b = tiny;
         if (bias) b = _mm512_fmadd_ps(_mm512_abs_ps(_mm512_maskz_loadu_ps(live, bias + i)), bias_rel, tiny);
-        const __m512 e = _mm512_fmadd_ps(a, _mm512_maskz_loadu_ps(live, norm + i), b);
-        lo_max = _mm512_mask_max_ps(lo_max, live, lo_max, _mm512_sub_ps(v, e));
-    }
-    const float floor = _mm512_reduce_max_ps(lo_max);
-    if (floor > w->floor[r]) w->floor[r] = floor;
-    const __m512 fl = _mm512_set1_ps(w->floor[r]);
-    int32_t *col = w->col + r * ROW_CAP;
-    float *hi = w->hi + r * ROW_CAP;
-    const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    for (int64_t i = 0; i < len; i += 16) {
-        const __mmask16 live = len - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (len - i)) - 1u);
-        const __m512 v = _mm512_maskz_loadu_ps(live, s + i);
-        __m512 b = tiny;
-        if (bias) b = _mm512_fmadd_ps(_mm512_abs_ps(_mm512_maskz_loadu_ps(live, bias + i)), bias_rel, tiny);
-        const __m512 h = _mm512_add_ps(v, _mm512_fmadd_ps(a, _mm512_maskz_loadu_ps(live, norm + i), b));
-        const __mmask16 keep = _mm512_mask_cmp_ps_mask(live, h, fl, _CMP_GE_OQ);
+        if (c2) b = _mm512_fmadd_ps(a2, _mm512_maskz_loadu_ps(live, c2 + i), b);
+        const __m512 e = _mm512_fmadd_ps(a, _mm512_maskz_loadu_ps(live, c1 + i), b);
+        floor = _mm512_mask_max_ps(floor, live, floor, _mm512_sub_ps(v, e));
+        const __m512 h = _mm512_add_ps(v, e);
+        const __mmask16 keep = _mm512_mask_cmp_ps_mask(live, h, floor, _CMP_GE_OQ);
         if (!keep) continue;
         const int add = __builtin_popcount(keep);
-        if (w->count[r] + add > ROW_CAP && compact(w, r) + add > ROW_CAP) return 1;
+        if (w->count[r] + add > ROW_CAP) {
+            const float now = _mm512_reduce_max_ps(floor);
+            if (now > w->floor[r]) w->floor[r] = now;
+            if (compact(w, r) + add > ROW_CAP) return 1;
+        }
         const __m512i c = _mm512_add_epi32(_mm512_set1_epi32((int32_t)(col0 + i)), iota);
         _mm512_mask_compressstoreu_epi32(col + w->count[r], keep, c);
         _mm512_mask_compressstoreu_ps(hi + w->count[r], keep, h);
         w->count[r] += add;
     }
+    const float now = _mm512_reduce_max_ps(floor);
+    if (now > w->floor[r]) w->floor[r] = now;
     return 0;
 }
 
-/* out[r] = the argmax of row r of x W^T + bias over the n columns (numpy's: the first maximum), W
- * packed for gemm.c (`packed`; `dense`, where not NULL, the same weights as rows [n, k]) and, rounded
- * to bf16, for gemm_bf16.c (`screen`); norm[v] >= the
- * fp32 row v's 2-norm. scratch holds [m, block_cols] fp32 (block_cols a multiple of the panel
- * width), work kvmesh_head_screen_work_bytes(m, k, n, cap) bytes, 64-byte aligned. Returns 0; 1 where
- * the caller must take the full path (a non-finite value, too many survivors: out is not set);
- * -1 for a bad block_cols, cap or n, -4 for 2^31 columns or more; 100 - the bf16 GEMM's (negative)
- * failure status. */
-int kvmesh_head_screen_argmax(const float *x, int64_t x_stride, int64_t m, int64_t k, const float *packed,
-                              const float *dense, int64_t n, const float *bias, const uint16_t *screen, const float *norm,
-                              float *scratch, int64_t block_cols, void *work, int64_t cap, int64_t *out)
+/* The union of the rows' survivors (each row's kept with its final floor), ascending, into w->cols;
+ * returns its size, or -1 past cap. */
+static int64_t gather_union(Work *w, int64_t m, int64_t n, int64_t cap)
 {
-    if (block_cols <= 0 || block_cols % PANEL || cap <= 0 || n <= 0) return -1;
-    if (n >= ((int64_t)1 << 31)) return -4;
-    if (m <= 0) return 0;
-    Work w = carve((char *)work, m, k, n, cap);
-    int bad = 0;
+    memset(w->mark, 0, (size_t)n);
     for (int64_t r = 0; r < m; r++) {
-        w.a[r] = row_factor(x + r * x_stride, k, &bad);
-        w.floor[r] = -INFINITY;
-        w.count[r] = 0;
-    }
-    if (bad) return 1;
-    const int64_t screen_panel = (k + 1) / 2 * 2 * PANEL;  /* bf16 elements of one panel */
-    for (int64_t c0 = 0; c0 < n; c0 += block_cols) {
-        const int64_t cols = n - c0 < block_cols ? n - c0 : block_cols;
-        const int failed = kvmesh_linear_bf16(x, x_stride, m, k, screen + c0 / PANEL * screen_panel, cols,
-                                              bias ? bias + c0 : NULL, scratch, block_cols);
-        if (failed) return 100 - failed;
-        for (int64_t r = 0; r < m; r++)
-            if (screen_row(&w, r, scratch + r * block_cols, norm + c0, bias ? bias + c0 : NULL, c0, cols)) return 1;
-    }
-    /* the union, ascending */
-    memset(w.mark, 0, (size_t)n);
-    for (int64_t r = 0; r < m; r++) {
-        compact(&w, r);
-        for (int32_t i = 0; i < w.count[r]; i++) w.mark[w.col[r * ROW_CAP + i]] = 1;
+        compact(w, r);
+        for (int32_t i = 0; i < w->count[r]; i++) w->mark[w->col[r * ROW_CAP + i]] = 1;
     }
     int64_t u = 0;
     for (int64_t v = 0; v < n; v++)
-        if (w.mark[v]) {
-            if (u == cap) return 1;
-            w.cols[u++] = (int32_t)v;
+        if (w->mark[v]) {
+            if (u == cap) return -1;
+            w->cols[u++] = (int32_t)v;
         }
-    /* their fp32 weights in panels of their own (from the dense rows where the caller has them: a
-     * column's k floats side by side, where the packed panels hold them a line each), then all m
-     * rows in one call */
-    for (int64_t j = 0; j < u; j++) {
-        const int64_t v = w.cols[j];
-        float *dst = w.panels + j / PANEL * k * PANEL + j % PANEL;
-        if (dense) {
-            const float *src = dense + v * k;
-            for (int64_t kk = 0; kk < k; kk++) dst[kk * PANEL] = src[kk];
-        } else {
-            const float *src = packed + v / PANEL * k * PANEL + v % PANEL;
-            for (int64_t kk = 0; kk < k; kk++) dst[kk * PANEL] = src[kk * PANEL];
-        }
-        if (bias) w.bias[j] = bias[v];
-    }
-    if (u % PANEL)
-        for (int64_t kk = 0; kk < k; kk++)
-            memset(w.panels + u / PANEL * k * PANEL + kk * PANEL + u % PANEL, 0, sizeof(float) * (size_t)(PANEL - u % PANEL));
-    kvmesh_linear_f32(x, x_stride, m, k, w.panels, u, bias ? w.bias : NULL, w.exact, u);
-    /* each row's first maximum over its survivors (both lists ascending) */
+    return u;
+}
+
+/* out[r] = each row's first maximum over its survivors, from the union's logits w->exact [m][u]
+ * (both lists ascending); 1 where a logit is not finite. */
+static int fold_survivors(const Work *w, int64_t m, int64_t u, int64_t *out)
+{
     for (int64_t r = 0; r < m; r++) {
-        const int32_t *col = w.col + r * ROW_CAP;
-        const float *exact = w.exact + r * u;
+        const int32_t *col = w->col + r * ROW_CAP;
+        const float *exact = w->exact + r * u;
         float best = -INFINITY;
         int64_t at = -1;
-        for (int32_t i = 0, j = 0; i < w.count[r]; i++) {
-            while (w.cols[j] != col[i]) j++;
+        for (int32_t i = 0, j = 0; i < w->count[r]; i++) {
+            while (w->cols[j] != col[i]) j++;
             const float v = exact[j];
             if (!isfinite(v)) return 1;
             if (at < 0 || v > best) {
@@ -252,17 +232,209 @@ int kvmesh_head_screen_argmax(const float *x, int64_t x_stride, int64_t m, int64
     return 0;
 }
 
+static void start_rows(Work *w, int64_t m)
+{
+    for (int64_t r = 0; r < m; r++) {
+        w->floor[r] = -INFINITY;
+        w->count[r] = 0;
+    }
+}
+
+/* out[r] = the argmax of row r of x W^T + bias over the n columns (numpy's: the first maximum), W
+ * packed for gemm.c (`packed`; `dense`, where not NULL, the same weights as rows [n, k]) and, rounded
+ * to bf16, for gemm_bf16.c (`screen`); norm[v] >= the fp32 row v's 2-norm. scratch holds
+ * [m, block_cols] fp32 (block_cols a multiple of the panel width), work
+ * kvmesh_head_screen_work_bytes(m, k, n, cap) bytes, 64-byte aligned. Returns 0; 1 where the caller
+ * must take the full path (a non-finite value, too many survivors: out is not set); -1 for a bad
+ * block_cols, cap or n, -4 for 2^31 columns or more; 100 - the bf16 GEMM's (negative) failure status. */
+int kvmesh_head_screen_argmax(const float *x, int64_t x_stride, int64_t m, int64_t k, const float *packed,
+                              const float *dense, int64_t n, const float *bias, const uint16_t *screen,
+                              const float *norm, float *scratch, int64_t block_cols, void *work, int64_t cap,
+                              int64_t *out)
+{
+    if (block_cols <= 0 || block_cols % PANEL || cap <= 0 || n <= 0) return -1;
+    if (n >= ((int64_t)1 << 31)) return -4;
+    if (m <= 0) return 0;
+    Work w = carve((char *)work, m, k, n, cap);
+    int bad = 0;
+    for (int64_t r = 0; r < m; r++) w.a[r] = row_factor(x + r * x_stride, k, &bad);
+    if (bad) return 1;
+    start_rows(&w, m);
+    const int64_t screen_panel = (k + 1) / 2 * 2 * PANEL;  /* bf16 elements of one panel */
+    for (int64_t c0 = 0; c0 < n; c0 += block_cols) {
+        const int64_t cols = n - c0 < block_cols ? n - c0 : block_cols;
+        const int failed = kvmesh_linear_bf16(x, x_stride, m, k, screen + c0 / PANEL * screen_panel, cols,
+                                              bias ? bias + c0 : NULL, scratch, block_cols);
+        if (failed) return 100 - failed;
+        for (int64_t r = 0; r < m; r++)
+            if (screen_row(&w, r, scratch + r * block_cols, norm + c0, NULL, bias ? bias + c0 : NULL, c0, cols))
+                return 1;
+    }
+    const int64_t u = gather_union(&w, m, n, cap);
+    if (u < 0) return 1;
+    /* their fp32 weights in panels of their own (from the dense rows where the caller has them: a
+     * column's k floats side by side, where the packed panels hold them a line each), then all m
+     * rows in one call */
+    float *panels = (float *)w.panels;
+    for (int64_t j = 0; j < u; j++) {
+        const int64_t v = w.cols[j];
+        float *dst = panels + j / PANEL * k * PANEL + j % PANEL;
+        if (dense) {
+            const float *src = dense + v * k;
+            for (int64_t kk = 0; kk < k; kk++) dst[kk * PANEL] = src[kk];
+        } else {
+            const float *src = packed + v / PANEL * k * PANEL + v % PANEL;
+            for (int64_t kk = 0; kk < k; kk++) dst[kk * PANEL] = src[kk * PANEL];
+        }
+        if (bias) w.bias[j] = bias[v];
+    }
+    if (u % PANEL)
+        for (int64_t kk = 0; kk < k; kk++)
+            memset(panels + u / PANEL * k * PANEL + kk * PANEL + u % PANEL, 0, sizeof(float) * (size_t)(PANEL - u % PANEL));
+    kvmesh_linear_f32(x, x_stride, m, k, panels, u, bias ? w.bias : NULL, w.exact, u);
+    return fold_survivors(&w, m, u, out);
+}
+
+#if defined(__AVX512VNNI__)
+int64_t kvmesh_head_screen_bf16_available(void) { return 1; }
+
+/* The rows' codes for screen_int8.c: y = bf16(x) as gemm_bf16.c rounds it, per group of
+ * SCREEN_GROUP a step s = max |y| / 127 and codes round(y / s) + 128; a = ||y||, a2 = ||y - s q||
+ * (double, with the 2^-8 margin, rounded up). *bad set where x is not finite. */
+static void quantize_rows(Work *w, const float *x, int64_t x_stride, int64_t m, int64_t k, int *bad)
+{
+    const int64_t kq = (int64_t)kq_of(k), groups = kq / SCREEN_GROUP;
+    uint16_t yb[SCREEN_GROUP];
+    for (int64_t r = 0; r < m; r++) {
+        double yy = 0.0, ee = 0.0;
+        for (int64_t g = 0; g < groups; g++) {
+            bf16_round32(x + r * x_stride + g * SCREEN_GROUP, k - g * SCREEN_GROUP, yb);
+            float y[SCREEN_GROUP], top = 0.0f;
+            for (int i = 0; i < SCREEN_GROUP; i++) {
+                const uint32_t bits = (uint32_t)yb[i] << 16;
+                memcpy(&y[i], &bits, 4);
+                const float mag = fabsf(y[i]);
+                if (!(mag <= 3.0e38f)) *bad = 1;  /* NaN, inf, or a step past fp32 */
+                top = mag > top ? mag : top;
+            }
+            const float step = top / 127.0f;
+            w->sx[r * groups + g] = step;
+            uint8_t *q = w->qx + r * kq + g * SCREEN_GROUP;
+            for (int i = 0; i < SCREEN_GROUP; i++) {
+                float c = step > 0.0f ? nearbyintf(y[i] / step) : 0.0f;
+                c = c > 127.0f ? 127.0f : c < -127.0f ? -127.0f : c;
+                q[i] = (uint8_t)(int)(c + 128.0f);
+                const double e = (double)y[i] - (double)step * (double)c;
+                yy += (double)y[i] * (double)y[i];
+                ee += e * e;
+            }
+        }
+        const double margin = 1.0 + ldexp(1.0, -8);
+        w->a[r] = nextafterf((float)(sqrt(yy) * margin), INFINITY);
+        w->a2[r] = nextafterf((float)(sqrt(ee) * margin), INFINITY);
+    }
+}
+
+/* bf16 mode's head: out[r] = the argmax of row r of bf16(x) W^T + bias (gemm_bf16.c's logits, numpy's
+ * first maximum), W packed for gemm_bf16.c (`packed`; `dense`, where not NULL, W's fp32 rows [n, k]
+ * that it was rounded from, to nearest even) and as int8 codes for screen_int8.c (`codes`, `scale`,
+ * `offset`); c1[v] and c2[v] the column's bound constants (the header comment). scratch, work,
+ * block_cols, cap and the statuses as kvmesh_head_screen_argmax's. */
+int kvmesh_head_screen_bf16_argmax(const float *x, int64_t x_stride, int64_t m, int64_t k, const uint16_t *packed,
+                                   const float *dense, int64_t n, const float *bias, const int8_t *codes,
+                                   const float *scale, const float *offset, const float *c1, const float *c2,
+                                   float *scratch, int64_t block_cols, void *work, int64_t cap, int64_t *out)
+{
+    if (block_cols <= 0 || block_cols % PANEL || cap <= 0 || n <= 0) return -1;
+    if (n >= ((int64_t)1 << 31)) return -4;
+    if (m <= 0) return 0;
+    Work w = carve((char *)work, m, k, n, cap);
+    int bad = 0;
+    quantize_rows(&w, x, x_stride, m, k, &bad);
+    if (bad) return 1;
+    start_rows(&w, m);
+    const int64_t kq = (int64_t)kq_of(k), groups = kq / SCREEN_GROUP;
+    for (int64_t c0 = 0; c0 < n; c0 += block_cols) {
+        const int64_t cols = n - c0 < block_cols ? n - c0 : block_cols, p0 = c0 / PANEL;
+        kvmesh_screen_int8_scores(w.qx, m, kq, w.sx, codes + p0 * kq * PANEL, scale + p0 * groups * PANEL,
+                                  offset + p0 * groups * PANEL, cols, scratch, block_cols);
+        for (int64_t r = 0; r < m; r++) {
+            float *s = scratch + r * block_cols;
+            if (bias)
+                for (int64_t i = 0; i < cols; i++) s[i] += bias[c0 + i];
+            if (screen_row(&w, r, s, c1 + c0, c2 + c0, bias ? bias + c0 : NULL, c0, cols)) return 1;
+        }
+    }
+    const int64_t u = gather_union(&w, m, n, cap);
+    if (u < 0) return 1;
+    /* their bf16 weights in panels of their own, [kp][PANEL][2] as pack_panels_bf16 lays them out:
+     * from the fp32 rows, rounded to nearest even as torch rounded them when packing, or from the
+     * packed panels */
+    const int64_t kp = (k + 1) / 2;
+    uint16_t *panels = (uint16_t *)w.panels;
+    memset(panels, 0, sizeof(uint16_t) * (size_t)((u + PANEL - 1) / PANEL * kp * PANEL * 2));
+    for (int64_t j = 0; j < u; j++) {
+        const int64_t v = w.cols[j];
+        uint16_t *dst = panels + (j / PANEL * kp * PANEL + j % PANEL) * 2;
+        if (dense) {
+            const float *src = dense + v * k;
+            for (int64_t kk = 0; kk < k; kk++) {
+                uint32_t bits;
+                memcpy(&bits, src + kk, 4);
+                dst[kk / 2 * PANEL * 2 + kk % 2] = (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+            }
+        } else {
+            const uint16_t *src = packed + (v / PANEL * kp * PANEL + v % PANEL) * 2;
+            for (int64_t p = 0; p < kp; p++) {
+                dst[p * PANEL * 2] = src[p * PANEL * 2];
+                dst[p * PANEL * 2 + 1] = src[p * PANEL * 2 + 1];
+            }
+        }
+        if (bias) w.bias[j] = bias[v];
+    }
+    const int failed = kvmesh_linear_bf16(x, x_stride, m, k, panels, u, bias ? w.bias : NULL, w.exact, u);
+    if (failed) return 100 - failed;
+    return fold_survivors(&w, m, u, out);
+}
+#else
+int64_t kvmesh_head_screen_bf16_available(void) { return 0; }
+
+int kvmesh_head_screen_bf16_argmax(const float *x, int64_t x_stride, int64_t m, int64_t k, const uint16_t *packed,
+                                   const float *dense, int64_t n, const float *bias, const int8_t *codes,
+                                   const float *scale, const float *offset, const float *c1, const float *c2,
+                                   float *scratch, int64_t block_cols, void *work, int64_t cap, int64_t *out)
+{
+    (void)x, (void)x_stride, (void)m, (void)k, (void)packed, (void)dense, (void)n, (void)bias, (void)codes,
+        (void)scale, (void)offset, (void)c1, (void)c2, (void)scratch, (void)block_cols, (void)work, (void)cap,
+        (void)out;
+    return -3;
+}
+#endif
+
 #else
 
 int64_t kvmesh_head_screen_available(void) { return 0; }
+int64_t kvmesh_head_screen_bf16_available(void) { return 0; }
 
 /* Without AVX512-BF16 there is no cheaper score: the caller runs head_argmax.c. */
 int kvmesh_head_screen_argmax(const float *x, int64_t x_stride, int64_t m, int64_t k, const float *packed,
-                              const float *dense, int64_t n, const float *bias, const uint16_t *screen, const float *norm,
-                              float *scratch, int64_t block_cols, void *work, int64_t cap, int64_t *out)
+                              const float *dense, int64_t n, const float *bias, const uint16_t *screen,
+                              const float *norm, float *scratch, int64_t block_cols, void *work, int64_t cap,
+                              int64_t *out)
 {
-    (void)x, (void)x_stride, (void)m, (void)k, (void)packed, (void)dense, (void)n, (void)bias, (void)screen, (void)norm,
-        (void)scratch, (void)block_cols, (void)work, (void)cap, (void)out;
+    (void)x, (void)x_stride, (void)m, (void)k, (void)packed, (void)dense, (void)n, (void)bias, (void)screen,
+        (void)norm, (void)scratch, (void)block_cols, (void)work, (void)cap, (void)out;
+    return -3;
+}
+
+int kvmesh_head_screen_bf16_argmax(const float *x, int64_t x_stride, int64_t m, int64_t k, const uint16_t *packed,
+                                   const float *dense, int64_t n, const float *bias, const int8_t *codes,
+                                   const float *scale, const float *offset, const float *c1, const float *c2,
+                                   float *scratch, int64_t block_cols, void *work, int64_t cap, int64_t *out)
+{
+    (void)x, (void)x_stride, (void)m, (void)k, (void)packed, (void)dense, (void)n, (void)bias, (void)codes,
+        (void)scale, (void)offset, (void)c1, (void)c2, (void)scratch, (void)block_cols, (void)work, (void)cap,
+        (void)out;
     return -3;
 }
 

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from services.model_runner.attention.base import AttentionMetadata
 from services.model_runner.attention.torch_backend import TorchAttentionBackend
 from services.model_runner.loader import load_model
-from services.model_runner.model.head_screen import screen_applies
+from services.model_runner.model.head_screen import HeadScreenBf16, screen_applies, screen_bf16_applies
 from services.model_runner.model.transforms import prepare_model
 from services.model_runner.native import load_kernels
 
@@ -89,7 +89,7 @@ def test_screened_fp32_head_matches_generate(
 ) -> None:  # fmt: skip
     """fp32 mode on the native kernels screens greedy rows' columns in bf16 where that pays
     (model/head_screen.py): the runner's head carries the screen, and the tokens are generate()'s.
-    Off with ``screen_head=False`` and in bf16 mode (whose head is bf16 already)."""
+    Off with ``screen_head=False``."""
     kernels = load_kernels()
     if not screen_applies(kernels):
         pytest.skip("no AVX512-BF16 (vdpbf16ps or AMX) build of the native kernels here")
@@ -99,24 +99,57 @@ def test_screened_fp32_head_matches_generate(
     assert head is not None and head.mode == "native" and head.screen is not None
     assert (head.screen.dense is not None) == (name == "qwen2")
     screened: list[bool] = []  # each call's outcome: True where the screen gave the tokens itself
-    screen_argmax = head.screen.argmax
-
-    def spy(*args: Any) -> bool:
-        screened.append(screen_argmax(*args))
-        return screened[-1]
-
-    monkeypatch.setattr(head.screen, "argmax", spy)
+    monkeypatch.setattr(head.screen, "argmax", _spy(head.screen.argmax, screened))
     sched = mini_scheduler(runner, chunk=5)
     sched.add(sim_request("a", _prompt(10, 11), max_new_tokens=12))
     sched.add(sim_request("b", _prompt(11, 7), max_new_tokens=8, arrival_step=2))
     sched.add(sim_request("c", _prompt(12, 9), max_new_tokens=6, arrival_step=3))
     _check_against_generate(runner, sched, folder, hf_model, reference_greedy)
     assert len(screened) >= 12 and all(screened)  # every step sampled through it, none handed over
-    for gemm_dtype, screen_head in (("float32", False), ("bfloat16", True)):
-        model, _ = load_model(folder)
-        prepare_model(model, "none", kernels=kernels, gemm_dtype=gemm_dtype, screen_head=screen_head)
-        other = model.lm_head.packed if model.lm_head is not None else model.packed_head
-        assert other is not None and other.screen is None
+    model, _ = load_model(folder)
+    prepare_model(model, "none", kernels=kernels, screen_head=False)
+    other = model.lm_head.packed if model.lm_head is not None else model.packed_head
+    assert other is not None and other.screen is None
+
+
+def _spy(argmax: Callable[..., bool], calls: list[bool]) -> Callable[..., bool]:
+    """``argmax`` itself, each outcome recorded (True: the screen gave the tokens)."""
+
+    def spy(*args: Any) -> bool:
+        calls.append(argmax(*args))
+        return calls[-1]
+
+    return spy
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+def test_screened_bf16_head_keeps_the_tokens(
+    name: str, checkpoint: Any, make_runner: Any, mini_scheduler: Any, sim_request: Any,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """bf16 mode's head screened in int8 groups (model/head_screen.py, where the CPU has
+    AVX512-VNNI): the same tokens as the same runner's full bf16 head, every step's from the screen."""
+    kernels = load_kernels()
+    if not screen_bf16_applies(kernels):
+        pytest.skip("no AVX512-VNNI beside the native bf16 GEMM here")
+    folder = checkpoint(name)
+    outputs = []
+    for screened in (True, False):
+        runner = make_runner(folder, num_blocks=96, backend="cpu", gemm_dtype="bfloat16")
+        head = runner.model.lm_head.packed if runner.model.lm_head is not None else runner.model.packed_head
+        assert head is not None and head.mode == "native_bf16" and isinstance(head.screen, HeadScreenBf16)
+        calls: list[bool] = []
+        if screened:
+            monkeypatch.setattr(head.screen, "argmax", _spy(head.screen.argmax, calls))
+        else:
+            head.screen = None
+        sched = mini_scheduler(runner, chunk=5)
+        sched.add(sim_request("a", _prompt(10, 11), max_new_tokens=12))
+        sched.add(sim_request("b", _prompt(11, 7), max_new_tokens=8, arrival_step=2))
+        sched.add(sim_request("c", _prompt(12, 9), max_new_tokens=6, arrival_step=3))
+        outputs.append(sched.run())
+        assert not screened or (len(calls) >= 12 and all(calls))
+    assert outputs[0] == outputs[1]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
