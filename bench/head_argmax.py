@@ -1,10 +1,13 @@
 """``python bench/head_argmax.py``: a greedy step's head, logits + numpy's argmax against
-``PackedWeight.argmax`` (``native/head_argmax.c``, the logits never written), in one process.
+``PackedWeight.argmax`` (``native/head_argmax.c``, the logits never written) and, where the build
+has one for the mode, against the same head screened (``model/head_screen.py``), in one process.
 
-The two take turns on the same rows (thread CPU time, medians after two warm-up turns; 1 thread),
+They take turns on the same rows (thread CPU time, medians after two warm-up turns; 1 thread),
 at 1, 8 and 32 rows, for bf16 mode's packing (where the CPU has AVX512-BF16) and fp32's, on
 SmolLM2-135M's tied head (49,152 x 576, from ``--model``) or, without that folder, random weights
-of its shape. Prints one line per case with both medians, their ratio and whether the tokens agree.
+of its shape. The rows are random, two of their channels 12x and 15x the others (a trained model's
+final hidden states carry a few such channels). Prints one line per case with the medians, the
+ratios to logits + argmax and whether the tokens agree.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # NOTE: run as a script; the repo root is not on sys.path
     sys.path.insert(0, str(ROOT))
 
+from services.model_runner.model.head_screen import make_screen, screens  # noqa: E402
 from services.model_runner.model.packed import PackedWeight  # noqa: E402
 from services.model_runner.native import load_kernels  # noqa: E402
 from services.model_runner.sampler import greedy_tokens  # noqa: E402
@@ -50,10 +54,18 @@ def main() -> None:
     modes = (["native_bf16"] if kernels.linear_bf16 is not None else []) + ["native"]
     for mode in modes:
         head = PackedWeight(weight, None, mode, kernels)
+        screened = None
+        if screens(weight, kernels, mode):
+            screened = PackedWeight(weight, None, mode, kernels)
+            screened.screen = make_screen(weight, kernels, mode, dense=weight.contiguous())
         for m in args.rows:
             x = torch.randn(m, weight.shape[1], generator=torch.Generator().manual_seed(m)) * 3
+            x[:, 17] *= 12.0
+            x[:, 199] *= 15.0
             calls = {"logits": lambda x=x, head=head: greedy_tokens(head(x)),
                      "argmax": lambda x=x, head=head: head.argmax(x)}  # fmt: skip
+            if screened is not None:
+                calls["screened"] = lambda x=x, head=screened: head.argmax(x)
             times: dict[str, list[float]] = {name: [] for name in calls}
             for turn in range(args.repeats + 2):
                 for name in calls if turn % 2 else reversed(list(calls)):
@@ -61,10 +73,12 @@ def main() -> None:
                     calls[name]()
                     if turn >= 2:
                         times[name].append(time.thread_time() - start)
-            a, b = (statistics.median(times[name]) for name in calls)
-            same = torch.equal(calls["logits"](), calls["argmax"]())
-            print(f"{mode} {m} rows: logits + argmax {a * 1e3:.2f} ms, head argmax {b * 1e3:.2f} ms, "
-                  f"ratio {b / a:.3f}, same tokens {same}", flush=True)  # fmt: skip
+            med = {name: statistics.median(t) for name, t in times.items()}
+            tokens = [calls[name]() for name in calls]
+            same = all(torch.equal(tokens[0], t) for t in tokens[1:])
+            print(f"{mode} {m} rows: " + ", ".join(f"{name} {med[name] * 1e3:.2f} ms" for name in calls)
+                  + "; ratios " + ", ".join(f"{name} {med[name] / med['logits']:.3f}" for name in list(calls)[1:])
+                  + f"; same tokens {same}", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -32,6 +32,11 @@ K/V they write are the same values at the same slots), timed in thread CPU time,
 on with this checkout's output. Reported: the medians of both and of their per-step ratio, and
 whether every output was bitwise the same. Why: between processes this machine drifts by a few
 percent in minutes, more than a change to one kernel moves a whole step.
+
+``--screen-ab``: two runners of ``--dtype``, one with ``RunnerConfig.screen_head`` (greedy heads
+screened, ``model/head_screen.py``) and one computing every logit, their decode steps taking turns
+in one process (thread CPU time, medians after two turns each); reported with whether every
+sequence's tokens agree.
 """
 
 from __future__ import annotations
@@ -67,6 +72,8 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--rpc", action="store_true")
     p.add_argument("--ab", default="", help="a commit: its decode stack against this checkout's, in one process")
     p.add_argument("--ab-turns", type=int, default=3, help="--ab: calls of each build per decode step")
+    p.add_argument("--screen-ab", action="store_true",
+                   help="two runners, RunnerConfig.screen_head on and off, their decode steps taking turns")
     p.add_argument("--json", default="")
     return p.parse_args()
 
@@ -179,7 +186,7 @@ class Stepper:
         return self._run(new, cached, finished)
 
 
-def _build(model: str, batch: int, blocks_per_seq: int, max_len: int) -> ModelRunner:
+def _build(model: str, batch: int, blocks_per_seq: int, max_len: int, screen_head: bool = True) -> ModelRunner:
     from services.model_runner.kv_pool import bytes_per_block
     from services.model_runner.model.config import ModelConfig
 
@@ -188,7 +195,8 @@ def _build(model: str, batch: int, blocks_per_seq: int, max_len: int) -> ModelRu
     blocks = batch * blocks_per_seq + (NS.steps + 2) * -(-NS.chunk // BLOCK_SIZE) + 2
     return build_runner(RunnerConfig(model_dir=model, device="cpu", num_threads=1, block_size=BLOCK_SIZE,
                                      kv_cache_memory_bytes=blocks * per_block, max_model_len=max_len,
-                                     dtype=NS.dtype, quantization=NS.quantization))  # fmt: skip
+                                     dtype=NS.dtype, quantization=NS.quantization,
+                                     screen_head=screen_head))  # fmt: skip
 
 
 def _timed_steps(fn: Callable[[], float]) -> dict[str, float]:
@@ -309,6 +317,9 @@ def main() -> None:
     if NS.ab:
         _main_ab()
         return
+    if NS.screen_ab:
+        _main_screen_ab()
+        return
     _time_native_kernels()
     model = _tiny_model() if NS.model == "tiny" else NS.model
     rows = []
@@ -359,6 +370,36 @@ def _main_ab() -> None:
                               "bitwise": ab.bitwise}), flush=True)  # fmt: skip
         finally:
             runner.pool.close()
+
+
+def _main_screen_ab() -> None:
+    """``--screen-ab``: per batch size, the decode steps of a runner whose greedy head is screened
+    (``model/head_screen.py``) and of one computing every logit, taking turns in this process
+    (thread CPU time; the same prompts, so the tokens must agree)."""
+    model = _tiny_model() if NS.model == "tiny" else NS.model
+    for batch in (int(b) for b in NS.batches.split(",")):
+        max_len = NS.input_len + NS.steps + 4
+        runners = {on: _build(model, batch, -(-max_len // BLOCK_SIZE), max_len, screen_head=on) for on in (True, False)}
+        torch.set_num_threads(1)
+        try:
+            steppers = {on: Stepper(r.execute, r.config.vocab_size, batch) for on, r in runners.items()}
+            seconds: dict[bool, list[float]] = {True: [], False: []}
+            for stepper in steppers.values():
+                stepper.prefill(NS.input_len)
+            for step in range(NS.steps + 2):
+                for on in (True, False) if step % 2 else (False, True):
+                    start = time.thread_time()
+                    steppers[on].decode()
+                    if step >= 2:  # the first turns warm both up
+                        seconds[on].append(time.thread_time() - start)
+            on_ms, off_ms = (statistics.median(seconds[on]) * 1e3 for on in (True, False))
+            same = all(steppers[True].seqs[r][0] == steppers[False].seqs[r][0] for r in steppers[True].seqs)
+            print(json.dumps({"batch": batch, "dtype": runners[True].model_info().dtype, "steps": NS.steps,
+                              "screened_ms": on_ms, "full_ms": off_ms, "screened_over_full": on_ms / off_ms,
+                              "same_tokens": same}), flush=True)  # fmt: skip
+        finally:
+            for runner in runners.values():
+                runner.pool.close()
 
 
 if __name__ == "__main__":

@@ -285,6 +285,9 @@ def build_runner(config: RunnerConfig, flags: Iterable[str] | None = None, vendo
         attention_backend_reason=backend_reason, gemm_dtype="bfloat16" if native_bf16 else "float32",
         streaming_sinks=config.streaming_sinks, streaming_window=config.streaming_window,
     )
+    head = core.model.head_packing
+    if head is not None and head.screen is not None:
+        log.info("%s", head.screen.describe())
     core.compute = compute_thread(config, device)
     log.info("%s", core.compute.describe())
     if pool.is_fp8:

@@ -29,6 +29,7 @@ UNION_MAX = 2048
 ALIGN = 64  # the workspace's alignment (head_screen.c carves it in 64-byte pieces)
 GROUP = 32  # screen_int8.h's SCREEN_GROUP: weights along k per int8 step, on both sides
 U = 2.0**-24  # fp32's unit roundoff
+PACK_PANELS = 64  # panels a chunk when packing (3,072 rows of a 576-wide head: ~14 MB of float64)
 
 
 def screen_applies(kernels: NativeKernels | None) -> bool:
@@ -90,6 +91,9 @@ class _Screen:
             self._work_rows = rows
         return -(-self._work.data_ptr() // ALIGN) * ALIGN
 
+    def _source(self) -> str:
+        return "packed head" if self.dense is None else "embedding's rows"
+
     def _dense_ptr(self) -> int | None:
         return None if self.dense is None else self.dense.data_ptr()
 
@@ -115,7 +119,12 @@ class HeadScreen(_Screen):
         super().__init__(weight, kernels, dense)
         weight = weight.detach()
         self.packed: object = pack_panels_bf16(weight, kernels.panel_width)  # a tensor (HoldsPacked)
-        self.norm = _up(weight.double().norm(dim=1))
+        chunks = weight.split(PACK_PANELS * kernels.panel_width)  # float64 a chunk at a time
+        self.norm = torch.cat([_up(rows.double().norm(dim=1)) for rows in chunks])
+
+    def describe(self) -> str:
+        unit = "AMX" if self.kernels.linear_bf16_amx else "vdpbf16ps"
+        return f"greedy fp32 head screened in bf16 ({unit}), survivors gathered from the {self._source()}"
 
     def argmax(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, scratch: torch.Tensor,
                block: int, out: torch.Tensor) -> bool:
@@ -141,27 +150,35 @@ def pack_screen_int8(weight: torch.Tensor, width: int) -> tuple[torch.Tensor, ..
       group's code sum (the row's codes are unsigned, code + 128);
     - c1, c2 ``[n]`` fp32, rounded up: ||w - w^|| and ||w^|| (w^ = step x code), each plus
       rho x max(||w||, ||w^||) for the fp32 sums' rounding (head_screen.c's header comment).
+
+    Computed a chunk of panels at a time, so loading holds a few MB of float64 at once, not a
+    head's worth.
     """
     n, k = weight.shape
-    kq, panels = -(-k // GROUP) * GROUP, -(-n // width)
-    w = torch.zeros(panels * width, kq)
-    w[:n, :k] = weight.detach().to(torch.bfloat16).float()
-    groups = w.view(panels * width, kq // GROUP, GROUP)
-    step = groups.abs().amax(dim=2) / 127.0  # fp32, as the kernel multiplies by it
-    safe = torch.where(step > 0, step, torch.ones_like(step))
-    codes = torch.where(step[..., None] > 0, torch.round(groups / safe[..., None]), 0.0).clamp(-127, 127)
-    offset = 128.0 * step * codes.sum(dim=2)
-    w_hat = (codes.double() * step.double()[..., None]).view(panels * width, kq)[:n]
-    exact = w.double()[:n]
-    rho = 4 * (k + 2) * U + 256 * U
-    scale_up = 1.0 + 2.0**-20
-    n_max = torch.maximum(exact.norm(dim=1), w_hat.norm(dim=1))
-    c1 = _up(((exact - w_hat).norm(dim=1) + rho * n_max) * scale_up)
-    c2 = _up((w_hat.norm(dim=1) + rho * n_max) * scale_up)
-    packed_codes = codes.to(torch.int8).view(panels, width, kq // 4, 4).transpose(1, 2).contiguous()
-    by_panel = (panels, width, kq // GROUP)
-    return (packed_codes, step.view(by_panel).transpose(1, 2).contiguous(),
-            offset.view(by_panel).transpose(1, 2).contiguous(), c1, c2)
+    kq, panels, groups = -(-k // GROUP) * GROUP, -(-n // width), -(-k // GROUP)
+    codes = torch.empty(panels, kq // 4, width, 4, dtype=torch.int8)
+    step_out = torch.empty(panels, groups, width)
+    offset_out = torch.empty(panels, groups, width)
+    c1, c2 = torch.empty(n), torch.empty(n)
+    rho, scale_up = 4 * (k + 2) * U + 256 * U, 1.0 + 2.0**-20
+    for p0 in range(0, panels, PACK_PANELS):
+        p1 = min(panels, p0 + PACK_PANELS)
+        r0, r1 = p0 * width, min(n, p1 * width)
+        w = torch.zeros((p1 - p0) * width, kq)
+        w[: r1 - r0, :k] = weight[r0:r1].detach().to(torch.bfloat16).float()
+        by_group = w.view(-1, groups, GROUP)
+        step = by_group.abs().amax(dim=2) / 127.0  # fp32, as the kernel multiplies by it
+        safe = torch.where(step > 0, step, torch.ones_like(step))
+        code = torch.where(step[..., None] > 0, torch.round(by_group / safe[..., None]), 0.0).clamp(-127, 127)
+        codes[p0:p1] = code.to(torch.int8).view(p1 - p0, width, kq // 4, 4).transpose(1, 2)
+        step_out[p0:p1] = step.view(p1 - p0, width, groups).transpose(1, 2)
+        offset_out[p0:p1] = (128.0 * step * code.sum(dim=2)).view(p1 - p0, width, groups).transpose(1, 2)
+        w_hat = (code.double() * step.double()[..., None]).view(-1, kq)[: r1 - r0]
+        exact = w.double()[: r1 - r0]
+        n_max = torch.maximum(exact.norm(dim=1), w_hat.norm(dim=1))
+        c1[r0:r1] = _up(((exact - w_hat).norm(dim=1) + rho * n_max) * scale_up)
+        c2[r0:r1] = _up((w_hat.norm(dim=1) + rho * n_max) * scale_up)
+    return codes, step_out, offset_out, c1, c2
 
 
 class HeadScreenBf16(_Screen):
@@ -179,6 +196,10 @@ class HeadScreenBf16(_Screen):
         super().__init__(weight, kernels, dense)
         codes, self.scale, self.offset, self.c1, self.c2 = pack_screen_int8(weight, kernels.panel_width)
         self.packed: object = codes  # a tensor (HoldsPacked)
+
+    def describe(self) -> str:
+        return (f"greedy bf16 head screened in int8 groups of {GROUP} (vpdpbusd), survivors gathered from the "
+                f"{self._source()}")
 
     def argmax(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, scratch: torch.Tensor,
                block: int, out: torch.Tensor) -> bool:

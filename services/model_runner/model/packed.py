@@ -86,6 +86,10 @@ class ArgmaxScreen(Protocol):
     def argmax(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, scratch: torch.Tensor,
                block: int, out: torch.Tensor) -> bool: ...
 
+    def describe(self) -> str:
+        """What scores the columns, for the runner's log."""
+        ...
+
 
 class PackedWeight:
     """A ``[out, in]`` weight (and bias) packed for one kernel; ``packed(x)`` is ``x W^T + b``.

@@ -118,11 +118,17 @@ class CausalLM(nn.Module):
         """
         return self.model(input_ids, positions, ctx)
 
+    @property
+    def head_packing(self) -> PackedWeight | None:
+        """The vocabulary projection's packed weight: the untied head's, or the tied head's copy;
+        None where the head runs on a dense weight."""
+        return self.lm_head.packed if self.lm_head is not None else self.packed_head
+
     def head_argmax(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """``[N, hidden]`` -> ``[N]`` int64: each row's argmax of :meth:`compute_logits` (the first
         maximum, as greedy sampling takes it), without writing the logits where the packed head's
         native kernel runs (``PackedWeight.argmax``); None elsewhere."""
-        head = self.lm_head.packed if self.lm_head is not None else self.packed_head
+        head = self.head_packing
         return None if head is None else head.argmax(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -107,7 +107,7 @@ def prepare_model(
     pack_head = quantization != "none" or bf16 or (pack_tied_head and PackedWeight.supported(embedding, mode))
     if model.lm_head is None and pack_head:
         model.packed_head = PackedWeight(embedding, None, _head_mode(mode), kernels)
-    head = model.lm_head.packed if model.lm_head is not None else model.packed_head
+    head = model.head_packing
     if head is not None and head.mode in ("native", "native_bf16"):
         head.screen = screen
     else:

@@ -95,7 +95,7 @@ def test_screened_fp32_head_matches_generate(
         pytest.skip("no AVX512-BF16 (vdpbf16ps or AMX) build of the native kernels here")
     folder = checkpoint(name)
     runner = make_runner(folder, num_blocks=96, backend="cpu")
-    head = runner.model.lm_head.packed if runner.model.lm_head is not None else runner.model.packed_head
+    head = runner.model.head_packing
     assert head is not None and head.mode == "native" and head.screen is not None
     assert (head.screen.dense is not None) == (name == "qwen2")
     screened: list[bool] = []  # each call's outcome: True where the screen gave the tokens itself
@@ -108,7 +108,7 @@ def test_screened_fp32_head_matches_generate(
     assert len(screened) >= 12 and all(screened)  # every step sampled through it, none handed over
     model, _ = load_model(folder)
     prepare_model(model, "none", kernels=kernels, screen_head=False)
-    other = model.lm_head.packed if model.lm_head is not None else model.packed_head
+    other = model.head_packing
     assert other is not None and other.screen is None
 
 
@@ -136,7 +136,7 @@ def test_screened_bf16_head_keeps_the_tokens(
     outputs = []
     for screened in (True, False):
         runner = make_runner(folder, num_blocks=96, backend="cpu", gemm_dtype="bfloat16")
-        head = runner.model.lm_head.packed if runner.model.lm_head is not None else runner.model.packed_head
+        head = runner.model.head_packing
         assert head is not None and head.mode == "native_bf16" and isinstance(head.screen, HeadScreenBf16)
         calls: list[bool] = []
         if screened:
