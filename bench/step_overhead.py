@@ -35,8 +35,8 @@ percent in minutes, more than a change to one kernel moves a whole step.
 
 ``--screen-ab``: two runners of ``--dtype``, one with ``RunnerConfig.screen_head`` (greedy heads
 screened, ``model/head_screen.py``) and one computing every logit, their decode steps taking turns
-in one process (thread CPU time, medians after two turns each); reported with whether every
-sequence's tokens agree.
+in one process (thread CPU time, medians and means after two turns each: a step the screen hands
+to the full head is in the mean); reported with whether every sequence's tokens agree.
 """
 
 from __future__ import annotations
@@ -393,9 +393,12 @@ def _main_screen_ab() -> None:
                     if step >= 2:  # the first turns warm both up
                         seconds[on].append(time.thread_time() - start)
             on_ms, off_ms = (statistics.median(seconds[on]) * 1e3 for on in (True, False))
+            on_mean, off_mean = (statistics.fmean(seconds[on]) * 1e3 for on in (True, False))
             same = all(steppers[True].seqs[r][0] == steppers[False].seqs[r][0] for r in steppers[True].seqs)
             print(json.dumps({"batch": batch, "dtype": runners[True].model_info().dtype, "steps": NS.steps,
                               "screened_ms": on_ms, "full_ms": off_ms, "screened_over_full": on_ms / off_ms,
+                              "screened_mean_ms": on_mean, "full_mean_ms": off_mean,
+                              "mean_screened_over_full": on_mean / off_mean,
                               "same_tokens": same}), flush=True)  # fmt: skip
         finally:
             for runner in runners.values():

@@ -132,11 +132,11 @@ def test_non_finite_rows_and_overflow_take_the_full_head() -> None:
 
 
 def test_a_flat_row_takes_the_full_head() -> None:
-    """Every column's logit equal: all of them survive, more than the screen computes (an eighth of
+    """Every column's logit equal: all of them survive, more than the screen computes (a quarter of
     the vocabulary), so the full head runs and gives column 0."""
     weight = torch.full((960, 8), 0.25)
     head = _head(weight)
-    assert head.screen is not None and head.screen.cap == 960 // 8
+    assert head.screen is not None and head.screen.cap == 960 // 4
     packed = head.packed
     assert isinstance(packed, torch.Tensor)
     x = torch.ones(2, 8)

@@ -24,8 +24,8 @@ from services.model_runner.native import NativeKernels
 
 # the most columns whose logits one call computes (a share of the vocabulary, at most UNION_MAX):
 # past it the screen has not paid and the call takes the full head (rows of near-equal logits)
-UNION_SHARE = 8
-UNION_MAX = 2048
+UNION_SHARE = 4
+UNION_MAX = 16384
 ALIGN = 64  # the workspace's alignment (head_screen.c carves it in 64-byte pieces)
 GROUP = 32  # screen_int8.h's SCREEN_GROUP: weights along k per int8 step, on both sides
 U = 2.0**-24  # fp32's unit roundoff

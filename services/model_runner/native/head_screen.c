@@ -59,7 +59,7 @@
 #include "screen_int8.h"
 
 #define PANEL BF16_PANEL /* gemm.c's width too */
-#define ROW_CAP 256      /* survivors a row keeps between compactions */
+#define ROW_CAP 4096     /* survivors a row keeps between compactions */
 
 /* The call's workspace, carved from the caller's buffer (kvmesh_head_screen_work_bytes). */
 typedef struct {
