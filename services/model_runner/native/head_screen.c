@@ -295,7 +295,24 @@ int kvmesh_head_screen_argmax(const float *x, int64_t x_stride, int64_t m, int64
     return fold_survivors(&w, m, u, out);
 }
 
-#if defined(__AVX512VNNI__)
+#else
+
+int64_t kvmesh_head_screen_available(void) { return 0; }
+
+/* Without AVX512-BF16 there is no cheaper score: the caller runs head_argmax.c. */
+int kvmesh_head_screen_argmax(const float *x, int64_t x_stride, int64_t m, int64_t k, const float *packed,
+                              const float *dense, int64_t n, const float *bias, const uint16_t *screen,
+                              const float *norm, float *scratch, int64_t block_cols, void *work, int64_t cap,
+                              int64_t *out)
+{
+    (void)x, (void)x_stride, (void)m, (void)k, (void)packed, (void)dense, (void)n, (void)bias, (void)screen,
+        (void)norm, (void)scratch, (void)block_cols, (void)work, (void)cap, (void)out;
+    return -3;
+}
+
+#endif
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512DQ__) && defined(__AVX512VNNI__)
 int64_t kvmesh_head_screen_bf16_available(void) { return 1; }
 
 /* The rows' codes for screen_int8.c: y = bf16(x) as gemm_bf16.c rounds it, per group of
@@ -397,35 +414,9 @@ int kvmesh_head_screen_bf16_argmax(const float *x, int64_t x_stride, int64_t m, 
     return fold_survivors(&w, m, u, out);
 }
 #else
+
+/* Without AVX512-VNNI (or AVX512-BF16) bf16 mode's head has no int8 screen: the caller runs head_argmax.c. */
 int64_t kvmesh_head_screen_bf16_available(void) { return 0; }
-
-int kvmesh_head_screen_bf16_argmax(const float *x, int64_t x_stride, int64_t m, int64_t k, const uint16_t *packed,
-                                   const float *dense, int64_t n, const float *bias, const int8_t *codes,
-                                   const float *scale, const float *offset, const float *c1, const float *c2,
-                                   float *scratch, int64_t block_cols, void *work, int64_t cap, int64_t *out)
-{
-    (void)x, (void)x_stride, (void)m, (void)k, (void)packed, (void)dense, (void)n, (void)bias, (void)codes,
-        (void)scale, (void)offset, (void)c1, (void)c2, (void)scratch, (void)block_cols, (void)work, (void)cap,
-        (void)out;
-    return -3;
-}
-#endif
-
-#else
-
-int64_t kvmesh_head_screen_available(void) { return 0; }
-int64_t kvmesh_head_screen_bf16_available(void) { return 0; }
-
-/* Without AVX512-BF16 there is no cheaper score: the caller runs head_argmax.c. */
-int kvmesh_head_screen_argmax(const float *x, int64_t x_stride, int64_t m, int64_t k, const float *packed,
-                              const float *dense, int64_t n, const float *bias, const uint16_t *screen,
-                              const float *norm, float *scratch, int64_t block_cols, void *work, int64_t cap,
-                              int64_t *out)
-{
-    (void)x, (void)x_stride, (void)m, (void)k, (void)packed, (void)dense, (void)n, (void)bias, (void)screen,
-        (void)norm, (void)scratch, (void)block_cols, (void)work, (void)cap, (void)out;
-    return -3;
-}
 
 int kvmesh_head_screen_bf16_argmax(const float *x, int64_t x_stride, int64_t m, int64_t k, const uint16_t *packed,
                                    const float *dense, int64_t n, const float *bias, const int8_t *codes,
