@@ -183,7 +183,7 @@ def test_bf16_a_pair_ranked_the_other_way_in_int8() -> None:
     weight[100, 2] = weight[900, 2] = 127 / 128
     x = torch.zeros(2, k)
     x[:, 0] = x[:, 1] = 1.0
-    codes, step = pack_screen_int8(weight, KERNELS.panel_width)[:2]
+    codes, step = pack_screen_int8(weight, KERNELS.panel_width, KERNELS.screen_group)[:2]
     w_hat = codes.transpose(1, 2).reshape(-1, k).double() * step.transpose(1, 2).reshape(-1, 1).double()
     scores = x.double() @ w_hat[:1024].T
     assert int(scores[0].argmax()) == 100  # the int8 scores' order

@@ -27,7 +27,6 @@ from services.model_runner.native import NativeKernels
 UNION_SHARE = 4
 UNION_MAX = 16384
 ALIGN = 64  # the workspace's alignment (head_screen.c carves it in 64-byte pieces)
-GROUP = 32  # screen_int8.h's SCREEN_GROUP: weights along k per int8 step, on both sides
 U = 2.0**-24  # fp32's unit roundoff
 PACK_PANELS = 64  # panels a chunk when packing (3,072 rows of a 576-wide head: ~14 MB of float64)
 
@@ -140,13 +139,14 @@ class HeadScreen(_Screen):
         ))  # fmt: skip
 
 
-def pack_screen_int8(weight: torch.Tensor, width: int) -> tuple[torch.Tensor, ...]:
+def pack_screen_int8(weight: torch.Tensor, width: int, group: int) -> tuple[torch.Tensor, ...]:
     """bf16 mode's head ``[n, k]`` (fp32 master weights, rounded to bf16 as ``pack_panels_bf16``
     rounds them) -> screen_int8.c's operands and head_screen.c's bound constants:
 
-    - codes ``[ceil(n / width), kq / 4, width, 4]`` int8: per group of :data:`GROUP` along k (kq = k
-      padded to it), round(w / step), step = the group's largest |w| / 127;
-    - scale, offset ``[ceil(n / width), kq / GROUP, width]`` fp32: the step, and 128 x step x the
+    - codes ``[ceil(n / width), kq / 4, width, 4]`` int8: per ``group`` weights along k (kq = k
+      padded to it; screen_int8.h's SCREEN_GROUP, ``NativeKernels.screen_group``), round(w / step),
+      step = the group's largest |w| / 127;
+    - scale, offset ``[ceil(n / width), kq / group, width]`` fp32: the step, and 128 x step x the
       group's code sum (the row's codes are unsigned, code + 128);
     - c1, c2 ``[n]`` fp32, rounded up: ||w - w^|| and ||w^|| (w^ = step x code), each plus
       rho x max(||w||, ||w^||) for the fp32 sums' rounding (head_screen.c's header comment).
@@ -155,7 +155,7 @@ def pack_screen_int8(weight: torch.Tensor, width: int) -> tuple[torch.Tensor, ..
     head's worth.
     """
     n, k = weight.shape
-    kq, panels, groups = -(-k // GROUP) * GROUP, -(-n // width), -(-k // GROUP)
+    kq, panels, groups = -(-k // group) * group, -(-n // width), -(-k // group)
     codes = torch.empty(panels, kq // 4, width, 4, dtype=torch.int8)
     step_out = torch.empty(panels, groups, width)
     offset_out = torch.empty(panels, groups, width)
@@ -166,7 +166,7 @@ def pack_screen_int8(weight: torch.Tensor, width: int) -> tuple[torch.Tensor, ..
         r0, r1 = p0 * width, min(n, p1 * width)
         w = torch.zeros((p1 - p0) * width, kq)
         w[: r1 - r0, :k] = weight[r0:r1].detach().to(torch.bfloat16).float()
-        by_group = w.view(-1, groups, GROUP)
+        by_group = w.view(-1, groups, group)
         step = by_group.abs().amax(dim=2) / 127.0  # fp32, as the kernel multiplies by it
         safe = torch.where(step > 0, step, torch.ones_like(step))
         code = torch.where(step[..., None] > 0, torch.round(by_group / safe[..., None]), 0.0).clamp(-127, 127)
@@ -194,12 +194,13 @@ class HeadScreenBf16(_Screen):
         if not screens(weight, kernels, "native_bf16"):
             raise ValueError("an int8 screen needs finite fp32 weights and AVX512-VNNI beside the bf16 GEMM")
         super().__init__(weight, kernels, dense)
-        codes, self.scale, self.offset, self.c1, self.c2 = pack_screen_int8(weight, kernels.panel_width)
+        codes, self.scale, self.offset, self.c1, self.c2 = pack_screen_int8(weight, kernels.panel_width,
+                                                                           kernels.screen_group)
         self.packed: object = codes  # a tensor (HoldsPacked)
 
     def describe(self) -> str:
-        return (f"greedy bf16 head screened in int8 groups of {GROUP} (vpdpbusd), survivors gathered from the "
-                f"{self._source()}")
+        return (f"greedy bf16 head screened in int8 groups of {self.kernels.screen_group} (vpdpbusd), survivors "
+                f"gathered from the {self._source()}")
 
     def argmax(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, scratch: torch.Tensor,
                block: int, out: torch.Tensor) -> bool:

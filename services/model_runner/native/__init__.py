@@ -284,6 +284,7 @@ class NativeKernels:
     # kvmesh_head_screen_bf16_argmax: the same for bf16 mode's head, scored in int8 dot products
     # (screen_int8.c); None unless built for AVX512-BF16 and AVX512-VNNI
     head_screen_bf16: Any | None = None
+    screen_group: int = 32  # kvmesh_screen_int8_group(): weights along k per int8 step of that screen
     team_size: Any = None  # kvmesh_team_size(): threads of a parallel region the calling thread opens
     bind_team: Any = None  # kvmesh_bind_team(cpus int64 [n], n): the calling thread's team, member i on cpus[i]
 
@@ -435,6 +436,7 @@ def load_kernels(portable: bool = False, no_amx: bool = False, plain: bool = Fal
             _PTR, _I64, _PTR, _I64, _PTR,  # scratch [m, block_cols] fp32, block_cols, work, cap, out [m] int64
         ]) if _bind(lib, "kvmesh_head_screen_available", _I64, [])() else None,
         head_screen_work_bytes=_bind(lib, "kvmesh_head_screen_work_bytes", _I64, [_I64, _I64, _I64, _I64]),
+        screen_group=int(_bind(lib, "kvmesh_screen_int8_group", _I64, [])()),
         head_screen_bf16=_bind(lib, "kvmesh_head_screen_bf16_argmax", ctypes.c_int, [
             _PTR, _I64, _I64, _I64,  # x (fp32), x_stride, m, k
             _PTR, _PTR, _I64, _PTR,  # packed (pack_panels_bf16), dense [n, k] fp32 rows (or NULL), n, bias (or NULL)

@@ -29,6 +29,8 @@
 #define PANEL 48
 #define ROW_TILE 4
 
+int64_t kvmesh_screen_int8_group(void) { return SCREEN_GROUP; }
+
 #if defined(__AVX512VNNI__) && defined(__AVX512F__)
 #include <immintrin.h>
 
