@@ -34,8 +34,6 @@ int64_t kvmesh_screen_int8_group(void) { return SCREEN_GROUP; }
 #if defined(__AVX512VNNI__) && defined(__AVX512F__)
 #include <immintrin.h>
 
-int64_t kvmesh_screen_int8_available(void) { return 1; }
-
 /* One row tile (mr rows) of the codes of x times one panel: scores out[r][0..cols). */
 static inline __attribute__((always_inline)) void tile(const uint8_t *qx, int64_t kq, const float *sx,
                                                        int64_t groups, const int8_t *codes, const float *scale,
@@ -90,28 +88,19 @@ void kvmesh_screen_int8_scores(const uint8_t *qx, int64_t m, int64_t kq, const f
         const int8_t *c = codes + p * kq * PANEL;
         const float *s = scale + p * groups * PANEL, *o = offset + p * groups * PANEL;
         const int64_t cols = n - p * PANEL < PANEL ? n - p * PANEL : PANEL;
+        /* mr a constant in each call, so tile() unrolls for it */
+#define TILE_ROWS(mr) \
+    tile(qx + r * kq, kq, sx + r * groups, groups, c, s, o, out + r * out_stride + p * PANEL, out_stride, mr, cols)
         int64_t r = 0;
-        for (; r + ROW_TILE <= m; r += ROW_TILE)
-            tile(qx + r * kq, kq, sx + r * groups, groups, c, s, o, out + r * out_stride + p * PANEL, out_stride,
-                 ROW_TILE, cols);
+        for (; r + ROW_TILE <= m; r += ROW_TILE) TILE_ROWS(ROW_TILE);
         switch (m - r) {
-        case 3: tile(qx + r * kq, kq, sx + r * groups, groups, c, s, o, out + r * out_stride + p * PANEL, out_stride, 3, cols); break;
-        case 2: tile(qx + r * kq, kq, sx + r * groups, groups, c, s, o, out + r * out_stride + p * PANEL, out_stride, 2, cols); break;
-        case 1: tile(qx + r * kq, kq, sx + r * groups, groups, c, s, o, out + r * out_stride + p * PANEL, out_stride, 1, cols); break;
+        case 3: TILE_ROWS(3); break;
+        case 2: TILE_ROWS(2); break;
+        case 1: TILE_ROWS(1); break;
         default: break;
         }
+#undef TILE_ROWS
     }
-}
-
-#else
-
-int64_t kvmesh_screen_int8_available(void) { return 0; }
-
-void kvmesh_screen_int8_scores(const uint8_t *qx, int64_t m, int64_t kq, const float *sx, const int8_t *codes,
-                               const float *scale, const float *offset, int64_t n, float *out, int64_t out_stride)
-{
-    (void)qx, (void)m, (void)kq, (void)sx, (void)codes, (void)scale, (void)offset, (void)n, (void)out,
-        (void)out_stride;
 }
 
 #endif

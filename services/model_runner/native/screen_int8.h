@@ -9,10 +9,11 @@
 
 #define SCREEN_GROUP 32 /* weights along k per scale, on both sides (llama.cpp's Q8_0 group) */
 
-int64_t kvmesh_screen_int8_available(void);
 int64_t kvmesh_screen_int8_group(void); /* SCREEN_GROUP, for the Python side's packing */
-/* out[r][v] = sum over groups g of sx[r][g] (scale[v][g] D'[r][v][g] - offset[v][g]), D' the group's
- * dot product of the row's unsigned codes and the column's signed ones; kq a multiple of SCREEN_GROUP. */
+/* Built only for AVX512-VNNI (head_screen.c's bf16 entry, its one caller, is built under the same
+ * condition). out[r][v] = sum over groups g of sx[r][g] (scale[v][g] D'[r][v][g] - offset[v][g]),
+ * D' the group's dot product of the row's unsigned codes and the column's signed ones; kq a
+ * multiple of SCREEN_GROUP. */
 void kvmesh_screen_int8_scores(const uint8_t *qx, int64_t m, int64_t kq, const float *sx, const int8_t *codes,
                                const float *scale, const float *offset, int64_t n, float *out, int64_t out_stride);
 
