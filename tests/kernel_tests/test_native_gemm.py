@@ -178,3 +178,52 @@ def test_each_output_is_the_fma_chain_in_k_order(variant: str, rows: int, out_fe
     kernels.linear(*args, bias_ptr, out.data_ptr(), out.stride(0))
     _reference()(*args, kernels.panel_width, bias_ptr, expected.data_ptr(), expected.stride(0))
     assert torch.equal(out[:, :out_features].view(torch.int32), expected[:, :out_features].view(torch.int32))
+
+
+def _swiglu(kernels: native.NativeKernels, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+            fused: bool) -> torch.Tensor:  # fmt: skip
+    """act = silu(gate) * up of the merged gate_up ``weight`` [2 inter, k]: the fused kernel, or the
+    GEMM then the SwiGLU pass."""
+    inter = weight.shape[0] // 2
+    act = torch.full((x.shape[0], inter), float("nan"))
+    if not fused:
+        gate_up = _linear(kernels, x, weight, bias)
+        kernels.silu_mul(gate_up.data_ptr(), gate_up.stride(0), act.data_ptr(), x.shape[0], inter)
+        return act
+    packed = pack_panels(weight, kernels.panel_width)
+    bias_ptr = None if bias is None else bias.data_ptr()
+    status = kernels.linear_f32_swiglu(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], packed.data_ptr(), inter,
+                                       bias_ptr, act.data_ptr(), act.stride(0))  # fmt: skip
+    assert status == 0
+    return act
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize(("rows", "inter", "in_features"), [(1, 48, 64), (37, 96, 576), (300, 144, 33), (7, 48, 1536)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_fused_swiglu_is_bitwise_the_gemm_then_swiglu(variant: str, rows: int, inter: int, in_features: int,
+                                                      with_bias: bool) -> None:  # fmt: skip
+    """fp32 gate_up GEMM + SwiGLU in one kernel: bitwise kvmesh_linear_f32 then kvmesh_silu_mul_f32
+    in every build, over partial row tiles, odd k, two 256-row chunks, strided rows, with and without
+    the bias; and within fp32 rounding of silu(gate) * up in float64."""
+    kernels = _kernels(variant)
+    gen = torch.Generator().manual_seed(rows + inter)
+    x = torch.randn(rows, in_features + 2, generator=gen)[:, 1 : in_features + 1]  # strided rows
+    weight = torch.randn(2 * inter, in_features, generator=gen) / in_features**0.5
+    bias = torch.randn(2 * inter, generator=gen) if with_bias else None
+    fused = _swiglu(kernels, x, weight, bias, fused=True)
+    assert torch.equal(fused, _swiglu(kernels, x, weight, bias, fused=False))
+    gate_up = x.double() @ weight.double().T + (0 if bias is None else bias.double())
+    want = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+    torch.testing.assert_close(fused.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_fused_swiglu_takes_whole_panels_only() -> None:
+    """An intermediate size that is not a multiple of the panel width: status -3, nothing written."""
+    kernels = _kernels("native")
+    packed = pack_panels(torch.randn(2 * 40, 16), kernels.panel_width)
+    out = torch.zeros(3, 40)
+    x = torch.randn(3, 16)
+    status = kernels.linear_f32_swiglu(x.data_ptr(), 16, 3, 16, packed.data_ptr(), 40, None, out.data_ptr(), 40)
+    assert status == -3
+    assert torch.equal(out, torch.zeros(3, 40))

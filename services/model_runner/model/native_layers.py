@@ -12,6 +12,8 @@ for anything its kernel does not take (another dtype or device, a strided view).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -86,11 +88,12 @@ class NativeSiluAndMul(SiluAndMul):
 
 class NativeMLP(MLP):
     """:class:`MLP` whose prefill chunks run the gate_up GEMM with SwiGLU in its epilogue
-    (``kvmesh_linear_bf16_swiglu``, bf16 mode): the ``[T, 2I]`` projection is never written out and
-    read back. Bitwise the unfused path (same tile, same SwiGLU code), so only speed differs. Chunks
-    of decode size keep the unfused path here. It serves the per-layer path (a step the one-call
-    stack declines); ``decode_stack.c`` fuses from 17 rows (docs/model_runner.md, "The decode
-    stack's gate_up with SwiGLU fused")."""
+    (``kvmesh_linear_bf16_swiglu`` in bf16 mode, ``kvmesh_linear_f32_swiglu`` in fp32): the
+    ``[T, 2I]`` projection is never written out and read back. Bitwise the unfused path (same tile,
+    same SwiGLU code), so only speed differs. Chunks of decode size keep the unfused path here. It
+    serves the per-layer path (a step the one-call stack declines); ``decode_stack.c`` fuses from 17
+    rows in bf16 mode, 33 in fp32 (docs/model_runner.md, "The decode stack's gate_up with SwiGLU
+    fused", "fp32 gate_up with SwiGLU fused")."""
 
     FUSED_MIN_ROWS = 33  # more rows than the GEMM's decode-sized chunks (4 row tiles of 8)
 
@@ -99,12 +102,12 @@ class NativeMLP(MLP):
         nn.Module.__init__(self)
         self.intermediate_size = mlp.intermediate_size
         self.gate_up_proj, self.down_proj, self.act_fn = mlp.gate_up_proj, mlp.down_proj, mlp.act_fn
-        self.fused = kernels.linear_bf16_swiglu
+        self.fused = _fused_swiglu(mlp, kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden]
         packed = self.gate_up_proj.packed
-        if (self.fused is None or packed is None or packed.mode != "native_bf16" or x.dim() != 2
-                or x.shape[0] < self.FUSED_MIN_ROWS or not is_cpu_fp32(x) or x.stride(1) != 1):  # fmt: skip
+        if (self.fused is None or packed is None or x.dim() != 2 or x.shape[0] < self.FUSED_MIN_ROWS
+                or not is_cpu_fp32(x) or x.stride(1) != 1):  # fmt: skip
             return super().forward(x)
         weight = packed.packed
         assert isinstance(weight, torch.Tensor)
@@ -139,8 +142,8 @@ class NativeDecoderModel(DecoderModel):
 def use_native_kernels(model: CausalLM, kernels: NativeKernels) -> None:
     """Prepares ``model`` for the native backend, in place; call after the weights are packed.
 
-    The norms, the rotary embedding and SwiGLU run on the kernels (in bf16 mode, SwiGLU in the
-    gate_up GEMM for prefill chunks: :class:`NativeMLP`); the decoder becomes a
+    The norms, the rotary embedding and SwiGLU run on the kernels (for prefill chunks, SwiGLU in the
+    gate_up GEMM: :class:`NativeMLP`); the decoder becomes a
     :class:`NativeDecoderModel` when :func:`decode_stack` can describe every layer. Calling it
     again changes nothing.
     """
@@ -154,7 +157,7 @@ def use_native_kernels(model: CausalLM, kernels: NativeKernels) -> None:
                 setattr(parent, name, NativeSiluAndMul(kernels))
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if type(child) is MLP and _fusable(child, kernels):
+            if type(child) is MLP and _fused_swiglu(child, kernels) is not None:
                 setattr(parent, name, NativeMLP(child, kernels))
     if type(model.model) is DecoderModel:
         stack = decode_stack(model.model, kernels)
@@ -162,12 +165,14 @@ def use_native_kernels(model: CausalLM, kernels: NativeKernels) -> None:
             model.model = NativeDecoderModel(model.model, stack)
 
 
-def _fusable(mlp: MLP, kernels: NativeKernels) -> bool:
-    """Whether ``mlp``'s gate_up can take the fused SwiGLU kernel: packed for bf16 mode, an
-    intermediate size of whole weight panels (the gate and up panels then pair up one to one)."""
+def _fused_swiglu(mlp: MLP, kernels: NativeKernels) -> Any | None:
+    """The fused gate_up + SwiGLU kernel for ``mlp``'s packing (fp32 or bf16 mode), or None: another
+    packing, or an intermediate size of part weight panels (the gate and up panels must pair up one
+    to one)."""
     packed = mlp.gate_up_proj.packed
-    return (kernels.linear_bf16_swiglu is not None and packed is not None and packed.mode == "native_bf16"
-            and mlp.intermediate_size % kernels.panel_width == 0)  # fmt: skip
+    if packed is None or mlp.intermediate_size % kernels.panel_width:
+        return None
+    return {"native": kernels.linear_f32_swiglu, "native_bf16": kernels.linear_bf16_swiglu}.get(packed.mode)
 
 
 def decode_stack(model: DecoderModel, kernels: NativeKernels) -> NativeDecodeStack | None:

@@ -258,6 +258,7 @@ class NativeKernels:
     linear_q8_0: Any = None  # kvmesh_linear_q8_0 (as linear_q4_1)
     q_group: int = 32  # kvmesh_linear_q_group(): weights along k per Q4_1 / Q8_0 scale
     linear_bf16_swiglu: Any | None = None  # kvmesh_linear_bf16_swiglu (gate_up GEMM + SwiGLU); as linear_bf16
+    linear_f32_swiglu: Any = None  # kvmesh_linear_f32_swiglu (fp32 gate_up GEMM + SwiGLU; every build, as linear_q4_1)
     linear_bf16_amx: bool = False  # kvmesh_linear_bf16_amx(): the bf16 GEMMs run on AMX tiles (gemm_amx.c)
     # kvmesh_linear_bf16_fma(): bf16 mode's GEMMs and attention run fp32 FMAs over widened bf16 values
     linear_bf16_fma: bool = False
@@ -374,6 +375,11 @@ def load_kernels(portable: bool = False, no_amx: bool = False, plain: bool = Fal
             _PTR, _I64, _I64, _I64,  # x, x_stride, m, k
             _PTR, _I64, _PTR,  # packed, n, bias (or NULL)
             _PTR, _I64,  # out, out_stride
+        ]),
+        linear_f32_swiglu=_bind(lib, "kvmesh_linear_f32_swiglu", ctypes.c_int, [
+            _PTR, _I64, _I64, _I64,  # x, x_stride, m, k
+            _PTR, _I64, _PTR,  # packed gate_up, intermediate size, bias [2 inter] (or NULL)
+            _PTR, _I64,  # out [m, inter], out_stride
         ]),
         panel_width=int(_bind(lib, "kvmesh_linear_panel_width", _I64, [])()),
         decode_stack=_bind(lib, "kvmesh_decode_stack_f32", ctypes.c_int, [

@@ -7,8 +7,8 @@
  * up to 18 arguments) cost a noticeable share of a batch-32 step (docs/model_runner.md), run by
  * one thread while the other waits; a mixed step paid it too, with a chunk's kernels on top. Here
  * the same kernels run in the same order on the same arguments as the per-layer Python path does
- * with the native kernels on (but for bf16 mode's gate_up + SwiGLU, fused from FUSED_SWIGLU_ROWS
- * rows: bitwise the two steps), so the result is bitwise that path's
+ * with the native kernels on (but for the gate_up + SwiGLU, fused from FUSED_SWIGLU_ROWS rows in bf16
+ * mode and FUSED_SWIGLU_ROWS_F32 in fp32: bitwise the two steps), so the result is bitwise that path's
  * (tests/unit/model_runner/test_native_stack.py); only the interpreter is gone.
  *
  * Per layer (Llama/Mistral/Qwen2 pre-norm block, SwiGLU MLP):
@@ -76,6 +76,10 @@ static int linear(const KvmStackShape *shape, const float *x, int64_t x_stride, 
  * prefetch streams share one or two tiles' k steps, it saved nothing (docs/model_runner.md, "The
  * decode stack's gate_up with SwiGLU fused"). */
 #define FUSED_SWIGLU_ROWS 17
+/* fp32 mode's (kvmesh_linear_f32_swiglu, bitwise the two steps) from more rows than a decode
+ * batch's four row tiles: at 32 rows it saved nothing measurable, at a prefill chunk's 512 it does
+ * (docs/model_runner.md, "fp32 gate_up with SwiGLU fused"). */
+#define FUSED_SWIGLU_ROWS_F32 33
 
 /* One step: `tokens` rows, each a decode row (the paged decode's arrays: query row, length and block
  * table of each) or a row of one of the prefill chunks. NOTE: the fields after `act` came later and
@@ -199,10 +203,13 @@ static int after_attention(const KvmStackShape *shape, const KvmLayer *w, const 
     int failed = linear(shape, step->attn, q_size, m, q_size, w->o, hidden, w->o_bias, step->x);
     if (failed) return 100 - failed;
     kvmesh_add_rms_norm_f32(step->residual, step->x, hidden, w->post_norm, step->h, m, hidden, shape->eps);
-    failed = -3;  /* kvmesh_linear_bf16_swiglu's "an intermediate size of part panels" */
+    failed = -3;  /* the fused kernels' "an intermediate size of part panels" */
     if (shape->gemm == 1 && m >= FUSED_SWIGLU_ROWS)
         failed = kvmesh_linear_bf16_swiglu(step->h, hidden, m, hidden, (const uint16_t *)w->gate_up, inter,
                                            w->gate_up_bias, step->act, inter);
+    else if (shape->gemm == 0 && m >= FUSED_SWIGLU_ROWS_F32)
+        failed = kvmesh_linear_f32_swiglu(step->h, hidden, m, hidden, (const float *)w->gate_up, inter,
+                                          w->gate_up_bias, step->act, inter);
     if (failed == -3) {  /* not fused: the GEMM, then the SwiGLU */
         failed = linear(shape, step->h, hidden, m, hidden, w->gate_up, 2 * inter, w->gate_up_bias, step->gate_up);
         if (failed) return 100 - failed;

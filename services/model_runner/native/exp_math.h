@@ -8,6 +8,7 @@
 #ifndef KVMESH_EXP_MATH_H
 #define KVMESH_EXP_MATH_H
 
+#include <math.h>
 #include <stdint.h>
 
 /* p = e^r's 7th-order Taylor polynomial in Horner form, in any width: FMA(a, b, c) = a * b + c and
@@ -142,5 +143,25 @@ static inline __m256 silu_mul256(__m256 x, __m256 u) {
 #else
 #define KVM_AVX2 0
 #endif
+
+/* out[i] = silu(g[i]) * u[i] for i < size, in the widest lanes the build has, then one at a time:
+ * the one SwiGLU row, so the SwiGLU pass (layer_ops.c) and the GEMMs that fuse it into their
+ * epilogue (gemm.c, gemm_bf16.c) give the same bits. silu(g) = g * sigmoid(g) with e^-|g|, so
+ * nothing overflows. */
+static inline void silu_mul_row(const float *g, const float *u, float *o, int64_t size)
+{
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    for (; i + 16 <= size; i += 16) _mm512_storeu_ps(o + i, silu_mul512(_mm512_loadu_ps(g + i), _mm512_loadu_ps(u + i)));
+#elif KVM_AVX2
+    for (; i + 8 <= size; i += 8) _mm256_storeu_ps(o + i, silu_mul256(_mm256_loadu_ps(g + i), _mm256_loadu_ps(u + i)));
+#endif
+    for (; i < size; i++) {
+        const float x = g[i];
+        const float e = exp_neg(-fabsf(x));
+        const float num = x > 0.0f ? 1.0f : e;
+        o[i] = x * (num / (1.0f + e)) * u[i];
+    }
+}
 
 #endif

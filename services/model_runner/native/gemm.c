@@ -33,6 +33,7 @@
 #include <stddef.h>
 #include <omp.h>
 
+#include "exp_math.h"
 #include "kernels.h"
 #include "pairs.h"
 #include "panel_prefetch.h"
@@ -189,8 +190,10 @@ static void tile_dispatch(const float *x, int64_t x_stride, int64_t k, const flo
 #else
 
 /* One row tile times one panel, portable C (the compiler vectorizes the 48 columns). */
+typedef char NoPrefetch;  /* the plain build prefetches nothing */
+
 static void tile_dispatch(const float *x, int64_t x_stride, int64_t k, const float *panel, const float *bias,
-                          float *out, int64_t out_stride, int mr, int64_t cols, void *unused)
+                          float *out, int64_t out_stride, int mr, int64_t cols, NoPrefetch *unused)
 {
     (void)unused;
     float c[ROW_TILE][PANEL];
@@ -210,6 +213,37 @@ static void tile_dispatch(const float *x, int64_t x_stride, int64_t k, const flo
 
 #endif
 
+/* The next panel's prefetch over a chunk of `tiles` row tiles, and in *pf_tiles how many of its
+ * first tiles run it: all of a decode-sized chunk's; the later tiles of a larger chunk find the
+ * panel in cache and skip the per-k bookkeeping. AVX-512: spread over the k steps of the first
+ * (up to) PREFETCH_TILES tiles. AVX2: paced (one line every few k steps, counters in registers)
+ * over the first PACED_TILES tiles' three column passes. A line per k step over the first tile
+ * alone asked for about twice the memory's pace there and left the memory idle during the other
+ * tiles (docs/model_runner.md, "AVX2 machines, third round"). One row: see tile_dispatch. */
+#if defined(__AVX512F__)
+typedef PanelPrefetch Prefetch;
+static inline Prefetch next_panel_prefetch(const float *next, int64_t k, int64_t tiles, int64_t *pf_tiles)
+{
+    *pf_tiles = tiles < PREFETCH_TILES ? tiles : PREFETCH_TILES;
+    return panel_prefetch(next, k * PANEL * (int64_t)sizeof(float), *pf_tiles * k);
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+typedef PacedPrefetch Prefetch;
+static inline Prefetch next_panel_prefetch(const float *next, int64_t k, int64_t tiles, int64_t *pf_tiles)
+{
+    *pf_tiles = tiles < PACED_TILES ? tiles : PACED_TILES;
+    return paced_prefetch(next, k * PANEL * (int64_t)sizeof(float), *pf_tiles * 3 * k);
+}
+#else
+typedef NoPrefetch Prefetch;
+static inline Prefetch next_panel_prefetch(const float *next, int64_t k, int64_t tiles, int64_t *pf_tiles)
+{
+    (void)next, (void)k, (void)tiles;
+    *pf_tiles = 0;
+    return 0;
+}
+#endif
+
 /* This thread's panels (pairs.h) for one chunk of rows. */
 static void run_panels(const float *x, int64_t x_stride, int64_t r0, int64_t rows, int64_t k, const float *packed,
                        int64_t n, const float *bias, float *out, int64_t out_stride, PairedRun *run)
@@ -221,34 +255,44 @@ static void run_panels(const float *x, int64_t x_stride, int64_t r0, int64_t row
         const float *panel = packed + p * panel_size;
         const int64_t cols = n - p * PANEL < PANEL ? n - p * PANEL : PANEL;
         const float *bp = bias != NULL ? bias + p * PANEL : NULL;
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-        /* The next panel's prefetch, spread over the k steps of the chunk's first (up to)
-         * PREFETCH_TILES tiles: all of a decode-sized chunk's; the later tiles of a larger chunk
-         * find the panel in cache and skip the per-k bookkeeping. AVX2: paced (one line every few
-         * k steps, counters in registers) over the first PACED_TILES tiles' three column passes,
-         * all of a decode chunk's. A line per k step over the first tile alone asked for about
-         * twice the memory's pace there and left the memory idle during the other tiles
-         * (docs/model_runner.md, "AVX2 machines, third round"). One row: see tile_dispatch. */
         const int64_t next = paired_run_after(run, p);
-        const int64_t bytes = panel_size * (int64_t)sizeof(float);
-        const float *next_panel = next >= 0 ? packed + next * panel_size : NULL;
-#if defined(__AVX512F__)
-        const int64_t pf_tiles = tiles < PREFETCH_TILES ? tiles : PREFETCH_TILES;
-        PanelPrefetch pf = panel_prefetch(next_panel, bytes, pf_tiles * k);
-#else
-        /* k steps over which the stream is paced: the first PACED_TILES tiles' 3 column passes each */
-        const int64_t pf_tiles = tiles < PACED_TILES ? tiles : PACED_TILES;
-        PacedPrefetch pf = paced_prefetch(next_panel, bytes, pf_tiles * 3 * k);
-#endif
-#else
-        const int64_t pf_tiles = 0;
-        void *pf = NULL;
-#endif
+        int64_t pf_tiles;
+        Prefetch pf = next_panel_prefetch(next >= 0 ? packed + next * panel_size : NULL, k, tiles, &pf_tiles);
         for (int64_t t = 0; t < tiles; t++) {
             const int64_t row = r0 + tile_first_row(rows, tiles, t);
             const int mr = (int)(r0 + tile_first_row(rows, tiles, t + 1) - row);
             tile_dispatch(x + row * x_stride, x_stride, k, panel, bp, out + row * out_stride + p * PANEL, out_stride,
                           mr, cols, t < pf_tiles ? &pf : NULL);
+        }
+    }
+}
+
+/* run_panels for the merged gate_up weight: this thread's gate panels g, each with its up panel
+ * g + panels, both computed per row tile into a scratch tile by the same tile_dispatch, then the
+ * tile's SwiGLU rows into out (column g * PANEL on). */
+static void run_swiglu_panels(const float *x, int64_t x_stride, int64_t r0, int64_t rows, int64_t k,
+                              const float *packed, int64_t panels, const float *bias, float *out, int64_t out_stride,
+                              PairedRun *run)
+{
+    const int64_t panel_size = k * PANEL, tiles = (rows + ROW_TILE - 1) / ROW_TILE;
+    float gate[ROW_TILE * PANEL], up[ROW_TILE * PANEL];
+    for (int64_t taken = 0;; taken++) {
+        const int64_t g = paired_run_take(run, taken);
+        if (g < 0) break;
+        const float *gp = packed + g * panel_size, *upp = packed + (g + panels) * panel_size;
+        const float *bg = bias != NULL ? bias + g * PANEL : NULL, *bu = bias != NULL ? bias + (g + panels) * PANEL : NULL;
+        const int64_t next = paired_run_after(run, g);
+        int64_t pf_tiles;
+        Prefetch pf_gate = next_panel_prefetch(next >= 0 ? packed + next * panel_size : NULL, k, tiles, &pf_tiles);
+        Prefetch pf_up = next_panel_prefetch(next >= 0 ? packed + (next + panels) * panel_size : NULL, k, tiles,
+                                             &pf_tiles);
+        for (int64_t t = 0; t < tiles; t++) {
+            const int64_t row = r0 + tile_first_row(rows, tiles, t);
+            const int mr = (int)(r0 + tile_first_row(rows, tiles, t + 1) - row);
+            tile_dispatch(x + row * x_stride, x_stride, k, gp, bg, gate, PANEL, mr, PANEL, t < pf_tiles ? &pf_gate : NULL);
+            tile_dispatch(x + row * x_stride, x_stride, k, upp, bu, up, PANEL, mr, PANEL, t < pf_tiles ? &pf_up : NULL);
+            for (int r = 0; r < mr; r++)
+                silu_mul_row(gate + r * PANEL, up + r * PANEL, out + (row + r) * out_stride + g * PANEL, PANEL);
         }
     }
 }
@@ -283,4 +327,29 @@ void kvmesh_linear_f32(const float *x, int64_t x_stride, int64_t m, int64_t k, c
             run_panels(x, x_stride, r0, rows, k, packed, n, bias, out, out_stride, &run);
         }
     }
+}
+
+/* act[m, inter] (rows out_stride apart) = silu(gate) * up, [gate | up] = x W^T + bias for the
+ * merged gate_up weight W [2 inter, k] packed as above (bias NULL or [2 inter]): the SwiGLU in the
+ * GEMM's epilogue, as gemm_bf16.c's kvmesh_linear_bf16_swiglu does for bf16 mode, so the
+ * [m, 2 inter] projection is never written out and read back. Bitwise kvmesh_linear_f32 then
+ * kvmesh_silu_mul_f32 (the same tiles, exp_math.h's silu_mul_row), batch invariant as both are.
+ * Returns 0, or -3 for an inter that is not a multiple of PANEL (the gate and up panels would not
+ * pair up; the caller runs the two steps). */
+int kvmesh_linear_f32_swiglu(const float *x, int64_t x_stride, int64_t m, int64_t k, const float *packed,
+                             int64_t inter, const float *bias, float *out, int64_t out_stride)
+{
+    if (inter <= 0 || inter % PANEL) return -3;
+    const int64_t panels = inter / PANEL;
+    for (int64_t r0 = 0; r0 < m; r0 += ROW_CHUNK) {
+        const int64_t rows = m - r0 < ROW_CHUNK ? m - r0 : ROW_CHUNK;
+        int64_t claimed[MAX_PAIRS] = {0};
+        #pragma omp parallel if (panels > 1)
+        {
+            PairedRun run;
+            paired_run_init(&run, panels, claimed);
+            run_swiglu_panels(x, x_stride, r0, rows, k, packed, panels, bias, out, out_stride, &run);
+        }
+    }
+    return 0;
 }

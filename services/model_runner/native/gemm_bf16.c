@@ -277,7 +277,7 @@ int kvmesh_linear_bf16(const float *x, int64_t x_stride, int64_t m, int64_t k, c
  * merged gate_up weight W [2 inter, k] packed as above (bias NULL or [2 inter]): the SwiGLU in the
  * GEMM's epilogue, so the [m, 2 inter] projection is never written out and read back. Each row tile
  * computes gate panel g and up panel g + inter / PANEL with the same tile as kvmesh_linear_bf16
- * into a scratch tile, then silu_mul512 (exp_math.h, layer_ops.c's SwiGLU): bitwise the unfused
+ * into a scratch tile, then silu_mul_row (exp_math.h, layer_ops.c's SwiGLU row): bitwise the unfused
  * kvmesh_linear_bf16 + kvmesh_silu_mul_f32, batch invariant as both are. Returns 0; -1 when the
  * scratch cannot be had; -3 for an inter that is not a multiple of PANEL (the caller runs the
  * two steps). */
@@ -334,10 +334,7 @@ int kvmesh_linear_bf16_swiglu(const float *x, int64_t x_stride, int64_t m, int64
                                  t < pf_tiles ? &pf_up : NULL);
                     }
                     for (int r = 0; r < mr; r++)
-                        for (int j = 0; j < PANEL; j += 16)
-                            _mm512_storeu_ps(out + (row + r) * out_stride + g * PANEL + j,
-                                             silu_mul512(_mm512_loadu_ps(gate + r * PANEL + j),
-                                                         _mm512_loadu_ps(up + r * PANEL + j)));
+                        silu_mul_row(gate + r * PANEL, up + r * PANEL, out + (row + r) * out_stride + g * PANEL, PANEL);
                 }
             }
             free(wide);

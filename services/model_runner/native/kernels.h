@@ -51,6 +51,8 @@ void kvmesh_rope_f32(const float *x, int64_t x_stride, const float *cos_t, const
 void kvmesh_silu_mul_f32(const float *gate_up, int64_t stride, float *out, int64_t tokens, int64_t size);
 void kvmesh_linear_f32(const float *x, int64_t x_stride, int64_t m, int64_t k, const float *packed, int64_t n,
                        const float *bias, float *out, int64_t out_stride);
+int kvmesh_linear_f32_swiglu(const float *x, int64_t x_stride, int64_t m, int64_t k, const float *packed,
+                             int64_t inter, const float *bias, float *out, int64_t out_stride);
 int kvmesh_linear_bf16(const float *x, int64_t x_stride, int64_t m, int64_t k, const uint16_t *packed, int64_t n,
                        const float *bias, float *out, int64_t out_stride);
 int kvmesh_linear_bf16_swiglu(const float *x, int64_t x_stride, int64_t m, int64_t k, const uint16_t *packed,

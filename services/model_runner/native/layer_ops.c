@@ -74,24 +74,10 @@ void kvmesh_rope_f32(const float *x, int64_t x_stride, const float *cos_t, const
 }
 
 /* out[t, i] = silu(gate_up[t, i]) * gate_up[t, size + i]: the merged projection's two halves in,
- * a dense [tokens, size] out. silu(g) = g * sigmoid(g), with e^-|g| so nothing overflows. */
+ * a dense [tokens, size] out (exp_math.h's silu_mul_row). */
 void kvmesh_silu_mul_f32(const float *gate_up, int64_t stride, float *out, int64_t tokens, int64_t size)
 {
     #pragma omp parallel for if (tokens * size >= PARALLEL_ELEMS) schedule(static)
-    for (int64_t t = 0; t < tokens; t++) {
-        const float *g = gate_up + t * stride, *u = g + size;
-        float *o = out + t * size;
-        int64_t i = 0;
-#if defined(__AVX512F__)
-        for (; i + 16 <= size; i += 16) _mm512_storeu_ps(o + i, silu_mul512(_mm512_loadu_ps(g + i), _mm512_loadu_ps(u + i)));
-#elif KVM_AVX2
-        for (; i + 8 <= size; i += 8) _mm256_storeu_ps(o + i, silu_mul256(_mm256_loadu_ps(g + i), _mm256_loadu_ps(u + i)));
-#endif
-        for (; i < size; i++) {
-            const float x = g[i];
-            const float e = exp_neg(-fabsf(x));
-            const float num = x > 0.0f ? 1.0f : e;
-            o[i] = x * (num / (1.0f + e)) * u[i];
-        }
-    }
+    for (int64_t t = 0; t < tokens; t++)
+        silu_mul_row(gate_up + t * stride, gate_up + t * stride + size, out + t * size, size);
 }

@@ -12,7 +12,7 @@ import torch
 
 from services.model_runner.input_batch import ScheduledRequest, prepare_inputs
 from services.model_runner.model.context import ForwardContext
-from services.model_runner.model.native_layers import NativeDecoderModel
+from services.model_runner.model.native_layers import NativeDecoderModel, NativeMLP
 from services.model_runner.model.native_stack import NativeDecodeStack
 from services.model_runner.native import load_kernels
 from services.model_runner.runner import ModelRunner
@@ -205,6 +205,36 @@ def test_bf16_decodes_of_17_rows_and_more_fuse_the_swiglu_bitwise(checkpoint: An
         for slot in prepare_inputs(reqs, runner.geometry).meta.slot_mapping.tolist():
             runner.pool.tensor[:, :, slot // bs, slot % bs] = 0.0  # the per-layer path must write them again
         assert torch.equal(fused, _forward(runner, reqs, stack=False))
+        assert torch.equal(runner.pool.tensor, pool_after_fused)
+
+
+def test_fp32_chunks_of_33_rows_and_more_fuse_the_swiglu_bitwise(checkpoint: Any, make_runner: Any) -> None:
+    """From 33 rows ``decode_stack.c`` runs fp32 mode's gate_up with the SwiGLU in the GEMM's epilogue
+    (``kvmesh_linear_f32_swiglu``, where the intermediate size is whole weight panels): a 40-token
+    prompt through the stack is bitwise the per-layer path with its own fused kernel turned off (the
+    GEMM, then the SwiGLU pass), hidden states and K/V alike; a 20-row step (unfused in both) too."""
+    runner = make_runner(checkpoint("llama_panels"), backend="cpu")
+    kernels = runner.backend.native_kernels
+    assert kernels is not None and kernels.linear_f32_swiglu is not None
+    assert runner.config.intermediate_size % kernels.panel_width == 0
+    mlps = [m for m in runner.model.modules() if isinstance(m, NativeMLP)]
+    assert len(mlps) == len(runner.model.model.layers) and all(m.fused is kernels.linear_f32_swiglu for m in mlps)
+    bs = runner.pool.block_size
+    for rows in (40, 20):
+        prompt = [3 + (7 * i) % 200 for i in range(rows)]
+        table = list(range(1, 1 + -(-rows // bs)))
+        reqs = [ScheduledRequest(f"p{rows}", prompt, table, 0, rows)]
+        fused = _forward(runner, reqs, stack=True)
+        pool_after_fused = runner.pool.tensor.clone()
+        for slot in prepare_inputs(reqs, runner.geometry).meta.slot_mapping.tolist():
+            runner.pool.tensor[:, :, slot // bs, slot % bs] = 0.0  # the per-layer path must write them again
+        for m in mlps:
+            m.fused = None  # the per-layer path's GEMM, then kvmesh_silu_mul_f32
+        try:
+            assert torch.equal(fused, _forward(runner, reqs, stack=False))
+        finally:
+            for m in mlps:
+                m.fused = kernels.linear_f32_swiglu
         assert torch.equal(runner.pool.tensor, pool_after_fused)
 
 
