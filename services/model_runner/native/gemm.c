@@ -189,9 +189,9 @@ static void tile_dispatch(const float *x, int64_t x_stride, int64_t k, const flo
 
 #else
 
-/* One row tile times one panel, portable C (the compiler vectorizes the 48 columns). */
 typedef char NoPrefetch;  /* the plain build prefetches nothing */
 
+/* One row tile times one panel, portable C (the compiler vectorizes the 48 columns). */
 static void tile_dispatch(const float *x, int64_t x_stride, int64_t k, const float *panel, const float *bias,
                           float *out, int64_t out_stride, int mr, int64_t cols, NoPrefetch *unused)
 {
@@ -280,7 +280,8 @@ static void run_swiglu_panels(const float *x, int64_t x_stride, int64_t r0, int6
         const int64_t g = paired_run_take(run, taken);
         if (g < 0) break;
         const float *gp = packed + g * panel_size, *upp = packed + (g + panels) * panel_size;
-        const float *bg = bias != NULL ? bias + g * PANEL : NULL, *bu = bias != NULL ? bias + (g + panels) * PANEL : NULL;
+        const float *bg = bias != NULL ? bias + g * PANEL : NULL;
+        const float *bu = bias != NULL ? bias + (g + panels) * PANEL : NULL;
         const int64_t next = paired_run_after(run, g);
         int64_t pf_tiles;
         Prefetch pf_gate = next_panel_prefetch(next >= 0 ? packed + next * panel_size : NULL, k, tiles, &pf_tiles);
@@ -289,8 +290,9 @@ static void run_swiglu_panels(const float *x, int64_t x_stride, int64_t r0, int6
         for (int64_t t = 0; t < tiles; t++) {
             const int64_t row = r0 + tile_first_row(rows, tiles, t);
             const int mr = (int)(r0 + tile_first_row(rows, tiles, t + 1) - row);
-            tile_dispatch(x + row * x_stride, x_stride, k, gp, bg, gate, PANEL, mr, PANEL, t < pf_tiles ? &pf_gate : NULL);
-            tile_dispatch(x + row * x_stride, x_stride, k, upp, bu, up, PANEL, mr, PANEL, t < pf_tiles ? &pf_up : NULL);
+            const float *xt = x + row * x_stride;
+            tile_dispatch(xt, x_stride, k, gp, bg, gate, PANEL, mr, PANEL, t < pf_tiles ? &pf_gate : NULL);
+            tile_dispatch(xt, x_stride, k, upp, bu, up, PANEL, mr, PANEL, t < pf_tiles ? &pf_up : NULL);
             for (int r = 0; r < mr; r++)
                 silu_mul_row(gate + r * PANEL, up + r * PANEL, out + (row + r) * out_stride + g * PANEL, PANEL);
         }
