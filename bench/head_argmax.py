@@ -1,6 +1,7 @@
 """``python bench/head_argmax.py``: a greedy step's head, logits + numpy's argmax against
 ``PackedWeight.argmax`` (``native/head_argmax.c``, the logits never written) and, where the build
-has one for the mode, against the same head screened (``model/head_screen.py``), in one process.
+has one for the mode, against the same head screened (``model/head_screen.py``; for fp32's, where the
+default is the int8 screen and the bf16 one applies too, both), in one process.
 
 They take turns on the same rows (thread CPU time, medians after two warm-up turns; 1 thread),
 at 1, 8 and 32 rows, for bf16 mode's packing (where the CPU has AVX512-BF16) and fp32's, on
@@ -24,7 +25,13 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # NOTE: run as a script; the repo root is not on sys.path
     sys.path.insert(0, str(ROOT))
 
-from services.model_runner.model.head_screen import make_screen, screens  # noqa: E402
+from services.model_runner.model.head_screen import (  # noqa: E402
+    HeadScreen,
+    HeadScreenInt8,
+    make_screen,
+    screen_applies,
+    screens,
+)
 from services.model_runner.model.packed import PackedWeight  # noqa: E402
 from services.model_runner.native import load_kernels  # noqa: E402
 from services.model_runner.sampler import greedy_tokens  # noqa: E402
@@ -54,18 +61,21 @@ def main() -> None:
     modes = (["native_bf16"] if kernels.linear_bf16 is not None else []) + ["native"]
     for mode in modes:
         head = PackedWeight(weight, None, mode, kernels)
-        screened = None
+        screened: dict[str, PackedWeight] = {}
         if screens(weight, kernels, mode):
-            screened = PackedWeight(weight, None, mode, kernels)
-            screened.screen = make_screen(weight, kernels, mode, dense=weight.contiguous())
+            screened["screened"] = PackedWeight(weight, None, mode, kernels)
+            screened["screened"].screen = make_screen(weight, kernels, mode, dense=weight.contiguous())
+            if isinstance(screened["screened"].screen, HeadScreenInt8) and mode == "native" and screen_applies(kernels):
+                screened["screened-bf16"] = PackedWeight(weight, None, mode, kernels)
+                screened["screened-bf16"].screen = HeadScreen(weight, kernels, dense=weight.contiguous())
         for m in args.rows:
             x = torch.randn(m, weight.shape[1], generator=torch.Generator().manual_seed(m)) * 3
             x[:, 17] *= 12.0
             x[:, 199] *= 15.0
             calls = {"logits": lambda x=x, head=head: greedy_tokens(head(x)),
                      "argmax": lambda x=x, head=head: head.argmax(x)}  # fmt: skip
-            if screened is not None:
-                calls["screened"] = lambda x=x, head=screened: head.argmax(x)
+            for name, packed in screened.items():
+                calls[name] = lambda x=x, head=packed: head.argmax(x)
             times: dict[str, list[float]] = {name: [] for name in calls}
             for turn in range(args.repeats + 2):
                 for name in calls if turn % 2 else reversed(list(calls)):

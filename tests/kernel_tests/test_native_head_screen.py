@@ -1,6 +1,6 @@
 """``native/head_screen.c`` through ``PackedWeight.argmax``: greedy tokens with the vocabulary
-scored first in cheaper arithmetic (fp32 mode's head in bf16, bf16 mode's in int8 groups,
-``native/screen_int8.c``) must be exactly the full head's (``sampler.greedy_tokens`` of the logits
+scored first in cheaper arithmetic (fp32 mode's head in bf16 or in int8 groups, bf16 mode's in int8
+groups, ``native/screen_int8.c``) must be exactly the full head's (``sampler.greedy_tokens`` of the logits
 the same packed weight writes: the first maximum). The cases include rows whose scores rank two
 columns the other way round from their logits, so a screen that trusted the scores, or bounded
 their error too tightly, fails here; ties, non-finite values and rows with too many columns left
@@ -13,7 +13,7 @@ import torch
 
 from services.model_runner.model.head_screen import (
     HeadScreen,
-    HeadScreenBf16,
+    HeadScreenInt8,
     pack_screen_int8,
     screen_applies,
     screen_bf16_applies,
@@ -29,14 +29,21 @@ pytestmark = pytest.mark.skipif(
 
 
 BF16 = pytest.mark.skipif(not screen_bf16_applies(KERNELS), reason="no AVX512-VNNI beside the bf16 GEMM here")
+INT8 = pytest.mark.skipif(KERNELS is None or KERNELS.head_screen_int8 is None, reason="no AVX512-VNNI build here")
+# fp32 mode's two screens: in bf16, and in int8 groups (the default where the CPU has AVX512-VNNI)
+FP32_SCREENS = ["bf16", pytest.param("int8", marks=INT8)]
 
 
 def _head(weight: torch.Tensor, bias: torch.Tensor | None = None, dense: bool = False,
-          mode: str = "native") -> PackedWeight:  # fmt: skip
+          mode: str = "native", screen: str = "bf16") -> PackedWeight:  # fmt: skip
+    """A head packed for ``mode`` with its screen: fp32 mode's in ``screen`` (bf16 or int8)."""
     assert KERNELS is not None
     head = PackedWeight(weight, bias, mode, KERNELS)
-    screen = HeadScreen if mode == "native" else HeadScreenBf16
-    head.screen = screen(weight, KERNELS, dense=weight if dense else None)
+    rows = weight if dense else None
+    if mode == "native" and screen == "bf16":
+        head.screen = HeadScreen(weight, KERNELS, dense=rows)
+    else:
+        head.screen = HeadScreenInt8(weight, KERNELS, mode, dense=rows)
     return head
 
 
@@ -67,16 +74,18 @@ def _flipped_pair(k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return a, b
 
 
+@pytest.mark.parametrize("screen", FP32_SCREENS)
 @pytest.mark.parametrize("dense", [False, True])
-def test_tokens_are_the_fp32_heads(dense: bool) -> None:
+def test_tokens_are_the_fp32_heads(dense: bool, screen: str) -> None:
     """Rows 1-40 (more than the GEMM's 8-row tile, a part tile), a vocabulary of part panels, an odd
-    k, with and without a bias, hidden states with a few large channels as a trained model's have;
-    the survivors gathered from the packed panels or from the dense rows."""
+    k (for int8 codes also one of several groups, 96, and one padded to the group, 37), with and
+    without a bias, hidden states with a few large channels as a trained model's have; the survivors
+    gathered from the packed panels or from the dense rows."""
     gen = torch.Generator().manual_seed(0)
-    for n, k in ((3001, 64), (1000, 37)):
+    for n, k in ((3001, 64), (1000, 37), (2000, 96)):
         weight, bias = torch.randn(n, k, generator=gen) * 0.05, torch.randn(n, generator=gen) * 0.1
         for b in (None, bias):
-            head = _head(weight, b, dense)
+            head = _head(weight, b, dense, screen=screen)
             for m in (1, 7, 8, 9, 40):
                 x = torch.randn(m, k, generator=gen)
                 x[:, 3] *= 20.0
@@ -97,7 +106,8 @@ def test_a_pair_ranked_the_other_way_in_bf16() -> None:
     assert _screened(_head(weight), x).tolist() == [700] * 3
 
 
-def test_ties_take_the_first_column() -> None:
+@pytest.mark.parametrize("screen", FP32_SCREENS)
+def test_ties_take_the_first_column(screen: str) -> None:
     """Equal weight rows give equal fp32 logits: the first of them wins, whichever panel or lane
     each sits in, and a row can tie in columns that other rows do not keep."""
     gen = torch.Generator().manual_seed(1)
@@ -107,19 +117,20 @@ def test_ties_take_the_first_column() -> None:
         weight[col] = top
     x = torch.ones(2, 16)
     x[1] = -1.0
-    tokens = _screened(_head(weight), x)
+    tokens = _screened(_head(weight, screen=screen), x)
     assert tokens[0].item() == 47
     assert tokens[1].item() != 47
 
 
-def test_non_finite_rows_and_overflow_take_the_full_head() -> None:
+@pytest.mark.parametrize("screen", FP32_SCREENS)
+def test_non_finite_rows_and_overflow_take_the_full_head(screen: str) -> None:
     """A NaN or inf in x, or scores past fp32's range, hand the call to the full head: the tokens are
     still numpy's over the full logits (a NaN logit counts as the maximum)."""
     assert KERNELS is not None
     gen = torch.Generator().manual_seed(3)
     weight = torch.randn(200, 16, generator=gen)
     weight[7, 5] = 4.0  # 3e38 times it is past fp32's range
-    head = _head(weight)
+    head = _head(weight, screen=screen)
     assert head.screen is not None
     packed = head.packed
     assert isinstance(packed, torch.Tensor)
@@ -131,11 +142,12 @@ def test_non_finite_rows_and_overflow_take_the_full_head() -> None:
         assert torch.equal(head.argmax(x), greedy_tokens(head(x)))  # type: ignore[arg-type]
 
 
-def test_a_flat_row_takes_the_full_head() -> None:
+@pytest.mark.parametrize("screen", FP32_SCREENS)
+def test_a_flat_row_takes_the_full_head(screen: str) -> None:
     """Every column's logit equal: all of them survive, more than the screen computes (a quarter of
     the vocabulary), so the full head runs and gives column 0."""
     weight = torch.full((960, 8), 0.25)
-    head = _head(weight)
+    head = _head(weight, screen=screen)
     assert head.screen is not None and head.screen.cap == 960 // 4
     packed = head.packed
     assert isinstance(packed, torch.Tensor)
@@ -151,6 +163,9 @@ def test_refuses_non_finite_weights() -> None:
     weight[5, 1] = float("inf")
     with pytest.raises(ValueError, match="finite"):
         HeadScreen(weight, KERNELS)
+    for mode in ("native", "native_bf16"):
+        with pytest.raises(ValueError, match="finite"):
+            HeadScreenInt8(weight, KERNELS, mode)
 
 
 @BF16
@@ -162,19 +177,20 @@ def test_bf16_tokens_are_the_bf16_heads(dense: bool) -> None:
     for n, k in ((3001, 96), (1000, 37)):
         weight, bias = torch.randn(n, k, generator=gen) * 0.05, torch.randn(n, generator=gen) * 0.1
         for b in (None, bias):
-            head = _head(weight, b, dense, "native_bf16")
+            head = _head(weight, b, dense, "native_bf16", "int8")
             for m in (1, 5, 9, 40):
                 x = torch.randn(m, k, generator=gen)
                 x[:, 3] *= 20.0
                 _screened(head, x)
 
 
-@BF16
-def test_bf16_a_pair_ranked_the_other_way_in_int8() -> None:
+@pytest.mark.parametrize("mode", [pytest.param("native_bf16", marks=BF16), pytest.param("native", marks=INT8)])
+def test_a_pair_ranked_the_other_way_in_int8(mode: str) -> None:
     """One group of 32, x = (1, 1, 0, ...) and a weight of 127/128 where x is 0 (the group's step
     2^-7 for both columns): column 100 = (17, 17) x 2^-12, codes (1, 1), scores 2^-6 but logit
     0.0083; column 900 = (47 x 2^-12, 0), codes (1, 0), score 2^-7 but logit 0.0115. int8 takes 100,
-    the screen must still give 900 (it fails with a bound cut below the codes' rounding)."""
+    the screen must still give 900 (it fails with a bound cut below the codes' rounding). The
+    weights are bf16 values, so bf16 mode's logits and fp32 mode's order the pair alike."""
     assert KERNELS is not None
     k = 32
     weight = torch.randn(1024, k, generator=torch.Generator().manual_seed(5)) * 1e-4
@@ -187,7 +203,7 @@ def test_bf16_a_pair_ranked_the_other_way_in_int8() -> None:
     w_hat = codes.transpose(1, 2).reshape(-1, k).double() * step.transpose(1, 2).reshape(-1, 1).double()
     scores = x.double() @ w_hat[:1024].T
     assert int(scores[0].argmax()) == 100  # the int8 scores' order
-    assert _screened(_head(weight, mode="native_bf16"), x).tolist() == [900, 900]
+    assert _screened(_head(weight, mode=mode, screen="int8"), x).tolist() == [900, 900]
 
 
 @BF16
@@ -195,8 +211,8 @@ def test_bf16_non_finite_and_flat_rows_take_the_full_head() -> None:
     assert KERNELS is not None
     gen = torch.Generator().manual_seed(6)
     weight = torch.randn(960, 32, generator=gen)
-    head = _head(weight, mode="native_bf16")
-    flat = _head(torch.full((960, 32), 0.25), mode="native_bf16")
+    head = _head(weight, mode="native_bf16", screen="int8")
+    flat = _head(torch.full((960, 32), 0.25), mode="native_bf16", screen="int8")
     for h, x in ((head, torch.full((2, 32), float("nan"))), (head, torch.full((2, 32), float("inf"))),
                  (flat, torch.ones(2, 32))):  # fmt: skip
         assert h.screen is not None

@@ -6,11 +6,15 @@ can lie from the column's logit, and only the columns that could still be the ro
 their logits; the token is the one the full head gives, bit for bit (docs/model_runner.md, "Greedy
 heads screened"):
 
-- :class:`HeadScreen`: fp32 mode's head, scored in bf16 (``vdpbf16ps`` or AMX, twice fp32's rate
-  or more); a bf16 copy of the head (half its fp32 bytes) and one float per column;
-- :class:`HeadScreenBf16`: bf16 mode's head, scored in int8 dot products (``vpdpbusd``, 4 k a lane
-  per instruction against ``vdpbf16ps``'s 2) in groups of 32 on both sides, as llama.cpp's Q8_0 x
-  Q8_0; int8 codes (a quarter of the fp32 bytes), two floats per column and group, two per column.
+- :class:`HeadScreenInt8`: scored in int8 dot products (``vpdpbusd``, 4 k a lane per instruction
+  against ``vdpbf16ps``'s 2) in groups of 32 on both sides, as llama.cpp's Q8_0 x Q8_0; int8 codes
+  (a quarter of the fp32 bytes), two floats per column and group, two per column. bf16 mode's head
+  (codes of its bf16 weights, bf16 survivors) and fp32 mode's (codes of the fp32 weights, fp32
+  survivors) where the CPU has AVX512-VNNI;
+- :class:`HeadScreen`: fp32 mode's head scored in bf16 (``vdpbf16ps`` or AMX, twice fp32's rate or
+  more); a bf16 copy of the head (half its fp32 bytes) and one float per column. Where the bf16
+  GEMM runs on AMX tiles (several times ``vdpbf16ps``'s rate, so likely cheaper than ``vpdpbusd``;
+  not measured on such a machine yet) or there is no VNNI.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ UNION_MAX = 16384
 ALIGN = 64  # the workspace's alignment (head_screen.c carves it in 64-byte pieces)
 U = 2.0**-24  # fp32's unit roundoff
 PACK_PANELS = 64  # panels a chunk when packing (3,072 rows of a 576-wide head: ~14 MB of float64)
+INT8_ENTRY = {"native": "head_screen_int8", "native_bf16": "head_screen_bf16"}  # NativeKernels' int8 screen by mode
 
 
 def screen_applies(kernels: NativeKernels | None) -> bool:
@@ -45,20 +50,33 @@ def screen_bf16_applies(kernels: NativeKernels | None) -> bool:
             and not kernels.linear_bf16_fma)
 
 
+def screen_int8_applies(kernels: NativeKernels | None) -> bool:
+    """Whether an fp32 head is screened in int8 on this build, rather than in bf16: AVX512-VNNI, and
+    the bf16 GEMM not on AMX tiles (there the bf16 score is kept: see the module docstring)."""
+    return kernels is not None and kernels.head_screen_int8 is not None and not kernels.linear_bf16_amx
+
+
 def _finite_cpu_fp32(weight: torch.Tensor) -> bool:
     return weight.dtype == torch.float32 and weight.device.type == "cpu" and bool(torch.isfinite(weight).all())
 
 
+def _fp32_applies(kernels: NativeKernels | None) -> bool:
+    return screen_int8_applies(kernels) or screen_applies(kernels)
+
+
 def screens(weight: torch.Tensor, kernels: NativeKernels | None, mode: str) -> bool:
     """Whether a screen takes this fp32 (master) head packed for ``mode`` on this build."""
-    applies = {"native": screen_applies, "native_bf16": screen_bf16_applies}.get(mode)
+    applies = {"native": _fp32_applies, "native_bf16": screen_bf16_applies}.get(mode)
     return applies is not None and applies(kernels) and _finite_cpu_fp32(weight)
 
 
 def make_screen(weight: torch.Tensor, kernels: NativeKernels, mode: str,
-                dense: torch.Tensor | None = None) -> HeadScreen | HeadScreenBf16:
-    """The screen of a head packed for ``mode`` (``native`` or ``native_bf16``; see :func:`screens`)."""
-    return HeadScreen(weight, kernels, dense) if mode == "native" else HeadScreenBf16(weight, kernels, dense)
+                dense: torch.Tensor | None = None) -> HeadScreen | HeadScreenInt8:
+    """The screen of a head packed for ``mode`` (``native`` or ``native_bf16``; see :func:`screens`):
+    int8 where it applies, else (fp32 mode) bf16."""
+    if mode == "native" and not screen_int8_applies(kernels):
+        return HeadScreen(weight, kernels, dense)
+    return HeadScreenInt8(weight, kernels, mode, dense)
 
 
 def _up(values: torch.Tensor) -> torch.Tensor:
@@ -113,7 +131,7 @@ class HeadScreen(_Screen):
     def __init__(self, weight: torch.Tensor, kernels: NativeKernels, dense: torch.Tensor | None = None):
         """``dense``: the same weights as fp32 rows that stay in memory anyway (a tied head's
         embedding), from which the survivors are gathered; None gathers them from the packed head."""
-        if not screens(weight, kernels, "native"):
+        if not (screen_applies(kernels) and _finite_cpu_fp32(weight)):
             raise ValueError("a bf16 screen needs finite fp32 weights and the native bf16 GEMM on vdpbf16ps or AMX")
         super().__init__(weight, kernels, dense)
         weight = weight.detach()
@@ -139,9 +157,11 @@ class HeadScreen(_Screen):
         ))  # fmt: skip
 
 
-def pack_screen_int8(weight: torch.Tensor, width: int, group: int) -> tuple[torch.Tensor, ...]:
-    """bf16 mode's head ``[n, k]`` (fp32 master weights, rounded to bf16 as ``pack_panels_bf16``
-    rounds them) -> screen_int8.c's operands and head_screen.c's bound constants:
+def pack_screen_int8(weight: torch.Tensor, width: int, group: int,
+                     round_bf16: bool = True) -> tuple[torch.Tensor, ...]:
+    """A head ``[n, k]`` (fp32 master weights; ``round_bf16``: bf16 mode's, rounded to bf16 as
+    ``pack_panels_bf16`` rounds them, else fp32 mode's as they are) -> screen_int8.c's operands and
+    head_screen.c's bound constants (w below the rounded or the fp32 rows):
 
     - codes ``[ceil(n / width), kq / 4, width, 4]`` int8: per ``group`` weights along k (kq = k
       padded to it; screen_int8.h's SCREEN_GROUP, ``NativeKernels.screen_group``), round(w / step),
@@ -165,7 +185,8 @@ def pack_screen_int8(weight: torch.Tensor, width: int, group: int) -> tuple[torc
         p1 = min(panels, p0 + PACK_PANELS)
         r0, r1 = p0 * width, min(n, p1 * width)
         w = torch.zeros((p1 - p0) * width, kq)
-        w[: r1 - r0, :k] = weight[r0:r1].detach().to(torch.bfloat16).float()
+        rows = weight[r0:r1].detach()
+        w[: r1 - r0, :k] = rows.to(torch.bfloat16).float() if round_bf16 else rows
         by_group = w.view(-1, groups, group)
         step = by_group.abs().amax(dim=2) / 127.0  # fp32, as the kernel multiplies by it
         safe = torch.where(step > 0, step, torch.ones_like(step))
@@ -181,34 +202,43 @@ def pack_screen_int8(weight: torch.Tensor, width: int, group: int) -> tuple[torc
     return codes, step_out, offset_out, c1, c2
 
 
-class HeadScreenBf16(_Screen):
-    """bf16 mode's head ``[n, k]`` as int8 codes in groups of 32 (``pack_screen_int8``).
+class HeadScreenInt8(_Screen):
+    """A head ``[n, k]`` packed for ``mode`` (``native_bf16``: bf16 mode's, ``native``: fp32 mode's)
+    as int8 codes in groups of 32 (``pack_screen_int8``) of the weights its logits are computed
+    from.
 
     ``packed`` (the codes) is moved onto huge pages with the other packed weights.
     """
 
-    def __init__(self, weight: torch.Tensor, kernels: NativeKernels, dense: torch.Tensor | None = None):
+    def __init__(self, weight: torch.Tensor, kernels: NativeKernels, mode: str = "native_bf16",
+                 dense: torch.Tensor | None = None):
         """``dense``: the head's fp32 master rows that stay in memory anyway (a tied head's
-        embedding), from which the survivors are gathered and rounded to bf16; None gathers them
-        from the packed bf16 head."""
-        if not screens(weight, kernels, "native_bf16"):
-            raise ValueError("an int8 screen needs finite fp32 weights and AVX512-VNNI beside the bf16 GEMM")
+        embedding), from which the survivors are gathered (and rounded to bf16 in bf16 mode); None
+        gathers them from the packed head."""
+        if mode not in INT8_ENTRY or not screens(weight, kernels, mode):
+            raise ValueError("an int8 screen needs finite fp32 weights and AVX512-VNNI (beside the bf16 GEMM "
+                             "in bf16 mode)")
         super().__init__(weight, kernels, dense)
-        codes, self.scale, self.offset, self.c1, self.c2 = pack_screen_int8(weight, kernels.panel_width,
-                                                                           kernels.screen_group)
+        self.mode = mode
+        self.kernel = getattr(kernels, INT8_ENTRY[mode])
+        if self.kernel is None:
+            raise ValueError(f"no {INT8_ENTRY[mode]} in this build of the native kernels")
+        codes, self.scale, self.offset, self.c1, self.c2 = pack_screen_int8(
+            weight, kernels.panel_width, kernels.screen_group, round_bf16=mode == "native_bf16")
         self.packed: object = codes  # a tensor (HoldsPacked)
 
     def describe(self) -> str:
-        return (f"greedy bf16 head screened in int8 groups of {self.kernels.screen_group} (vpdpbusd), survivors "
-                f"gathered from the {self._source()}")
+        head = "bf16" if self.mode == "native_bf16" else "fp32"
+        return (f"greedy {head} head screened in int8 groups of {self.kernels.screen_group} (vpdpbusd), "
+                f"survivors gathered from the {self._source()}")
 
     def argmax(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, scratch: torch.Tensor,
                block: int, out: torch.Tensor) -> bool:
-        """As :meth:`HeadScreen.argmax`, over bf16 mode's packed head."""
+        """As :meth:`HeadScreen.argmax`, over the head packed for :attr:`mode`."""
         work = self._workspace(x.shape[0])
-        codes, kernel = self.packed, self.kernels.head_screen_bf16
-        assert isinstance(codes, torch.Tensor) and kernel is not None  # screens()
-        return self._outcome(kernel(
+        codes = self.packed
+        assert isinstance(codes, torch.Tensor)
+        return self._outcome(self.kernel(
             x.data_ptr(), x.stride(0), x.shape[0], self.k, packed.data_ptr(), self._dense_ptr(), self.n,
             None if bias is None else bias.data_ptr(), codes.data_ptr(), self.scale.data_ptr(),
             self.offset.data_ptr(), self.c1.data_ptr(), self.c2.data_ptr(), scratch.data_ptr(), block, work,

@@ -57,9 +57,10 @@ def prepare_model(
     dequantized weights (docs/model_runner.md, "Weight-only Q4_1"); everything else is fp32 mode.
 
     ``screen_head`` gives the packed head a cheaper copy that screens greedy decoding's columns
-    (``model/head_screen.py``): in fp32 mode a bf16 one, where the bf16 GEMM runs ``vdpbf16ps`` or
-    AMX; in bf16 mode int8 codes, where the CPU has AVX512-VNNI too. The same tokens, most of the
-    vocabulary's logits never computed.
+    (``model/head_screen.py``): int8 codes where the CPU has AVX512-VNNI (in bf16 mode beside its
+    bf16 GEMM; in fp32 mode unless the bf16 GEMM runs on AMX), else in fp32 mode a bf16 copy where
+    the bf16 GEMM runs ``vdpbf16ps`` or AMX. The same tokens, most of the vocabulary's logits never
+    computed.
 
     Raises:
         ValueError: an unknown ``quantization``, another one than the model was prepared

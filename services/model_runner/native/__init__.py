@@ -285,6 +285,9 @@ class NativeKernels:
     # kvmesh_head_screen_bf16_argmax: the same for bf16 mode's head, scored in int8 dot products
     # (screen_int8.c); None unless built for AVX512-BF16 and AVX512-VNNI
     head_screen_bf16: Any | None = None
+    # kvmesh_head_screen_int8_argmax: fp32 mode's head scored in int8 as well (the fp32 weights' codes,
+    # head_screen's fp32 survivors); built where head_screen_bf16 is
+    head_screen_int8: Any | None = None
     screen_group: int = 32  # kvmesh_screen_int8_group(): weights along k per int8 step of that screen
     team_size: Any = None  # kvmesh_team_size(): threads of a parallel region the calling thread opens
     bind_team: Any = None  # kvmesh_bind_team(cpus int64 [n], n): the calling thread's team, member i on cpus[i]
@@ -447,6 +450,12 @@ def load_kernels(portable: bool = False, no_amx: bool = False, plain: bool = Fal
             _PTR, _I64, _I64, _I64,  # x (fp32), x_stride, m, k
             _PTR, _PTR, _I64, _PTR,  # packed (pack_panels_bf16), dense [n, k] fp32 rows (or NULL), n, bias (or NULL)
             _PTR, _PTR, _PTR, _PTR, _PTR,  # codes, scale, offset (pack_screen_int8), c1 [n], c2 [n] fp32
+            _PTR, _I64, _PTR, _I64, _PTR,  # scratch [m, block_cols] fp32, block_cols, work, cap, out [m] int64
+        ]) if _bind(lib, "kvmesh_head_screen_bf16_available", _I64, [])() else None,
+        head_screen_int8=_bind(lib, "kvmesh_head_screen_int8_argmax", ctypes.c_int, [
+            _PTR, _I64, _I64, _I64,  # x (fp32), x_stride, m, k
+            _PTR, _PTR, _I64, _PTR,  # packed (pack_panels), dense [n, k] rows (or NULL), n, bias (or NULL)
+            _PTR, _PTR, _PTR, _PTR, _PTR,  # codes, scale, offset (pack_screen_int8 of the fp32 rows), c1, c2
             _PTR, _I64, _PTR, _I64, _PTR,  # scratch [m, block_cols] fp32, block_cols, work, cap, out [m] int64
         ]) if _bind(lib, "kvmesh_head_screen_bf16_available", _I64, [])() else None,
         team_size=_bind(lib, "kvmesh_team_size", _I64, []),

@@ -1,7 +1,8 @@
 /*
  * Greedy heads screened in cheaper arithmetic. fp32 mode's, scored in bf16 (described first):
  * each row's argmax over x W^T + b, the same column head_argmax.c takes from gemm.c's fp32 logits,
- * with most columns' fp32 logits never computed. bf16 mode's, scored in int8 (at the end).
+ * with most columns' fp32 logits never computed. bf16 mode's, scored in int8, and fp32 mode's
+ * scored in int8 too (at the end).
  *
  * Why: in fp32 mode the vocabulary projection is a fifth of a small model's GEMM work at batch 32
  * (SmolLM2: 49,152 x 576 of 134 M weights), and greedy decoding keeps one of its 49,152 columns a
@@ -49,6 +50,13 @@
  * up, with the 2^-8 margin) and e = a1 C1_v + a2 C2_v + B_v; the rest is as above, the survivors'
  * logits computed by gemm_bf16.c over gathered bf16 panels (its result per column is a function of
  * the row and the column's weights alone: gemm_bf16.c's batch invariance).
+ *
+ * fp32 mode scored in int8 (kvmesh_head_screen_int8_argmax): the same codes, made from the fp32
+ * weights, and y = x itself, so w, R_v, Q_v and N'_v above are the fp32 rows'. gemm.c's logit, an
+ * FMA chain in k order, is within the same fp32 sums' allowance as gemm_bf16.c's; the survivors'
+ * logits are the first entry's. Where the CPU has AVX512-VNNI and the bf16 GEMM does not run on AMX,
+ * this replaces the bf16 score (vpdpbusd does 4 k a lane per instruction against vdpbf16ps's 2,
+ * from half the bytes: model/head_screen.py).
  */
 #include <math.h>
 #include <stdint.h>
@@ -232,6 +240,31 @@ static int fold_survivors(const Work *w, int64_t m, int64_t u, int64_t *out)
     return 0;
 }
 
+/* The union's fp32 logits into w->exact [m][u]: its weights gathered into panels of their own (from
+ * the dense rows where the caller has them: a column's k floats side by side, where the packed
+ * panels hold them a line each), then all m rows through gemm.c in one call. */
+static void exact_fp32(Work *w, const float *x, int64_t x_stride, int64_t m, int64_t k, const float *packed,
+                       const float *dense, const float *bias, int64_t u)
+{
+    float *panels = (float *)w->panels;
+    for (int64_t j = 0; j < u; j++) {
+        const int64_t v = w->cols[j];
+        float *dst = panels + j / PANEL * k * PANEL + j % PANEL;
+        if (dense) {
+            const float *src = dense + v * k;
+            for (int64_t kk = 0; kk < k; kk++) dst[kk * PANEL] = src[kk];
+        } else {
+            const float *src = packed + v / PANEL * k * PANEL + v % PANEL;
+            for (int64_t kk = 0; kk < k; kk++) dst[kk * PANEL] = src[kk * PANEL];
+        }
+        if (bias) w->bias[j] = bias[v];
+    }
+    if (u % PANEL)
+        for (int64_t kk = 0; kk < k; kk++)
+            memset(panels + u / PANEL * k * PANEL + kk * PANEL + u % PANEL, 0, sizeof(float) * (size_t)(PANEL - u % PANEL));
+    kvmesh_linear_f32(x, x_stride, m, k, panels, u, bias ? w->bias : NULL, w->exact, u);
+}
+
 static void start_rows(Work *w, int64_t m)
 {
     for (int64_t r = 0; r < m; r++) {
@@ -272,26 +305,7 @@ int kvmesh_head_screen_argmax(const float *x, int64_t x_stride, int64_t m, int64
     }
     const int64_t u = gather_union(&w, m, n, cap);
     if (u < 0) return 1;
-    /* their fp32 weights in panels of their own (from the dense rows where the caller has them: a
-     * column's k floats side by side, where the packed panels hold them a line each), then all m
-     * rows in one call */
-    float *panels = (float *)w.panels;
-    for (int64_t j = 0; j < u; j++) {
-        const int64_t v = w.cols[j];
-        float *dst = panels + j / PANEL * k * PANEL + j % PANEL;
-        if (dense) {
-            const float *src = dense + v * k;
-            for (int64_t kk = 0; kk < k; kk++) dst[kk * PANEL] = src[kk];
-        } else {
-            const float *src = packed + v / PANEL * k * PANEL + v % PANEL;
-            for (int64_t kk = 0; kk < k; kk++) dst[kk * PANEL] = src[kk * PANEL];
-        }
-        if (bias) w.bias[j] = bias[v];
-    }
-    if (u % PANEL)
-        for (int64_t kk = 0; kk < k; kk++)
-            memset(panels + u / PANEL * k * PANEL + kk * PANEL + u % PANEL, 0, sizeof(float) * (size_t)(PANEL - u % PANEL));
-    kvmesh_linear_f32(x, x_stride, m, k, panels, u, bias ? w.bias : NULL, w.exact, u);
+    exact_fp32(&w, x, x_stride, m, k, packed, dense, bias, u);
     return fold_survivors(&w, m, u, out);
 }
 
@@ -315,21 +329,28 @@ int kvmesh_head_screen_argmax(const float *x, int64_t x_stride, int64_t m, int64
 #if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512DQ__) && defined(__AVX512VNNI__)
 int64_t kvmesh_head_screen_bf16_available(void) { return 1; }
 
-/* The rows' codes for screen_int8.c: y = bf16(x) as gemm_bf16.c rounds it, per group of
- * SCREEN_GROUP a step s = max |y| / 127 and codes round(y / s) + 128; a = ||y||, a2 = ||y - s q||
- * (double, with the 2^-8 margin, rounded up). *bad set where x is not finite. */
-static void quantize_rows(Work *w, const float *x, int64_t x_stride, int64_t m, int64_t k, int *bad)
+/* The rows' codes for screen_int8.c: y = bf16(x) as gemm_bf16.c rounds it (round_bf16: the bf16
+ * head's logits) or x itself (the fp32 head's), per group of SCREEN_GROUP a step s = max |y| / 127
+ * and codes round(y / s) + 128; a = ||y||, a2 = ||y - s q|| (double, with the 2^-8 margin, rounded
+ * up). *bad set where x is not finite. */
+static void quantize_rows(Work *w, const float *x, int64_t x_stride, int64_t m, int64_t k, int round_bf16, int *bad)
 {
     const int64_t kq = (int64_t)kq_of(k), groups = kq / SCREEN_GROUP;
     uint16_t yb[SCREEN_GROUP];
     for (int64_t r = 0; r < m; r++) {
         double yy = 0.0, ee = 0.0;
         for (int64_t g = 0; g < groups; g++) {
-            bf16_round32(x + r * x_stride + g * SCREEN_GROUP, k - g * SCREEN_GROUP, yb);
+            const float *src = x + r * x_stride + g * SCREEN_GROUP;
+            const int64_t left = k - g * SCREEN_GROUP;
+            if (round_bf16) bf16_round32(src, left, yb);
             float y[SCREEN_GROUP], top = 0.0f;
             for (int i = 0; i < SCREEN_GROUP; i++) {
-                const uint32_t bits = (uint32_t)yb[i] << 16;
-                memcpy(&y[i], &bits, 4);
+                if (round_bf16) {
+                    const uint32_t bits = (uint32_t)yb[i] << 16;
+                    memcpy(&y[i], &bits, 4);
+                } else {
+                    y[i] = i < left ? src[i] : 0.0f;
+                }
                 const float mag = fabsf(y[i]);
                 if (!(mag <= 3.0e38f)) *bad = 1;  /* NaN, inf, or a step past fp32 */
                 top = mag > top ? mag : top;
@@ -352,6 +373,33 @@ static void quantize_rows(Work *w, const float *x, int64_t x_stride, int64_t m, 
     }
 }
 
+/* Scores every column in int8 (round_bf16: of bf16(x), else of x) and keeps each row's survivors;
+ * returns the size of their union (w->cols), -1 past cap, or -2 where the caller must take the full
+ * path (a non-finite value, a row's survivors past ROW_CAP). */
+static int64_t int8_survivors(Work *w, const float *x, int64_t x_stride, int64_t m, int64_t k, int64_t n,
+                              const float *bias, const int8_t *codes, const float *scale, const float *offset,
+                              const float *c1, const float *c2, float *scratch, int64_t block_cols, int64_t cap,
+                              int round_bf16)
+{
+    int bad = 0;
+    quantize_rows(w, x, x_stride, m, k, round_bf16, &bad);
+    if (bad) return -2;
+    start_rows(w, m);
+    const int64_t kq = (int64_t)kq_of(k), groups = kq / SCREEN_GROUP;
+    for (int64_t c0 = 0; c0 < n; c0 += block_cols) {
+        const int64_t cols = n - c0 < block_cols ? n - c0 : block_cols, p0 = c0 / PANEL;
+        kvmesh_screen_int8_scores(w->qx, m, kq, w->sx, codes + p0 * kq * PANEL, scale + p0 * groups * PANEL,
+                                  offset + p0 * groups * PANEL, cols, scratch, block_cols);
+        for (int64_t r = 0; r < m; r++) {
+            float *s = scratch + r * block_cols;
+            if (bias)
+                for (int64_t i = 0; i < cols; i++) s[i] += bias[c0 + i];
+            if (screen_row(w, r, s, c1 + c0, c2 + c0, bias ? bias + c0 : NULL, c0, cols)) return -2;
+        }
+    }
+    return gather_union(w, m, n, cap);
+}
+
 /* bf16 mode's head: out[r] = the argmax of row r of bf16(x) W^T + bias (gemm_bf16.c's logits, numpy's
  * first maximum), W packed for gemm_bf16.c (`packed`; `dense`, where not NULL, W's fp32 rows [n, k]
  * that it was rounded from, to nearest even) and as int8 codes for screen_int8.c (`codes`, `scale`,
@@ -366,23 +414,8 @@ int kvmesh_head_screen_bf16_argmax(const float *x, int64_t x_stride, int64_t m, 
     if (n >= ((int64_t)1 << 31)) return -4;
     if (m <= 0) return 0;
     Work w = carve((char *)work, m, k, n, cap);
-    int bad = 0;
-    quantize_rows(&w, x, x_stride, m, k, &bad);
-    if (bad) return 1;
-    start_rows(&w, m);
-    const int64_t kq = (int64_t)kq_of(k), groups = kq / SCREEN_GROUP;
-    for (int64_t c0 = 0; c0 < n; c0 += block_cols) {
-        const int64_t cols = n - c0 < block_cols ? n - c0 : block_cols, p0 = c0 / PANEL;
-        kvmesh_screen_int8_scores(w.qx, m, kq, w.sx, codes + p0 * kq * PANEL, scale + p0 * groups * PANEL,
-                                  offset + p0 * groups * PANEL, cols, scratch, block_cols);
-        for (int64_t r = 0; r < m; r++) {
-            float *s = scratch + r * block_cols;
-            if (bias)
-                for (int64_t i = 0; i < cols; i++) s[i] += bias[c0 + i];
-            if (screen_row(&w, r, s, c1 + c0, c2 + c0, bias ? bias + c0 : NULL, c0, cols)) return 1;
-        }
-    }
-    const int64_t u = gather_union(&w, m, n, cap);
+    const int64_t u = int8_survivors(&w, x, x_stride, m, k, n, bias, codes, scale, offset, c1, c2, scratch,
+                                     block_cols, cap, 1);
     if (u < 0) return 1;
     /* their bf16 weights in panels of their own, [kp][PANEL][2] as pack_panels_bf16 lays them out:
      * from the fp32 rows, rounded to nearest even as torch rounded them when packing, or from the
@@ -413,12 +446,44 @@ int kvmesh_head_screen_bf16_argmax(const float *x, int64_t x_stride, int64_t m, 
     if (failed) return 100 - failed;
     return fold_survivors(&w, m, u, out);
 }
+
+/* fp32 mode's head scored in int8 too: out[r] = the argmax of row r of x W^T + bias (gemm.c's fp32
+ * logits), W packed for gemm.c (`packed`, `dense` as kvmesh_head_screen_argmax's) and as int8 codes
+ * of the fp32 weights (`codes`, `scale`, `offset`, `c1`, `c2` as above with w the fp32 rows: the
+ * bound's terms are the same, gemm.c's FMA chain within the fp32 sums' allowance). The survivors'
+ * logits as kvmesh_head_screen_argmax computes them. The statuses as kvmesh_head_screen_argmax's. */
+int kvmesh_head_screen_int8_argmax(const float *x, int64_t x_stride, int64_t m, int64_t k, const float *packed,
+                                   const float *dense, int64_t n, const float *bias, const int8_t *codes,
+                                   const float *scale, const float *offset, const float *c1, const float *c2,
+                                   float *scratch, int64_t block_cols, void *work, int64_t cap, int64_t *out)
+{
+    if (block_cols <= 0 || block_cols % PANEL || cap <= 0 || n <= 0) return -1;
+    if (n >= ((int64_t)1 << 31)) return -4;
+    if (m <= 0) return 0;
+    Work w = carve((char *)work, m, k, n, cap);
+    const int64_t u = int8_survivors(&w, x, x_stride, m, k, n, bias, codes, scale, offset, c1, c2, scratch,
+                                     block_cols, cap, 0);
+    if (u < 0) return 1;
+    exact_fp32(&w, x, x_stride, m, k, packed, dense, bias, u);
+    return fold_survivors(&w, m, u, out);
+}
 #else
 
 /* Without AVX512-VNNI (or AVX512-BF16) bf16 mode's head has no int8 screen: the caller runs head_argmax.c. */
 int64_t kvmesh_head_screen_bf16_available(void) { return 0; }
 
 int kvmesh_head_screen_bf16_argmax(const float *x, int64_t x_stride, int64_t m, int64_t k, const uint16_t *packed,
+                                   const float *dense, int64_t n, const float *bias, const int8_t *codes,
+                                   const float *scale, const float *offset, const float *c1, const float *c2,
+                                   float *scratch, int64_t block_cols, void *work, int64_t cap, int64_t *out)
+{
+    (void)x, (void)x_stride, (void)m, (void)k, (void)packed, (void)dense, (void)n, (void)bias, (void)codes,
+        (void)scale, (void)offset, (void)c1, (void)c2, (void)scratch, (void)block_cols, (void)work, (void)cap,
+        (void)out;
+    return -3;
+}
+
+int kvmesh_head_screen_int8_argmax(const float *x, int64_t x_stride, int64_t m, int64_t k, const float *packed,
                                    const float *dense, int64_t n, const float *bias, const int8_t *codes,
                                    const float *scale, const float *offset, const float *c1, const float *c2,
                                    float *scratch, int64_t block_cols, void *work, int64_t cap, int64_t *out)

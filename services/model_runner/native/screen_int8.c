@@ -1,9 +1,10 @@
 /*
- * bf16 mode's head screen: every column's score in int8 dot products (head_screen.c's second
- * entry point), llama.cpp's Q8_0 x Q8_0 arithmetic in groups of 32 along k.
+ * The int8 head screens: every column's score in int8 dot products (head_screen.c's int8 entry
+ * points, bf16 mode's head and fp32 mode's), llama.cpp's Q8_0 x Q8_0 arithmetic in groups of 32
+ * along k.
  *
- * Why int8: bf16 mode's head already runs vdpbf16ps (2 k a lane per instruction); vpdpbusd takes
- * 4, so a score costs fewer instructions than the logit it screens. Why groups of 32 on both
+ * Why int8: bf16 mode's head already runs vdpbf16ps (2 k a lane per instruction), fp32 mode's FMAs
+ * (1); vpdpbusd takes 4, so a score costs fewer instructions than the logit it screens. Why groups of 32 on both
  * sides: a trained model's final hidden states carry a few channels tens of times the others,
  * and one scale per row makes the step of every other channel coarse (docs/model_runner.md, "Greedy
  * heads screened": survivors a row median 918 with row scales, 2 with groups).

@@ -19,7 +19,14 @@ import torch.nn.functional as F
 from services.model_runner.attention.base import AttentionMetadata
 from services.model_runner.attention.torch_backend import TorchAttentionBackend
 from services.model_runner.loader import load_model
-from services.model_runner.model.head_screen import HeadScreenBf16, screen_applies, screen_bf16_applies
+from services.model_runner.model import head_screen
+from services.model_runner.model.head_screen import (
+    HeadScreen,
+    HeadScreenInt8,
+    screen_applies,
+    screen_bf16_applies,
+    screen_int8_applies,
+)
 from services.model_runner.model.transforms import prepare_model
 from services.model_runner.native import load_kernels
 
@@ -82,21 +89,28 @@ def test_greedy_matches_generate_with_arrivals_and_chunks(
         assert c_chunks[: math.ceil(23 / chunk)] == [chunk] * (23 // chunk) + ([23 % chunk] if 23 % chunk else [])
 
 
+@pytest.mark.parametrize("screen", ["int8", "bf16"])
 @pytest.mark.parametrize("name", ["llama", "qwen2"])  # an untied head; a tied one, gathered from the embedding
 def test_screened_fp32_head_matches_generate(
-    name: str, checkpoint: Any, hf_model: Any, make_runner: Any, mini_scheduler: Any, sim_request: Any,
-    reference_greedy: Any, monkeypatch: pytest.MonkeyPatch,
+    name: str, screen: str, checkpoint: Any, hf_model: Any, make_runner: Any, mini_scheduler: Any,
+    sim_request: Any, reference_greedy: Any, monkeypatch: pytest.MonkeyPatch,
 ) -> None:  # fmt: skip
-    """fp32 mode on the native kernels screens greedy rows' columns in bf16 where that pays
-    (model/head_screen.py): the runner's head carries the screen, and the tokens are generate()'s.
-    Off with ``screen_head=False``."""
+    """fp32 mode on the native kernels screens greedy rows' columns where that pays
+    (model/head_screen.py): in int8 groups where the CPU has AVX512-VNNI (its bf16 GEMM not on AMX),
+    else in bf16 (here also with the int8 screen ruled out). The runner's head carries the screen,
+    and the tokens are generate()'s. Off with ``screen_head=False``."""
     kernels = load_kernels()
-    if not screen_applies(kernels):
-        pytest.skip("no AVX512-BF16 (vdpbf16ps or AMX) build of the native kernels here")
+    if screen == "int8" and not screen_int8_applies(kernels):
+        pytest.skip("no AVX512-VNNI build here, or the bf16 GEMM runs on AMX (the bf16 screen is kept)")
+    if screen == "bf16":
+        if not screen_applies(kernels):
+            pytest.skip("no AVX512-BF16 (vdpbf16ps or AMX) build of the native kernels here")
+        monkeypatch.setattr(head_screen, "screen_int8_applies", lambda kernels: False)
     folder = checkpoint(name)
     runner = make_runner(folder, num_blocks=96, backend="cpu")
     head = runner.model.head_packing
-    assert head is not None and head.mode == "native" and head.screen is not None
+    assert head is not None and head.mode == "native"
+    assert isinstance(head.screen, HeadScreenInt8 if screen == "int8" else HeadScreen)
     assert (head.screen.dense is not None) == (name == "qwen2")
     screened: list[bool] = []  # each call's outcome: True where the screen gave the tokens itself
     monkeypatch.setattr(head.screen, "argmax", _spy(head.screen.argmax, screened))
@@ -137,7 +151,7 @@ def test_screened_bf16_head_keeps_the_tokens(
     for screened in (True, False):
         runner = make_runner(folder, num_blocks=96, backend="cpu", gemm_dtype="bfloat16")
         head = runner.model.head_packing
-        assert head is not None and head.mode == "native_bf16" and isinstance(head.screen, HeadScreenBf16)
+        assert head is not None and head.mode == "native_bf16" and isinstance(head.screen, HeadScreenInt8)
         calls: list[bool] = []
         if screened:
             monkeypatch.setattr(head.screen, "argmax", _spy(head.screen.argmax, calls))
