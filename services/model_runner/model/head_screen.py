@@ -32,7 +32,7 @@ UNION_SHARE = 4
 UNION_MAX = 16384
 ALIGN = 64  # the workspace's alignment (head_screen.c carves it in 64-byte pieces)
 U = 2.0**-24  # fp32's unit roundoff
-PACK_PANELS = 64  # panels a chunk when packing (3,072 rows of a 576-wide head: ~14 MB of float64)
+PACK_PANELS = 16  # panels a chunk when packing (768 rows of a 576-wide head: ~3.5 MB of float64)
 INT8_ENTRY = {"native": "head_screen_int8", "native_bf16": "head_screen_bf16"}  # NativeKernels' int8 screen by mode
 
 
