@@ -33,7 +33,6 @@ UNION_MAX = 16384
 ALIGN = 64  # the workspace's alignment (head_screen.c carves it in 64-byte pieces)
 U = 2.0**-24  # fp32's unit roundoff
 PACK_PANELS = 16  # panels a chunk when packing (768 rows of a 576-wide head: ~3.5 MB of float64)
-INT8_ENTRY = {"native": "head_screen_int8", "native_bf16": "head_screen_bf16"}  # NativeKernels' int8 screen by mode
 
 
 def screen_applies(kernels: NativeKernels | None) -> bool:
@@ -46,7 +45,7 @@ def screen_applies(kernels: NativeKernels | None) -> bool:
 def screen_bf16_applies(kernels: NativeKernels | None) -> bool:
     """Whether a bf16 head's int8 screen runs on this build: AVX512-VNNI beside bf16 mode's
     ``vdpbf16ps`` or AMX GEMM (not its FMA build, whose logits are not bf16 inputs')."""
-    return (kernels is not None and kernels.head_screen_bf16 is not None and kernels.linear_bf16 is not None
+    return (kernels is not None and kernels.head_screen_int8 is not None and kernels.linear_bf16 is not None
             and not kernels.linear_bf16_fma)
 
 
@@ -215,14 +214,13 @@ class HeadScreenInt8(_Screen):
         """``dense``: the head's fp32 master rows that stay in memory anyway (a tied head's
         embedding), from which the survivors are gathered (and rounded to bf16 in bf16 mode); None
         gathers them from the packed head."""
-        if mode not in INT8_ENTRY or not screens(weight, kernels, mode):
+        if mode not in ("native", "native_bf16") or not screens(weight, kernels, mode):
             raise ValueError("an int8 screen needs finite fp32 weights and AVX512-VNNI (beside the bf16 GEMM "
                              "in bf16 mode)")
         super().__init__(weight, kernels, dense)
+        if kernels.head_screen_int8 is None:
+            raise ValueError("no int8 head screen in this build of the native kernels (AVX512-VNNI)")
         self.mode = mode
-        self.kernel = getattr(kernels, INT8_ENTRY[mode])
-        if self.kernel is None:
-            raise ValueError(f"no {INT8_ENTRY[mode]} in this build of the native kernels")
         codes, self.scale, self.offset, self.c1, self.c2 = pack_screen_int8(
             weight, kernels.panel_width, kernels.screen_group, round_bf16=mode == "native_bf16")
         self.packed: object = codes  # a tensor (HoldsPacked)
@@ -236,11 +234,11 @@ class HeadScreenInt8(_Screen):
                block: int, out: torch.Tensor) -> bool:
         """As :meth:`HeadScreen.argmax`, over the head packed for :attr:`mode`."""
         work = self._workspace(x.shape[0])
-        codes = self.packed
-        assert isinstance(codes, torch.Tensor)
-        return self._outcome(self.kernel(
+        codes, kernel = self.packed, self.kernels.head_screen_int8
+        assert isinstance(codes, torch.Tensor) and kernel is not None  # __init__
+        return self._outcome(kernel(
             x.data_ptr(), x.stride(0), x.shape[0], self.k, packed.data_ptr(), self._dense_ptr(), self.n,
             None if bias is None else bias.data_ptr(), codes.data_ptr(), self.scale.data_ptr(),
             self.offset.data_ptr(), self.c1.data_ptr(), self.c2.data_ptr(), scratch.data_ptr(), block, work,
-            self.cap, out.data_ptr(),
+            self.cap, int(self.mode == "native_bf16"), out.data_ptr(),
         ))  # fmt: skip

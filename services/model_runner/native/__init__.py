@@ -282,11 +282,9 @@ class NativeKernels:
     # AVX512-BF16. head_screen_work_bytes(m, k, n, cap): the workspace it needs
     head_screen: Any | None = None
     head_screen_work_bytes: Any = None
-    # kvmesh_head_screen_bf16_argmax: the same for bf16 mode's head, scored in int8 dot products
-    # (screen_int8.c); None unless built for AVX512-BF16 and AVX512-VNNI
-    head_screen_bf16: Any | None = None
-    # kvmesh_head_screen_int8_argmax: fp32 mode's head scored in int8 as well (the fp32 weights' codes,
-    # head_screen's fp32 survivors); built where head_screen_bf16 is
+    # kvmesh_head_screen_int8_argmax: a head scored in int8 dot products (screen_int8.c), bf16 mode's
+    # (its last-but-one argument 1: bf16 survivors) or fp32 mode's (0: fp32 survivors, as head_screen's);
+    # None unless built for AVX512-BF16 and AVX512-VNNI
     head_screen_int8: Any | None = None
     screen_group: int = 32  # kvmesh_screen_int8_group(): weights along k per int8 step of that screen
     team_size: Any = None  # kvmesh_team_size(): threads of a parallel region the calling thread opens
@@ -446,18 +444,12 @@ def load_kernels(portable: bool = False, no_amx: bool = False, plain: bool = Fal
         ]) if _bind(lib, "kvmesh_head_screen_available", _I64, [])() else None,
         head_screen_work_bytes=_bind(lib, "kvmesh_head_screen_work_bytes", _I64, [_I64, _I64, _I64, _I64]),
         screen_group=int(_bind(lib, "kvmesh_screen_int8_group", _I64, [])()),
-        head_screen_bf16=_bind(lib, "kvmesh_head_screen_bf16_argmax", ctypes.c_int, [
-            _PTR, _I64, _I64, _I64,  # x (fp32), x_stride, m, k
-            _PTR, _PTR, _I64, _PTR,  # packed (pack_panels_bf16), dense [n, k] fp32 rows (or NULL), n, bias (or NULL)
-            _PTR, _PTR, _PTR, _PTR, _PTR,  # codes, scale, offset (pack_screen_int8), c1 [n], c2 [n] fp32
-            _PTR, _I64, _PTR, _I64, _PTR,  # scratch [m, block_cols] fp32, block_cols, work, cap, out [m] int64
-        ]) if _bind(lib, "kvmesh_head_screen_bf16_available", _I64, [])() else None,
         head_screen_int8=_bind(lib, "kvmesh_head_screen_int8_argmax", ctypes.c_int, [
             _PTR, _I64, _I64, _I64,  # x (fp32), x_stride, m, k
-            _PTR, _PTR, _I64, _PTR,  # packed (pack_panels), dense [n, k] rows (or NULL), n, bias (or NULL)
-            _PTR, _PTR, _PTR, _PTR, _PTR,  # codes, scale, offset (pack_screen_int8 of the fp32 rows), c1, c2
-            _PTR, _I64, _PTR, _I64, _PTR,  # scratch [m, block_cols] fp32, block_cols, work, cap, out [m] int64
-        ]) if _bind(lib, "kvmesh_head_screen_bf16_available", _I64, [])() else None,
+            _PTR, _PTR, _I64, _PTR,  # packed (pack_panels_bf16 / pack_panels), dense [n, k] rows (or NULL), n, bias
+            _PTR, _PTR, _PTR, _PTR, _PTR,  # codes, scale, offset (pack_screen_int8), c1 [n], c2 [n] fp32
+            _PTR, _I64, _PTR, _I64, _I64, _PTR,  # scratch [m, block_cols], block_cols, work, cap, bf16, out [m] int64
+        ]) if _bind(lib, "kvmesh_head_screen_int8_available", _I64, [])() else None,
         team_size=_bind(lib, "kvmesh_team_size", _I64, []),
         bind_team=_bind(lib, "kvmesh_bind_team", ctypes.c_int, [_PTR, _I64]),
     )  # fmt: skip

@@ -313,12 +313,11 @@ void kvmesh_linear_f32_panel(const float *x, int64_t x_stride, int64_t rows, int
     }
 }
 
-/* out[m, n] (rows out_stride apart) = x[m, k] (rows x_stride apart) W^T + bias (NULL: none),
- * with W packed as described above. */
-void kvmesh_linear_f32(const float *x, int64_t x_stride, int64_t m, int64_t k, const float *packed, int64_t n,
-                       const float *bias, float *out, int64_t out_stride)
+/* Rows in chunks of ROW_CHUNK, each chunk's panels split over the team as pairs.h describes: run_panels
+ * over n columns, or (swiglu) run_swiglu_panels over gate panels whose up panels follow them. */
+static void each_chunk(const float *x, int64_t x_stride, int64_t m, int64_t k, const float *packed, int64_t panels,
+                       int64_t n, const float *bias, float *out, int64_t out_stride, int swiglu)
 {
-    const int64_t panels = (n + PANEL - 1) / PANEL;
     for (int64_t r0 = 0; r0 < m; r0 += ROW_CHUNK) {
         const int64_t rows = m - r0 < ROW_CHUNK ? m - r0 : ROW_CHUNK;
         int64_t claimed[MAX_PAIRS] = {0};
@@ -326,9 +325,20 @@ void kvmesh_linear_f32(const float *x, int64_t x_stride, int64_t m, int64_t k, c
         {
             PairedRun run;
             paired_run_init(&run, panels, claimed);
-            run_panels(x, x_stride, r0, rows, k, packed, n, bias, out, out_stride, &run);
+            if (swiglu)
+                run_swiglu_panels(x, x_stride, r0, rows, k, packed, panels, bias, out, out_stride, &run);
+            else
+                run_panels(x, x_stride, r0, rows, k, packed, n, bias, out, out_stride, &run);
         }
     }
+}
+
+/* out[m, n] (rows out_stride apart) = x[m, k] (rows x_stride apart) W^T + bias (NULL: none),
+ * with W packed as described above. */
+void kvmesh_linear_f32(const float *x, int64_t x_stride, int64_t m, int64_t k, const float *packed, int64_t n,
+                       const float *bias, float *out, int64_t out_stride)
+{
+    each_chunk(x, x_stride, m, k, packed, (n + PANEL - 1) / PANEL, n, bias, out, out_stride, 0);
 }
 
 /* act[m, inter] (rows out_stride apart) = silu(gate) * up, [gate | up] = x W^T + bias for the
@@ -342,16 +352,6 @@ int kvmesh_linear_f32_swiglu(const float *x, int64_t x_stride, int64_t m, int64_
                              int64_t inter, const float *bias, float *out, int64_t out_stride)
 {
     if (inter <= 0 || inter % PANEL) return -3;
-    const int64_t panels = inter / PANEL;
-    for (int64_t r0 = 0; r0 < m; r0 += ROW_CHUNK) {
-        const int64_t rows = m - r0 < ROW_CHUNK ? m - r0 : ROW_CHUNK;
-        int64_t claimed[MAX_PAIRS] = {0};
-        #pragma omp parallel if (panels > 1)
-        {
-            PairedRun run;
-            paired_run_init(&run, panels, claimed);
-            run_swiglu_panels(x, x_stride, r0, rows, k, packed, panels, bias, out, out_stride, &run);
-        }
-    }
+    each_chunk(x, x_stride, m, k, packed, inter / PANEL, inter, bias, out, out_stride, 1);
     return 0;
 }

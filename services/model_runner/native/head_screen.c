@@ -40,9 +40,9 @@
  * call return 1 and the caller take the full path (head_argmax.c), as do more survivors than
  * ROW_CAP in a row or than the caller's cap in all.
  *
- * bf16 mode (kvmesh_head_screen_bf16_argmax): the logits are gemm_bf16.c's, y = bf16(x) times the
- * bf16 weights w, so the score must be cheaper than bf16: int8 codes in groups of 32 on both sides
- * (screen_int8.c). With y's codes y^ = s_g q (e = y - y^) and the column's w^ = t_g c (r = w - w^),
+ * bf16 mode (kvmesh_head_screen_int8_argmax with bf16 = 1): the logits are gemm_bf16.c's, y = bf16(x)
+ * times the bf16 weights w, so the score must be cheaper than bf16: int8 codes in groups of 32 on
+ * both sides (screen_int8.c). With y's codes y^ = s_g q (e = y - y^) and the column's w^ = t_g c (r = w - w^),
  * y.w - y^.w^ = y.r + e.w^, so |y.w - y^.w^| <= ||y|| R_v + ||e|| Q_v with R_v = ||r||, Q_v = ||w^||
  * (the caller's, rounded up, each with rho N'_v added, N'_v >= ||w|| and ||w^||, for the two fp32
  * sums, the logit's and the score's: its group sums and its offset's cancellation, all within
@@ -51,7 +51,7 @@
  * logits computed by gemm_bf16.c over gathered bf16 panels (its result per column is a function of
  * the row and the column's weights alone: gemm_bf16.c's batch invariance).
  *
- * fp32 mode scored in int8 (kvmesh_head_screen_int8_argmax): the same codes, made from the fp32
+ * fp32 mode scored in int8 (the same entry with bf16 = 0): the same codes, made from the fp32
  * weights, and y = x itself, so w, R_v, Q_v and N'_v above are the fp32 rows'. gemm.c's logit, an
  * FMA chain in k order, is within the same fp32 sums' allowance as gemm_bf16.c's; the survivors'
  * logits are the first entry's. Where the CPU has AVX512-VNNI and the bf16 GEMM does not run on AMX,
@@ -261,7 +261,8 @@ static void exact_fp32(Work *w, const float *x, int64_t x_stride, int64_t m, int
     }
     if (u % PANEL)
         for (int64_t kk = 0; kk < k; kk++)
-            memset(panels + u / PANEL * k * PANEL + kk * PANEL + u % PANEL, 0, sizeof(float) * (size_t)(PANEL - u % PANEL));
+            memset(panels + u / PANEL * k * PANEL + kk * PANEL + u % PANEL, 0,
+                   sizeof(float) * (size_t)(PANEL - u % PANEL));
     kvmesh_linear_f32(x, x_stride, m, k, panels, u, bias ? w->bias : NULL, w->exact, u);
 }
 
@@ -327,7 +328,7 @@ int kvmesh_head_screen_argmax(const float *x, int64_t x_stride, int64_t m, int64
 #endif
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512DQ__) && defined(__AVX512VNNI__)
-int64_t kvmesh_head_screen_bf16_available(void) { return 1; }
+int64_t kvmesh_head_screen_int8_available(void) { return 1; }
 
 /* The rows' codes for screen_int8.c: y = bf16(x) as gemm_bf16.c rounds it (round_bf16: the bf16
  * head's logits) or x itself (the fp32 head's), per group of SCREEN_GROUP a step s = max |y| / 127
@@ -400,31 +401,18 @@ static int64_t int8_survivors(Work *w, const float *x, int64_t x_stride, int64_t
     return gather_union(w, m, n, cap);
 }
 
-/* bf16 mode's head: out[r] = the argmax of row r of bf16(x) W^T + bias (gemm_bf16.c's logits, numpy's
- * first maximum), W packed for gemm_bf16.c (`packed`; `dense`, where not NULL, W's fp32 rows [n, k]
- * that it was rounded from, to nearest even) and as int8 codes for screen_int8.c (`codes`, `scale`,
- * `offset`); c1[v] and c2[v] the column's bound constants (the header comment). scratch, work,
- * block_cols, cap and the statuses as kvmesh_head_screen_argmax's. */
-int kvmesh_head_screen_bf16_argmax(const float *x, int64_t x_stride, int64_t m, int64_t k, const uint16_t *packed,
-                                   const float *dense, int64_t n, const float *bias, const int8_t *codes,
-                                   const float *scale, const float *offset, const float *c1, const float *c2,
-                                   float *scratch, int64_t block_cols, void *work, int64_t cap, int64_t *out)
+/* The union's bf16 logits (gemm_bf16.c's) into w->exact [m][u]: its weights in panels of their
+ * own, [kp][PANEL][2] as pack_panels_bf16 lays them out, from the fp32 rows (rounded to nearest
+ * even as torch rounded them when packing) or from the packed panels. Returns 0 or the bf16 GEMM's
+ * (negative) failure status. */
+static int exact_bf16(Work *w, const float *x, int64_t x_stride, int64_t m, int64_t k, const uint16_t *packed,
+                      const float *dense, const float *bias, int64_t u)
 {
-    if (block_cols <= 0 || block_cols % PANEL || cap <= 0 || n <= 0) return -1;
-    if (n >= ((int64_t)1 << 31)) return -4;
-    if (m <= 0) return 0;
-    Work w = carve((char *)work, m, k, n, cap);
-    const int64_t u = int8_survivors(&w, x, x_stride, m, k, n, bias, codes, scale, offset, c1, c2, scratch,
-                                     block_cols, cap, 1);
-    if (u < 0) return 1;
-    /* their bf16 weights in panels of their own, [kp][PANEL][2] as pack_panels_bf16 lays them out:
-     * from the fp32 rows, rounded to nearest even as torch rounded them when packing, or from the
-     * packed panels */
     const int64_t kp = (k + 1) / 2;
-    uint16_t *panels = (uint16_t *)w.panels;
+    uint16_t *panels = (uint16_t *)w->panels;
     memset(panels, 0, sizeof(uint16_t) * (size_t)((u + PANEL - 1) / PANEL * kp * PANEL * 2));
     for (int64_t j = 0; j < u; j++) {
-        const int64_t v = w.cols[j];
+        const int64_t v = w->cols[j];
         uint16_t *dst = panels + (j / PANEL * kp * PANEL + j % PANEL) * 2;
         if (dense) {
             const float *src = dense + v * k;
@@ -440,57 +428,56 @@ int kvmesh_head_screen_bf16_argmax(const float *x, int64_t x_stride, int64_t m, 
                 dst[p * PANEL * 2 + 1] = src[p * PANEL * 2 + 1];
             }
         }
-        if (bias) w.bias[j] = bias[v];
+        if (bias) w->bias[j] = bias[v];
     }
-    const int failed = kvmesh_linear_bf16(x, x_stride, m, k, panels, u, bias ? w.bias : NULL, w.exact, u);
-    if (failed) return 100 - failed;
-    return fold_survivors(&w, m, u, out);
+    return kvmesh_linear_bf16(x, x_stride, m, k, panels, u, bias ? w->bias : NULL, w->exact, u);
 }
 
-/* fp32 mode's head scored in int8 too: out[r] = the argmax of row r of x W^T + bias (gemm.c's fp32
- * logits), W packed for gemm.c (`packed`, `dense` as kvmesh_head_screen_argmax's) and as int8 codes
- * of the fp32 weights (`codes`, `scale`, `offset`, `c1`, `c2` as above with w the fp32 rows: the
- * bound's terms are the same, gemm.c's FMA chain within the fp32 sums' allowance). The survivors'
- * logits as kvmesh_head_screen_argmax computes them. The statuses as kvmesh_head_screen_argmax's. */
-int kvmesh_head_screen_int8_argmax(const float *x, int64_t x_stride, int64_t m, int64_t k, const float *packed,
+/* bf16 = 1, bf16 mode's head: out[r] = the argmax of row r of bf16(x) W^T + bias (gemm_bf16.c's
+ * logits, numpy's first maximum), W packed for gemm_bf16.c (`packed`, uint16; `dense`, where not
+ * NULL, W's fp32 rows [n, k] that it was rounded from, to nearest even). bf16 = 0, fp32 mode's head:
+ * the argmax of row r of x W^T + bias (gemm.c's logits), W packed for gemm.c (`packed`, fp32;
+ * `dense` as kvmesh_head_screen_argmax's); the bound's terms are the same with w the fp32 rows
+ * (gemm.c's FMA chain is within the fp32 sums' allowance). Either way W also as int8 codes for
+ * screen_int8.c (`codes`, `scale`, `offset`, made from the weights the logits use), c1[v] and c2[v]
+ * the column's bound constants (the header comment). scratch, work, block_cols, cap and the
+ * statuses as kvmesh_head_screen_argmax's. */
+int kvmesh_head_screen_int8_argmax(const float *x, int64_t x_stride, int64_t m, int64_t k, const void *packed,
                                    const float *dense, int64_t n, const float *bias, const int8_t *codes,
                                    const float *scale, const float *offset, const float *c1, const float *c2,
-                                   float *scratch, int64_t block_cols, void *work, int64_t cap, int64_t *out)
+                                   float *scratch, int64_t block_cols, void *work, int64_t cap, int64_t bf16,
+                                   int64_t *out)
 {
     if (block_cols <= 0 || block_cols % PANEL || cap <= 0 || n <= 0) return -1;
     if (n >= ((int64_t)1 << 31)) return -4;
     if (m <= 0) return 0;
     Work w = carve((char *)work, m, k, n, cap);
     const int64_t u = int8_survivors(&w, x, x_stride, m, k, n, bias, codes, scale, offset, c1, c2, scratch,
-                                     block_cols, cap, 0);
+                                     block_cols, cap, bf16 != 0);
     if (u < 0) return 1;
-    exact_fp32(&w, x, x_stride, m, k, packed, dense, bias, u);
+    if (bf16) {
+        const int failed = exact_bf16(&w, x, x_stride, m, k, (const uint16_t *)packed, dense, bias, u);
+        if (failed) return 100 - failed;
+    } else {
+        exact_fp32(&w, x, x_stride, m, k, (const float *)packed, dense, bias, u);
+    }
     return fold_survivors(&w, m, u, out);
 }
 #else
 
-/* Without AVX512-VNNI (or AVX512-BF16) bf16 mode's head has no int8 screen: the caller runs head_argmax.c. */
-int64_t kvmesh_head_screen_bf16_available(void) { return 0; }
+/* Without AVX512-VNNI (or AVX512-BF16) no head has an int8 screen: the caller runs head_argmax.c
+ * (or, fp32 mode's head, the bf16 screen where it has one). */
+int64_t kvmesh_head_screen_int8_available(void) { return 0; }
 
-int kvmesh_head_screen_bf16_argmax(const float *x, int64_t x_stride, int64_t m, int64_t k, const uint16_t *packed,
+int kvmesh_head_screen_int8_argmax(const float *x, int64_t x_stride, int64_t m, int64_t k, const void *packed,
                                    const float *dense, int64_t n, const float *bias, const int8_t *codes,
                                    const float *scale, const float *offset, const float *c1, const float *c2,
-                                   float *scratch, int64_t block_cols, void *work, int64_t cap, int64_t *out)
+                                   float *scratch, int64_t block_cols, void *work, int64_t cap, int64_t bf16,
+                                   int64_t *out)
 {
     (void)x, (void)x_stride, (void)m, (void)k, (void)packed, (void)dense, (void)n, (void)bias, (void)codes,
         (void)scale, (void)offset, (void)c1, (void)c2, (void)scratch, (void)block_cols, (void)work, (void)cap,
-        (void)out;
-    return -3;
-}
-
-int kvmesh_head_screen_int8_argmax(const float *x, int64_t x_stride, int64_t m, int64_t k, const float *packed,
-                                   const float *dense, int64_t n, const float *bias, const int8_t *codes,
-                                   const float *scale, const float *offset, const float *c1, const float *c2,
-                                   float *scratch, int64_t block_cols, void *work, int64_t cap, int64_t *out)
-{
-    (void)x, (void)x_stride, (void)m, (void)k, (void)packed, (void)dense, (void)n, (void)bias, (void)codes,
-        (void)scale, (void)offset, (void)c1, (void)c2, (void)scratch, (void)block_cols, (void)work, (void)cap,
-        (void)out;
+        (void)bf16, (void)out;
     return -3;
 }
 

@@ -1,6 +1,6 @@
 /*
  * The int8 head screens: every column's score in int8 dot products (head_screen.c's int8 entry
- * points, bf16 mode's head and fp32 mode's), llama.cpp's Q8_0 x Q8_0 arithmetic in groups of 32
+ * point, bf16 mode's head and fp32 mode's), llama.cpp's Q8_0 x Q8_0 arithmetic in groups of 32
  * along k.
  *
  * Why int8: bf16 mode's head already runs vdpbf16ps (2 k a lane per instruction), fp32 mode's FMAs

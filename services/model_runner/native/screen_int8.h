@@ -10,7 +10,7 @@
 #define SCREEN_GROUP 32 /* weights along k per scale, on both sides (llama.cpp's Q8_0 group) */
 
 int64_t kvmesh_screen_int8_group(void); /* SCREEN_GROUP, for the Python side's packing */
-/* Built only for AVX512-VNNI (head_screen.c's int8 entries, its callers, are built under the same
+/* Built only for AVX512-VNNI (head_screen.c's int8 entry, its caller, is built under the same
  * condition). out[r][v] = sum over groups g of sx[r][g] (scale[v][g] D'[r][v][g] - offset[v][g]),
  * D' the group's dot product of the row's unsigned codes and the column's signed ones; kq a
  * multiple of SCREEN_GROUP. */
