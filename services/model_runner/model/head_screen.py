@@ -214,12 +214,11 @@ class HeadScreenInt8(_Screen):
         """``dense``: the head's fp32 master rows that stay in memory anyway (a tied head's
         embedding), from which the survivors are gathered (and rounded to bf16 in bf16 mode); None
         gathers them from the packed head."""
-        if mode not in ("native", "native_bf16") or not screens(weight, kernels, mode):
+        # NOTE: screens() alone admits fp32 mode's head where only the bf16 screen is built
+        if kernels.head_screen_int8 is None or not screens(weight, kernels, mode):
             raise ValueError("an int8 screen needs finite fp32 weights and AVX512-VNNI (beside the bf16 GEMM "
                              "in bf16 mode)")
         super().__init__(weight, kernels, dense)
-        if kernels.head_screen_int8 is None:
-            raise ValueError("no int8 head screen in this build of the native kernels (AVX512-VNNI)")
         self.mode = mode
         codes, self.scale, self.offset, self.c1, self.c2 = pack_screen_int8(
             weight, kernels.panel_width, kernels.screen_group, round_bf16=mode == "native_bf16")
